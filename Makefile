@@ -1,0 +1,42 @@
+# Two commands on a fresh clone: `make demo` and `make test`.
+# Both create what they need (the client venv here, the Triton server's own
+# numpy<2 environment in ~/.cache/ray-triton-shm) and are quick the second time.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: setup demo test unit integration lint bench soak cleanup clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip 2>/dev/null || true
+	$(PIP) -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+	$(PY) -c "import ray_triton_shm, ray, tritonclient.grpc, pytest"
+	touch $(STAMP)
+
+setup: $(STAMP)
+	$(PY) -m ray_triton_shm setup
+
+demo: setup
+	$(PY) -m ray_triton_shm demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check ray_triton_shm tests
+
+test: setup lint
+	$(PY) -m pytest tests
+
+unit: $(STAMP)
+	$(PY) -m pytest tests/unit
+
+integration: setup
+	$(PY) -m pytest tests/integration
+
+cleanup: $(STAMP)
+	$(PY) -m ray_triton_shm cleanup --yes
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

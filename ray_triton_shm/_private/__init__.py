@@ -1,0 +1,1 @@
+"""Internals of ray_triton_shm; nothing here is public API."""

@@ -1,0 +1,186 @@
+"""Slot layouts derived from a model's configuration on the server.
+
+A slot holds one batch of every input and output of one model; each tensor
+gets a 64-byte aligned region sized for the largest batch and shape the slot
+must accept, and whole slots are page aligned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ray_triton_shm.config import PoolConfig
+from ray_triton_shm.errors import LayoutError
+
+TENSOR_ALIGN = 64
+SLOT_ALIGN = 4096
+
+TRITON_TO_NUMPY: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+}
+NUMPY_TO_TRITON = {v: k for k, v in TRITON_TO_NUMPY.items()}
+
+
+def _align(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor's place in a slot.
+
+    Attributes:
+        name: Tensor name.
+        datatype: Triton datatype, e.g. ``FP32``.
+        dims: Dims from the model config, without the batch dim; -1 is variable.
+        max_dims: ``dims`` with every -1 replaced by its configured maximum.
+        offset: Byte offset inside the slot.
+        capacity: Bytes reserved (batch capacity x max shape x item size).
+    """
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    max_dims: tuple[int, ...]
+    offset: int
+    capacity: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return TRITON_TO_NUMPY[self.datatype]
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """How one model's tensors are placed in a slot.
+
+    Attributes:
+        model: Model name.
+        batched: Whether the model batches (``max_batch_size > 0``); if so
+            every tensor has a leading batch dim not listed in ``dims``.
+        batch_capacity: Largest batch a slot holds (1 when not batched).
+        inputs / outputs: Tensor placements.
+        slot_bytes: Size of one slot, page aligned.
+    """
+
+    model: str
+    batched: bool
+    batch_capacity: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    slot_bytes: int
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def output(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.outputs if t.name == name), None)
+
+
+def _tensor_entries(config: Mapping[str, Any], key: str, model: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    entries = []
+    for tensor in config.get(key, []):
+        name = tensor["name"]
+        datatype = str(tensor["data_type"]).removeprefix("TYPE_")
+        if datatype == "STRING":
+            raise LayoutError(
+                f"model {model!r} tensor {name!r} is BYTES/STRING: variable-length strings "
+                "are not supported in shared-memory slots; call this model over plain gRPC"
+            )
+        if datatype not in TRITON_TO_NUMPY:
+            raise LayoutError(f"model {model!r} tensor {name!r} has unsupported type {datatype}")
+        if tensor.get("reshape"):
+            raise LayoutError(f"model {model!r} tensor {name!r} uses reshape, not supported")
+        dims = tuple(int(d) for d in tensor.get("dims", []))
+        entries.append((name, datatype, dims))
+    return entries
+
+
+def layout_from_config(config: Mapping[str, Any], pool: PoolConfig) -> ModelLayout:
+    """Lay out a model from its Triton configuration (``get_model_config(as_json=True)``).
+
+    Args:
+        config: The model configuration as JSON (dims may be strings).
+        pool: Pool settings: batch cap and maxima for variable dims.
+
+    Returns:
+        The layout.
+
+    Raises:
+        LayoutError: BYTES tensors, a variable dim without a maximum, a maximum
+            that does not fit the dims, or a batch cap above the model's.
+    """
+    model = str(config.get("name", "?"))
+    model_max_batch = int(config.get("max_batch_size", 0))
+    batched = model_max_batch > 0
+    if pool.max_batch_size is not None and batched and pool.max_batch_size > model_max_batch:
+        raise LayoutError(
+            f"PoolConfig.max_batch_size={pool.max_batch_size} exceeds model {model!r}'s "
+            f"max_batch_size={model_max_batch}"
+        )
+    capacity = (pool.max_batch_size or model_max_batch) if batched else 1
+    known = set()
+    offset = 0
+
+    def place(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[TensorSpec, ...]:
+        nonlocal offset
+        specs = []
+        for name, datatype, dims in entries:
+            known.add(name)
+            max_dims = _max_dims(model, name, dims, pool.max_shapes.get(name))
+            nbytes = capacity * math.prod(max_dims) * TRITON_TO_NUMPY[datatype].itemsize
+            offset = _align(offset, TENSOR_ALIGN)
+            specs.append(TensorSpec(name, datatype, dims, max_dims, offset, nbytes))
+            offset += nbytes
+        return tuple(specs)
+
+    inputs = place(_tensor_entries(config, "input", model))
+    outputs = place(_tensor_entries(config, "output", model))
+    if not inputs or not outputs:
+        raise LayoutError(f"model {model!r} declares no inputs or no outputs")
+    unknown = set(pool.max_shapes) - known
+    if unknown:
+        raise LayoutError(f"PoolConfig.max_shapes names unknown tensors of {model!r}: {sorted(unknown)}")
+    return ModelLayout(
+        model=model,
+        batched=batched,
+        batch_capacity=capacity,
+        inputs=inputs,
+        outputs=outputs,
+        slot_bytes=_align(max(offset, 1), SLOT_ALIGN),
+    )
+
+
+def _max_dims(model: str, name: str, dims: tuple[int, ...], given: tuple[int, ...] | None) -> tuple[int, ...]:
+    if given is None:
+        if any(d < 0 for d in dims):
+            raise LayoutError(
+                f"model {model!r} tensor {name!r} has variable dims {list(dims)}; give its "
+                f"largest shape with PoolConfig(max_shapes={{{name!r}: (...)}})"
+            )
+        return dims
+    if len(given) != len(dims):
+        raise LayoutError(
+            f"max_shapes[{name!r}]={list(given)} has rank {len(given)}, model {model!r} "
+            f"expects rank {len(dims)} ({list(dims)})"
+        )
+    for d, g in zip(dims, given):
+        if d >= 0 and d != g:
+            raise LayoutError(f"max_shapes[{name!r}]={list(given)} conflicts with fixed dims {list(dims)}")
+    return tuple(given)

@@ -1,0 +1,340 @@
+"""A shared-memory segment carved into slots, and leases on those slots.
+
+A pool hands out a :class:`Lease` per slot. A lease can expose zero-copy
+numpy views into its slot; those views hang off a memoryview made for that
+lease alone, and when the lease ends the pool tries to release that
+memoryview. If arrays still point into the slot the release fails, and the
+slot is held back ("pinned") until they are gone, so a view can never see a
+later request's data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_triton_shm._private.layout import ModelLayout, TensorSpec
+from ray_triton_shm._private.segment import Segment, new_segment_name
+from ray_triton_shm.errors import InputError, LeaseReleasedError, PoolClosedError, PoolTimeoutError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's slots."""
+
+    model: str
+    slots: int
+    free: int
+    busy: int
+    pinned: int
+    quarantined: int
+    slot_bytes: int
+
+
+class Slot:
+    """One slot: its offset in the segment and flat arrays over each tensor's region."""
+
+    def __init__(self, index: int, offset: int, layout: ModelLayout, base: memoryview) -> None:
+        self.index = index
+        self.offset = offset
+        self.arrays: dict[str, np.ndarray] = {}
+        for spec in (*layout.inputs, *layout.outputs):
+            self.arrays[spec.name] = np.frombuffer(
+                base, dtype=spec.dtype, count=spec.capacity // spec.dtype.itemsize,
+                offset=offset + spec.offset,
+            )
+
+
+class SlotPool:
+    """Slots of one model in one segment.
+
+    Args:
+        segment: The mapped segment; the pool closes it on :meth:`close`.
+        layout: Placement of the model's tensors in a slot.
+        slot_indices: Which slots of the segment this pool may hand out.
+        quarantine_s: How long a slot whose request may still be running on
+            the server (client-side timeout) is held back before reuse.
+    """
+
+    def __init__(
+        self,
+        segment: Segment,
+        layout: ModelLayout,
+        slot_indices: Iterable[int],
+        *,
+        quarantine_s: float = 30.0,
+    ) -> None:
+        self.segment = segment
+        self.layout = layout
+        self.quarantine_s = quarantine_s
+        self._base = memoryview(segment.mm)
+        indices = list(slot_indices)
+        if not indices:
+            raise InputError("a pool needs at least one slot")
+        if (max(indices) + 1) * layout.slot_bytes > segment.size:
+            raise InputError(f"segment {segment.name!r} is too small for slots {indices}")
+        self._slots = {i: Slot(i, i * layout.slot_bytes, layout, self._base) for i in indices}
+        self._free: deque[int] = deque(indices)
+        self._pinned: list[tuple[int, memoryview]] = []
+        self._quarantined: list[tuple[int, float]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @classmethod
+    def create(cls, layout: ModelLayout, slots: int, *, quarantine_s: float = 30.0) -> SlotPool:
+        """Create a new owned segment for ``slots`` slots of ``layout``.
+
+        Raises:
+            SharedMemoryError: The segment could not be created or reserved.
+        """
+        segment = Segment.create(new_segment_name("pool"), slots * layout.slot_bytes)
+        return cls(segment, layout, range(slots), quarantine_s=quarantine_s)
+
+    @property
+    def region_name(self) -> str:
+        """The name this pool's segment is registered under in Triton."""
+        return self.segment.name
+
+    @property
+    def slot_indices(self) -> list[int]:
+        return sorted(self._slots)
+
+    # -- leasing -----------------------------------------------------------
+    def _reclaim_locked(self) -> None:
+        if self._pinned:
+            still = []
+            for index, view in self._pinned:
+                try:
+                    view.release()
+                    self._free.append(index)
+                except BufferError:
+                    still.append((index, view))
+            self._pinned = still
+        if self._quarantined:
+            now = time.monotonic()
+            self._free.extend(i for i, until in self._quarantined if until <= now)
+            self._quarantined = [(i, u) for i, u in self._quarantined if u > now]
+
+    def try_acquire(self) -> Lease | None:
+        """A lease if a slot is free right now, else None.
+
+        Raises:
+            PoolClosedError: The pool is closed.
+        """
+        with self._cond:
+            if self._closed:
+                raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
+            if not self._free:
+                self._reclaim_locked()
+            if self._free:
+                return Lease(self, self._slots[self._free.popleft()])
+            return None
+
+    def acquire(self, timeout: float) -> Lease:
+        """Wait up to ``timeout`` seconds for a free slot.
+
+        Raises:
+            PoolTimeoutError: None became free in time.
+            PoolClosedError: The pool is (or got) closed.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                lease = self.try_acquire()
+                if lease is not None:
+                    return lease
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PoolTimeoutError(self.layout.model, timeout)
+                # Pinned and quarantined slots free themselves without a notify.
+                poll = 0.05 if (self._pinned or self._quarantined) else remaining
+                self._cond.wait(min(remaining, poll))
+
+    async def acquire_async(self, timeout: float) -> Lease:
+        """:meth:`acquire` for asyncio code: waits without blocking the event loop."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            lease = self.try_acquire()
+            if lease is not None:
+                return lease
+            if time.monotonic() >= deadline:
+                raise PoolTimeoutError(self.layout.model, timeout)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def _give_back(self, slot: Slot, view: memoryview | None, quarantine: bool) -> None:
+        with self._cond:
+            if quarantine:
+                self._quarantined.append((slot.index, time.monotonic() + self.quarantine_s))
+                logger.warning(
+                    "slot %d of %s held back %gs: its request may still run on the server",
+                    slot.index, self.layout.model, self.quarantine_s,
+                )
+            elif view is not None:
+                try:
+                    view.release()
+                    self._free.append(slot.index)
+                except BufferError:
+                    logger.debug("slot %d of %s pinned by live views", slot.index, self.layout.model)
+                    self._pinned.append((slot.index, view))
+            else:
+                self._free.append(slot.index)
+            self._cond.notify()
+
+    def stats(self) -> PoolStats:
+        """Counts of free, busy, pinned and quarantined slots."""
+        with self._cond:
+            free, pinned, quarantined = len(self._free), len(self._pinned), len(self._quarantined)
+            return PoolStats(
+                model=self.layout.model,
+                slots=len(self._slots),
+                free=free,
+                busy=len(self._slots) - free - pinned - quarantined,
+                pinned=pinned,
+                quarantined=quarantined,
+                slot_bytes=self.layout.slot_bytes,
+            )
+
+    def close(self) -> None:
+        """Close the pool and its segment. Idempotent; waiting callers get PoolClosedError."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            for slot in self._slots.values():
+                slot.arrays.clear()
+            for _, view in self._pinned:
+                try:
+                    view.release()
+                except BufferError:
+                    pass
+            self._pinned.clear()
+        self._base.release()
+        self.segment.close()
+
+
+def _check_shape(spec: TensorSpec, shape: Sequence[int], batched: bool, capacity: int) -> int:
+    """Validate ``shape`` against ``spec``; return the element count."""
+    shape = tuple(int(d) for d in shape)
+    dims = ((capacity,) if batched else ()) + spec.max_dims
+    want = ((-1,) if batched else ()) + spec.dims
+    if len(shape) != len(dims):
+        raise InputError(f"{spec.name}: expected rank {len(dims)} {list(want)}, got shape {list(shape)}")
+    for got, fixed, most in zip(shape, want, dims):
+        if got < 0 or (fixed >= 0 and got != fixed and not (batched and fixed == -1)):
+            raise InputError(f"{spec.name}: shape {list(shape)} does not match {list(want)}")
+        if got > most:
+            raise InputError(
+                f"{spec.name}: shape {list(shape)} is too big for the slot (at most {list(dims)})"
+            )
+    return math.prod(shape)
+
+
+class Lease:
+    """Exclusive use of one slot until :meth:`release` (or the ``with`` block ends).
+
+    Views from :meth:`input` and :meth:`output` point straight into the slot.
+    Once the lease ends the slot is not reused while any of them is alive.
+    """
+
+    def __init__(self, pool: SlotPool, slot: Slot) -> None:
+        self.pool = pool
+        self.slot = slot
+        self._view: memoryview | None = None
+        self._released = False
+        self._quarantine = False
+        self.input_shapes: dict[str, tuple[int, ...]] = {}
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    @property
+    def layout(self) -> ModelLayout:
+        return self.pool.layout
+
+    @property
+    def region_name(self) -> str:
+        return self.pool.region_name
+
+    @property
+    def offset(self) -> int:
+        """Byte offset of the slot in its segment."""
+        return self.slot.offset
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise LeaseReleasedError("this lease was released; its slot may belong to someone else")
+
+    def _lease_view(self) -> memoryview:
+        if self._view is None:
+            start = self.slot.offset
+            self._view = self.pool._base[start : start + self.layout.slot_bytes]
+        return self._view
+
+    def _array(self, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
+        count = _check_shape(spec, shape, self.layout.batched, self.layout.batch_capacity)
+        return np.frombuffer(self._lease_view(), spec.dtype, count, spec.offset).reshape(shape)
+
+    def input(self, name: str, shape: Sequence[int]) -> np.ndarray:
+        """A writable view of input ``name`` with ``shape``, to fill in place.
+
+        The shape is remembered for the next inference on this lease.
+
+        Raises:
+            InputError: Unknown name or a shape that does not fit.
+            LeaseReleasedError: The lease has ended.
+        """
+        self._check_live()
+        spec = self.layout.input(name)
+        if spec is None:
+            raise InputError(f"model {self.layout.model!r} has no input {name!r}")
+        array = self._array(spec, shape)
+        self.input_shapes[name] = tuple(int(d) for d in shape)
+        return array
+
+    def output(self, name: str, shape: Sequence[int]) -> np.ndarray:
+        """A read-only view of output ``name`` with ``shape``.
+
+        Raises:
+            InputError: Unknown name or a shape that does not fit.
+            LeaseReleasedError: The lease has ended.
+        """
+        self._check_live()
+        spec = self.layout.output(name)
+        if spec is None:
+            raise InputError(f"model {self.layout.model!r} has no output {name!r}")
+        array = self._array(spec, shape)
+        array.flags.writeable = False
+        return array
+
+    def mark_in_doubt(self) -> None:
+        """Hold the slot back after release: the server may still write to it."""
+        self._quarantine = True
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Give the slot back. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self.input_shapes = {}
+        self.pool._give_back(self.slot, self._view, self._quarantine)
+        self._view = None

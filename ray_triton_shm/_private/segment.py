@@ -1,0 +1,265 @@
+"""POSIX shared-memory segments under /dev/shm, owned or attached.
+
+Segments are created exclusively with mode 0600, their space is reserved up
+front (so a full /dev/shm fails here with a clear error instead of a SIGBUS
+later), and their names carry the owner's pid and start time so segments
+left by a killed process can be found and removed by the next one.
+
+``multiprocessing.shared_memory`` is deliberately not used: before Python
+3.13 its resource tracker unlinks segments that a process merely attached to.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+from dataclasses import dataclass
+
+from ray_triton_shm.errors import SharedMemoryError
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "rtshm"
+# Names the Python backend or Triton itself use; ours must never collide.
+_RESERVED_PREFIXES = ("triton_python_backend", "triton_")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_OWNED_RE = re.compile(rf"^{SEGMENT_PREFIX}_(\d+)_(\d+)_")
+MAX_NAME_LEN = 200
+
+
+def process_start_time(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name may hold spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[19])
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """``<prefix>_<pid>_<start time>`` for ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    return f"{SEGMENT_PREFIX}_{pid}_{process_start_time(pid) or 0}"
+
+
+def new_segment_name(kind: str) -> str:
+    """A fresh, unguessable segment name owned by this process.
+
+    Args:
+        kind: A short word saying what the segment is for (e.g. ``pool``).
+
+    Returns:
+        ``rtshm_<pid>_<start time>_<kind>_<128 random bits>``.
+    """
+    name = f"{owner_tag()}_{kind}_{secrets.token_hex(16)}"
+    validate_segment_name(name)
+    return name
+
+
+def validate_segment_name(name: str) -> None:
+    """Refuse names that are empty, contain '/', are reserved, or are too long.
+
+    Args:
+        name: A segment name without the leading '/'.
+
+    Raises:
+        SharedMemoryError: The name is not acceptable.
+    """
+    if not isinstance(name, str) or not name:
+        raise SharedMemoryError(f"invalid segment name {name!r}: empty")
+    if len(name) > MAX_NAME_LEN:
+        raise SharedMemoryError(f"invalid segment name: longer than {MAX_NAME_LEN} characters")
+    if "/" in name or name in (".", ".."):
+        raise SharedMemoryError(f"invalid segment name {name!r}: may not contain '/' or be '.'/'..'")
+    if not _NAME_RE.match(name):
+        raise SharedMemoryError(
+            f"invalid segment name {name!r}: use letters, digits, '_', '.', '-' only"
+        )
+    if any(name.startswith(p) for p in _RESERVED_PREFIXES):
+        raise SharedMemoryError(f"invalid segment name {name!r}: prefix reserved by Triton")
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+@dataclass
+class Segment:
+    """A mapped shared-memory segment.
+
+    Create one with :meth:`create` (owner: unlinks on close) or :meth:`attach`
+    (never unlinks). ``key`` is what Triton's ``register_system_shared_memory``
+    expects.
+    """
+
+    name: str
+    size: int
+    mm: mmap.mmap
+    owner: bool
+    _closed: bool = False
+
+    @property
+    def key(self) -> str:
+        return "/" + self.name
+
+    @classmethod
+    def create(cls, name: str, size: int) -> Segment:
+        """Create, reserve and map a new segment.
+
+        Args:
+            name: Segment name (validated).
+            size: Bytes to reserve; > 0.
+
+        Returns:
+            The owning segment.
+
+        Raises:
+            SharedMemoryError: The name exists, /dev/shm is too small, or the
+                system refused.
+        """
+        validate_segment_name(name)
+        if size <= 0:
+            raise SharedMemoryError(f"segment size must be > 0, got {size}")
+        path = _path(name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError as e:
+            raise SharedMemoryError(f"segment {name!r} already exists; refusing to reuse it") from e
+        except OSError as e:
+            raise SharedMemoryError(f"cannot create segment {name!r}: {e.strerror}") from e
+        try:
+            os.fchmod(fd, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG):
+                    free = _free_shm_bytes()
+                    raise SharedMemoryError(
+                        f"/dev/shm has too little space for a {size} byte segment "
+                        f"({free} bytes free); enlarge it (docker: --shm-size or "
+                        f"--ipc=host) or use fewer/smaller slots"
+                    ) from e
+                raise SharedMemoryError(f"cannot reserve {size} bytes for {name!r}: {e}") from e
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(name)
+            raise
+        os.close(fd)
+        logger.debug("created segment %s (%d bytes)", name, size)
+        return cls(name=name, size=size, mm=mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int | None = None) -> Segment:
+        """Map an existing segment without taking ownership.
+
+        Args:
+            name: Segment name (validated).
+            size: Expected size; checked against the segment if given.
+
+        Returns:
+            An attached segment; closing it never unlinks.
+
+        Raises:
+            SharedMemoryError: Missing, too small, or not accessible.
+        """
+        validate_segment_name(name)
+        try:
+            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as e:
+            raise SharedMemoryError(f"cannot attach segment {name!r}: {e.strerror}") from e
+        try:
+            actual = os.fstat(fd).st_size
+            if size is not None and actual < size:
+                raise SharedMemoryError(f"segment {name!r} has {actual} bytes, expected {size}")
+            mm = mmap.mmap(fd, actual, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name=name, size=actual, mm=mm, owner=False)
+
+    def close(self) -> None:
+        """Unmap, and unlink if owned. Idempotent.
+
+        If arrays still point into the mapping it cannot be unmapped now; the
+        name is unlinked all the same and the memory is freed when the last
+        array goes.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.mm.close()
+        except BufferError:
+            logger.warning("segment %s still has arrays pointing into it; unmapped later", self.name)
+        if self.owner:
+            _unlink_quietly(self.name)
+
+
+def _unlink_quietly(name: str) -> bool:
+    try:
+        os.unlink(_path(name))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _free_shm_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _owner_alive(pid: int, start: int) -> bool:
+    actual = process_start_time(pid)
+    return actual is not None and (start == 0 or actual == start)
+
+
+def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
+    """Names in /dev/shm that start with ``prefix``."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def stale_segments() -> list[str]:
+    """Our segments whose owning process is gone."""
+    stale = []
+    for name in list_segments():
+        m = _OWNED_RE.match(name)
+        if m and not _owner_alive(int(m.group(1)), int(m.group(2))):
+            stale.append(name)
+    return stale
+
+
+def sweep_stale_segments() -> list[str]:
+    """Unlink segments left behind by processes that no longer exist.
+
+    Returns:
+        The names removed.
+    """
+    removed = [name for name in stale_segments() if _unlink_quietly(name)]
+    if removed:
+        logger.info("removed %d stale shared-memory segment(s): %s", len(removed), removed)
+    return removed
+
+
+def unlink_with_prefix(prefix: str) -> list[str]:
+    """Unlink every /dev/shm entry starting with ``prefix`` (a server's own segments).
+
+    Args:
+        prefix: Must start with our project prefix; guards against removing others' files.
+
+    Returns:
+        The names removed.
+    """
+    if not prefix.startswith(SEGMENT_PREFIX + "_"):
+        raise SharedMemoryError(f"refusing to unlink outside our prefix: {prefix!r}")
+    return [name for name in list_segments(prefix) if _unlink_quietly(name)]

@@ -1,0 +1,105 @@
+"""Checking inputs against a model layout before any shared memory is touched."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ray_triton_shm._private.layout import NUMPY_TO_TRITON, ModelLayout
+from ray_triton_shm.errors import InputError
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    """Inputs that passed validation.
+
+    Attributes:
+        arrays: The arrays by name, in the model's input order.
+        batch: Batch size (1 for models without batching).
+        nbytes: Total input bytes.
+    """
+
+    arrays: dict[str, np.ndarray]
+    batch: int
+    nbytes: int
+
+
+def _describe(dtype: np.dtype) -> str:
+    triton = NUMPY_TO_TRITON.get(dtype)
+    return f"{triton} ({dtype})" if triton else str(dtype)
+
+
+def check_inputs(layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInputs:
+    """Validate names, dtypes, ranks and shapes of ``inputs`` for ``layout``.
+
+    The batch may exceed the slot's capacity (it is split later); every other
+    dim must fit the slot.
+
+    Args:
+        layout: The model's slot layout.
+        inputs: Arrays by input name.
+
+    Returns:
+        The checked inputs.
+
+    Raises:
+        InputError: Not a mapping, unknown or missing names, BYTES/object
+            arrays, wrong dtype, rank or shape, inconsistent batch sizes, an
+            empty batch, or a tensor too big for a slot.
+    """
+    if not isinstance(inputs, Mapping):
+        raise InputError(f"inputs must be a mapping of name to array, got {type(inputs).__name__}")
+    expected = [spec.name for spec in layout.inputs]
+    unknown = sorted(set(inputs) - set(expected))
+    missing = [name for name in expected if name not in inputs]
+    if unknown or missing:
+        raise InputError(
+            f"model {layout.model!r} takes inputs {expected}; unknown: {unknown}, missing: {missing}"
+        )
+    arrays: dict[str, np.ndarray] = {}
+    batches = set()
+    nbytes = 0
+    for spec in layout.inputs:
+        value = inputs[spec.name]
+        if not isinstance(value, np.ndarray):
+            if not hasattr(value, "__array__"):
+                raise InputError(f"{spec.name}: expected a numpy array, got {type(value).__name__}")
+            value = np.asarray(value)
+        if value.dtype.kind in "OSUV":
+            raise InputError(
+                f"{spec.name}: {value.dtype} (BYTES/string) tensors are not supported over shared "
+                "memory; send them with plain gRPC"
+            )
+        if value.dtype != spec.dtype:
+            raise InputError(
+                f"{spec.name}: expected dtype {_describe(spec.dtype)}, got {_describe(value.dtype)}; "
+                "convert it explicitly (no silent casts)"
+            )
+        rank = len(spec.dims) + (1 if layout.batched else 0)
+        if value.ndim != rank:
+            shape_hint = (["batch"] if layout.batched else []) + list(spec.dims)
+            raise InputError(f"{spec.name}: expected rank {rank} {shape_hint}, got shape {list(value.shape)}")
+        inner = value.shape[1:] if layout.batched else value.shape
+        for got, fixed, most in zip(inner, spec.dims, spec.max_dims):
+            if fixed >= 0 and got != fixed:
+                raise InputError(
+                    f"{spec.name}: shape {list(value.shape)} does not match model dims {list(spec.dims)}"
+                )
+            if got > most:
+                raise InputError(
+                    f"{spec.name}: shape {list(value.shape)} is too big for a slot "
+                    f"(largest configured shape {list(spec.max_dims)}); raise PoolConfig.max_shapes"
+                )
+        if layout.batched:
+            batches.add(value.shape[0])
+        arrays[spec.name] = value
+        nbytes += value.nbytes
+    if len(batches) > 1:
+        raise InputError(f"inputs of {layout.model!r} have different batch sizes: {sorted(batches)}")
+    batch = batches.pop() if batches else 1
+    if batch < 1 or any(a.size == 0 for a in arrays.values()):
+        raise InputError(f"inputs of {layout.model!r} are empty")
+    return CheckedInputs(arrays=arrays, batch=batch, nbytes=nbytes)

@@ -1,0 +1,491 @@
+"""Zero-copy inference against a local Triton through shared-memory slots.
+
+Example:
+    >>> import numpy as np
+    >>> from ray_triton_shm import PoolConfig, TritonShmClient
+    >>> with TritonShmClient(url=server.grpc_url) as client:            # doctest: +SKIP
+    ...     out = client.infer("add_sub", {"INPUT0": a, "INPUT1": b})   # copies outputs out
+    ...     out.path                                                    # "shm" or "grpc"
+    ...     with client.infer_views("identity", {"INPUT0": x}) as views:  # zero-copy outputs
+    ...         total = views["OUTPUT0"].sum()
+    ...     with client.lease("multi_io") as lease:                     # fill inputs in place
+    ...         lease.input("INPUT0", (8, 3, 224, 224))[:] = 0.5
+    ...         lease.input("INPUT1", (8, 10))[:] = 1
+    ...         views = client.run(lease)
+
+Each model gets a pool of slots in one shared-memory segment, registered
+with Triton once. ``infer`` validates inputs, leases a slot, writes the
+inputs, asks Triton to read and write in place, and copies the outputs out.
+Batches larger than a slot are split and run concurrently across slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from ray_triton_shm._private.layout import ModelLayout, layout_from_config
+from ray_triton_shm._private.pool import Lease, PoolStats, SlotPool
+from ray_triton_shm._private.validate import CheckedInputs, check_inputs
+from ray_triton_shm.config import ClientConfig, PoolConfig
+from ray_triton_shm.errors import (
+    InputError,
+    PoolClosedError,
+    RayTritonShmError,
+    TritonCallError,
+    UnavailableError,
+)
+
+__all__ = ["InferResult", "PoolSource", "TritonShmClient"]
+
+logger = logging.getLogger(__name__)
+
+_IN_DOUBT = ("DEADLINE_EXCEEDED", "CANCELLED")
+
+
+class InferResult(dict):
+    """Outputs by name, plus ``path``: ``"shm"`` or ``"grpc"``, the way they travelled."""
+
+    path: str
+
+    def __init__(self, outputs: Mapping[str, np.ndarray], path: str) -> None:
+        super().__init__(outputs)
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (InferResult, (dict(self), self.path))
+
+
+def _status_name(error: InferenceServerException) -> str | None:
+    status = error.status()
+    return str(status).rsplit(".", 1)[-1] if status else None
+
+
+def translate_error(error: InferenceServerException, model: str | None = None) -> TritonCallError:
+    """Turn a tritonclient exception into ours (typed by gRPC status)."""
+    status = _status_name(error)
+    cls = UnavailableError if status == "UNAVAILABLE" else TritonCallError
+    return cls(str(error.message() or error), status, model)
+
+
+class PoolSource(Protocol):
+    """Where a client gets its slot pools (locally created, or from a Ray node actor)."""
+
+    def get_pool(self, model: str, layout: ModelLayout, config: PoolConfig) -> SlotPool: ...
+
+    def close(self) -> None: ...
+
+
+class LocalPools:
+    """Pools created and registered with Triton by this process."""
+
+    def __init__(self, grpc: grpcclient.InferenceServerClient) -> None:
+        self._grpc = grpc
+        self._pools: list[SlotPool] = []
+
+    def get_pool(self, model: str, layout: ModelLayout, config: PoolConfig) -> SlotPool:
+        pool = SlotPool.create(layout, config.slots)
+        try:
+            self._grpc.register_system_shared_memory(
+                pool.region_name, pool.segment.key, pool.segment.size
+            )
+        except InferenceServerException as e:
+            pool.close()
+            raise translate_error(e, model) from e
+        self._pools.append(pool)
+        logger.info(
+            "registered pool %s for %s: %d slots x %d bytes",
+            pool.region_name, model, config.slots, layout.slot_bytes,
+        )
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools:
+            try:
+                self._grpc.unregister_system_shared_memory(pool.region_name)
+            except InferenceServerException as e:
+                # The server may be gone already; the segment is ours to unlink anyway.
+                logger.debug("unregister %s failed: %s", pool.region_name, e)
+            pool.close()
+        self._pools.clear()
+
+
+class TritonShmClient:
+    """Inference through shared memory against one Triton server on this machine.
+
+    Args:
+        config: Client configuration; keyword arguments override its fields.
+        pool_source: Supplies slot pools; by default pools are created here
+            and registered with the server.
+        **overrides: Fields of :class:`ClientConfig` (``url``, ``pools``, ...).
+
+    Raises:
+        ConfigError: Invalid configuration.
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig | None = None,
+        *,
+        pool_source: PoolSource | None = None,
+        **overrides: Any,
+    ) -> None:
+        if config is None:
+            config = ClientConfig(**overrides)
+        elif overrides:
+            import dataclasses
+
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self._grpc = grpcclient.InferenceServerClient(url=config.url)
+        self._source: PoolSource = pool_source or LocalPools(self._grpc)
+        self._layouts: dict[str, ModelLayout] = {}
+        self._pools: dict[str, SlotPool] = {}
+        self._lock = threading.Lock()
+        self._model_locks: dict[str, threading.Lock] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------
+    def __enter__(self) -> TritonShmClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unregister and free every pool, then close the connection. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        self._source.close()
+        self._pools.clear()
+        self._grpc.close()
+
+    # -- pools -------------------------------------------------------------
+    def layout(self, model: str) -> ModelLayout:
+        """The slot layout of ``model``, derived from its config on the server.
+
+        Raises:
+            TritonCallError: The server does not know the model.
+            LayoutError: The model cannot use shared-memory slots.
+        """
+        layout = self._layouts.get(model)
+        if layout is None:
+            try:
+                config = self._grpc.get_model_config(model, as_json=True)["config"]
+            except InferenceServerException as e:
+                raise translate_error(e, model) from e
+            layout = layout_from_config(config, self.config.pool_for(model))
+            self._layouts[model] = layout
+        return layout
+
+    def pool(self, model: str) -> SlotPool:
+        """The slot pool of ``model``, created and registered on first use.
+
+        Raises:
+            PoolClosedError: The client is closed.
+            TritonCallError / LayoutError / SharedMemoryError: As creation fails.
+        """
+        pool = self._pools.get(model)
+        if pool is not None:
+            return pool
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("the client is closed")
+            model_lock = self._model_locks.setdefault(model, threading.Lock())
+        with model_lock:
+            pool = self._pools.get(model)
+            if pool is None:
+                layout = self.layout(model)
+                pool = self._source.get_pool(model, layout, self.config.pool_for(model))
+                self._pools[model] = pool
+        return pool
+
+    def pool_stats(self) -> list[PoolStats]:
+        """Slot usage of every pool this client uses."""
+        return [pool.stats() for pool in list(self._pools.values())]
+
+    # -- leases ------------------------------------------------------------
+    def lease(self, model: str, timeout: float | None = None) -> Lease:
+        """Lease a slot of ``model`` to fill in place; use it in a ``with`` block.
+
+        Args:
+            model: Model name.
+            timeout: Seconds to wait for a free slot; default from the pool config.
+
+        Raises:
+            PoolTimeoutError: No slot became free in time.
+        """
+        pool = self.pool(model)
+        return pool.acquire(self._lease_timeout(model, timeout))
+
+    async def alease(self, model: str, timeout: float | None = None) -> Lease:
+        """:meth:`lease` for asyncio code."""
+        pool = await asyncio.to_thread(self.pool, model) if model not in self._pools else self._pools[model]
+        return await pool.acquire_async(self._lease_timeout(model, timeout))
+
+    def _lease_timeout(self, model: str, timeout: float | None) -> float:
+        return self.config.pool_for(model).lease_timeout_s if timeout is None else timeout
+
+    def run(self, lease: Lease, outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the model on the inputs already in ``lease``'s slot.
+
+        Inputs must have been placed with ``lease.input(name, shape)`` (or
+        written by :meth:`infer`). Returns read-only views into the slot that
+        stay valid until the lease ends; the slot is not reused while any of
+        them is alive.
+
+        Raises:
+            InputError: Not every input was placed.
+            TritonCallError: The server refused the request.
+        """
+        layout = lease.layout
+        missing = [spec.name for spec in layout.inputs if spec.name not in lease.input_shapes]
+        if missing:
+            raise InputError(f"lease of {layout.model!r} has no shape for inputs {missing}")
+        shapes = self._call_shm(lease, lease.input_shapes, outputs)
+        return {name: lease.output(name, shape) for name, shape in shapes.items()}
+
+    # -- inference ---------------------------------------------------------
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        outputs: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ) -> InferResult:
+        """Run ``model`` on ``inputs`` and return copies of its outputs.
+
+        Args:
+            model: Model name.
+            inputs: Arrays by input name (exact dtypes; any memory layout).
+            outputs: Output names to return; all by default.
+            timeout: Seconds to wait for a free slot; default from the pool config.
+
+        Returns:
+            Outputs by name; ``.path`` says whether shm or plain gRPC was used.
+
+        Raises:
+            InputError: Inputs do not match the model; nothing was sent.
+            PoolTimeoutError: No slot became free in time.
+            TritonCallError / UnavailableError: The server refused or is gone.
+        """
+        layout = self.layout(model)
+        checked = check_inputs(layout, inputs)
+        wanted = self._wanted_outputs(layout, outputs)
+        if checked.nbytes < self.config.pool_for(model).min_shm_bytes:
+            return InferResult(self._call_grpc(model, checked, wanted), "grpc")
+        pool = self.pool(model)
+        lease_timeout = self._lease_timeout(model, timeout)
+        chunks = _chunks(layout, checked.batch)
+        if len(chunks) == 1:
+            return InferResult(self._run_chunk(pool, checked, chunks[0], wanted, lease_timeout), "shm")
+        executor = self._chunk_executor()
+        futures = [
+            executor.submit(self._run_chunk, pool, checked, chunk, wanted, lease_timeout)
+            for chunk in chunks
+        ]
+        parts = [f.result() for f in futures]
+        return InferResult(
+            {name: np.concatenate([p[name] for p in parts]) for name in wanted}, "shm"
+        )
+
+    async def ainfer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        outputs: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ) -> InferResult:
+        """:meth:`infer` for asyncio code; the event loop is not blocked.
+
+        Raises:
+            The same errors as :meth:`infer`.
+        """
+        loop = asyncio.get_running_loop()
+        call = functools.partial(self.infer, model, inputs, outputs=outputs, timeout=timeout)
+        return await loop.run_in_executor(None, call)
+
+    @contextlib.contextmanager
+    def infer_views(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        outputs: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Run ``model`` and yield zero-copy, read-only views of its outputs.
+
+        The views are valid inside the ``with`` block; the slot is not reused
+        while any of them is alive. The batch must fit one slot.
+
+        Raises:
+            InputError: Inputs do not match, or the batch is larger than a slot.
+            PoolTimeoutError / TritonCallError: As for :meth:`infer`.
+        """
+        layout = self.layout(model)
+        checked = check_inputs(layout, inputs)
+        if checked.batch > layout.batch_capacity:
+            raise InputError(
+                f"batch {checked.batch} exceeds a slot's capacity {layout.batch_capacity}; "
+                "use infer() to split it"
+            )
+        wanted = self._wanted_outputs(layout, outputs)
+        with self.lease(model, timeout) as lease:
+            shapes = self._write_and_call(lease, checked, (0, checked.batch), wanted)
+            yield {name: lease.output(name, shape) for name, shape in shapes.items()}
+
+    def infer_grpc(
+        self, model: str, inputs: Mapping[str, Any], *, outputs: Sequence[str] | None = None
+    ) -> InferResult:
+        """Run ``model`` over plain gRPC (tensors serialised), for comparison.
+
+        Raises:
+            InputError / TritonCallError: As for :meth:`infer`.
+        """
+        layout = self.layout(model)
+        checked = check_inputs(layout, inputs)
+        return InferResult(self._call_grpc(model, checked, self._wanted_outputs(layout, outputs)), "grpc")
+
+    # -- internals ---------------------------------------------------------
+    @staticmethod
+    def _wanted_outputs(layout: ModelLayout, outputs: Sequence[str] | None) -> list[str]:
+        names = [spec.name for spec in layout.outputs]
+        if outputs is None:
+            return names
+        unknown = [name for name in outputs if name not in names]
+        if unknown:
+            raise InputError(f"model {layout.model!r} has outputs {names}; unknown: {unknown}")
+        return list(outputs)
+
+    def _chunk_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("the client is closed")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.config.max_parallel_chunks, thread_name_prefix="rtshm-chunk"
+                )
+            return self._executor
+
+    def _run_chunk(
+        self,
+        pool: SlotPool,
+        checked: CheckedInputs,
+        chunk: tuple[int, int],
+        wanted: list[str],
+        lease_timeout: float,
+    ) -> dict[str, np.ndarray]:
+        with pool.acquire(lease_timeout) as lease:
+            shapes = self._write_and_call(lease, checked, chunk, wanted)
+            return {
+                name: np.array(lease.slot.arrays[name][: int(np.prod(shape))].reshape(shape))
+                for name, shape in shapes.items()
+            }
+
+    def _write_and_call(
+        self,
+        lease: Lease,
+        checked: CheckedInputs,
+        chunk: tuple[int, int],
+        wanted: list[str],
+    ) -> dict[str, tuple[int, ...]]:
+        start, stop = chunk
+        layout = lease.layout
+        shapes = {}
+        for name, array in checked.arrays.items():
+            part = array[start:stop] if layout.batched else array
+            flat = lease.slot.arrays[name]
+            np.copyto(flat[: part.size].reshape(part.shape), part, casting="no")
+            shapes[name] = part.shape
+        return self._call_shm(lease, shapes, wanted)
+
+    def _call_shm(
+        self,
+        lease: Lease,
+        shapes: Mapping[str, tuple[int, ...]],
+        wanted: Sequence[str] | None,
+    ) -> dict[str, tuple[int, ...]]:
+        layout = lease.layout
+        region, base = lease.region_name, lease.offset
+        request_inputs = []
+        for spec in layout.inputs:
+            shape = shapes[spec.name]
+            tensor = grpcclient.InferInput(spec.name, list(shape), spec.datatype)
+            nbytes = int(np.prod(shape)) * spec.dtype.itemsize
+            tensor.set_shared_memory(region, nbytes, offset=base + spec.offset)
+            request_inputs.append(tensor)
+        names = list(wanted) if wanted is not None else [spec.name for spec in layout.outputs]
+        request_outputs = []
+        for name in names:
+            spec = layout.output(name)
+            if spec is None:
+                raise InputError(f"model {layout.model!r} has no output {name!r}")
+            tensor = grpcclient.InferRequestedOutput(name)
+            tensor.set_shared_memory(region, spec.capacity, offset=base + spec.offset)
+            request_outputs.append(tensor)
+        try:
+            response = self._grpc.infer(
+                layout.model,
+                request_inputs,
+                outputs=request_outputs,
+                client_timeout=self.config.request_timeout_s,
+            )
+        except InferenceServerException as e:
+            if _status_name(e) in _IN_DOUBT:
+                lease.mark_in_doubt()
+            raise translate_error(e, layout.model) from e
+        shapes_out = {}
+        for name in names:
+            out = response.get_output(name)
+            if out is None:
+                raise TritonCallError(f"server returned no output {name!r}", None, layout.model)
+            shapes_out[name] = tuple(int(d) for d in out.shape)
+        return shapes_out
+
+    def _call_grpc(
+        self, model: str, checked: CheckedInputs, wanted: list[str]
+    ) -> dict[str, np.ndarray]:
+        layout = self.layout(model)
+        request_inputs = []
+        for spec in layout.inputs:
+            array = checked.arrays[spec.name]
+            tensor = grpcclient.InferInput(spec.name, list(array.shape), spec.datatype)
+            tensor.set_data_from_numpy(np.ascontiguousarray(array))
+            request_inputs.append(tensor)
+        request_outputs = [grpcclient.InferRequestedOutput(name) for name in wanted]
+        try:
+            response = self._grpc.infer(
+                model, request_inputs, outputs=request_outputs,
+                client_timeout=self.config.request_timeout_s,
+            )
+        except InferenceServerException as e:
+            raise translate_error(e, model) from e
+        return {name: response.as_numpy(name) for name in wanted}
+
+
+def _chunks(layout: ModelLayout, batch: int) -> list[tuple[int, int]]:
+    if not layout.batched:
+        return [(0, 1)]
+    step = layout.batch_capacity
+    return [(start, min(start + step, batch)) for start in range(0, batch, step)]
+
+

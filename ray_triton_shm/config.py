@@ -1,0 +1,292 @@
+"""Configuration of the Triton server, the slot pools and the client.
+
+All configuration objects are frozen, keyword-only dataclasses. A field that
+is not given explicitly falls back to its ``RAY_TRITON_SHM_*`` environment
+variable, then to its default (explicit > environment > default). Values are
+validated when the object is built, and objects pickle, so they can be passed
+to Ray actors as they are.
+
+Example:
+    >>> from ray_triton_shm.config import PoolConfig, ServerConfig
+    >>> server = ServerConfig(model_repository="deployments/models")
+    >>> pool = PoolConfig(slots=8, max_shapes={"INPUT0": (1024,)})
+    >>> server.host, pool.slots
+    ('127.0.0.1', 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ray_triton_shm.errors import ConfigError
+
+__all__ = ["ClientConfig", "PoolConfig", "ServerConfig", "env_field"]
+
+T = TypeVar("T")
+ENV_PREFIX = "RAY_TRITON_SHM_"
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _parse_optional_str(text: str) -> str | None:
+    return text or None
+
+
+def _parse_int_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def _parse_str_tuple(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+_PARSERS: dict[Any, Callable[[str], Any]] = {
+    int: int,
+    float: float,
+    str: str,
+    bool: _parse_bool,
+    "str | None": _parse_optional_str,
+    "tuple[int, ...]": _parse_int_tuple,
+    "tuple[str, ...]": _parse_str_tuple,
+}
+
+
+def env_field(
+    suffix: str,
+    default: T,
+    parse: Callable[[str], T] | Any = None,
+    *,
+    flag: str | tuple[str, ...] | None = None,
+) -> Any:
+    """A dataclass field whose default comes from ``RAY_TRITON_SHM_<suffix>`` if set.
+
+    Args:
+        suffix: Environment variable name after the ``RAY_TRITON_SHM_`` prefix.
+        default: Value used when the variable is unset.
+        parse: Turns the variable's text into a value; by default chosen from
+            the type of ``default``.
+        flag: The ``tritonserver`` command-line flag (or flags) this field sets.
+
+    Returns:
+        A ``dataclasses.field``.
+    """
+    name = ENV_PREFIX + suffix
+    parser = parse if parse is not None else _PARSERS[type(default)]
+
+    def factory() -> T:
+        raw = os.environ.get(name)
+        if raw is None:
+            return default
+        try:
+            return parser(raw)
+        except ValueError as e:
+            raise ConfigError(f"environment variable {name}={raw!r} is invalid: {e}") from e
+
+    return field(default_factory=factory, metadata={"env": name, "flag": flag})
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """How to start a Triton server.
+
+    Fields with a ``flag`` in their metadata become ``tritonserver`` flags
+    (see :meth:`server_flags`); the others steer this package.
+
+    Attributes:
+        model_repository: Directory of models to serve.
+        binary: Path of ``tritonserver``; when unset the binary is searched for
+            (see ``ray_triton_shm.server.find_tritonserver``).
+        python_env: A Python environment (venv prefix) with numpy < 2 for the
+            Python-backend stub; when unset and the embedded server is used,
+            one is provisioned in the cache directory.
+        cache_dir: Where provisioned server environments are kept.
+        host: Address HTTP, gRPC and metrics bind to. Keep it on loopback:
+            anyone who reaches the shared-memory endpoints can make the server
+            read any /dev/shm key.
+        http_port / grpc_port / metrics_port: 0 picks a free port.
+        log_verbose: Triton's verbose log level.
+        exit_timeout_s: How long Triton waits for in-flight requests on exit.
+        strict_readiness: Ready only once every model is loaded.
+        python_shm_default_bytes / python_shm_growth_bytes: Sizes of the
+            Python backend's own shared-memory arena; a small growth step
+            makes large tensors slow.
+        load_models: When set, only these models are loaded (explicit mode).
+        gpus: ``CUDA_VISIBLE_DEVICES`` for the server; ``None`` inherits.
+        startup_timeout_s: How long to wait for readiness.
+        stop_timeout_s: How long to wait after SIGINT before SIGKILL.
+        log_tail_lines: How many lines of server output are kept in memory.
+        extra_args: More flags, passed as they are.
+    """
+
+    model_repository: str = env_field("MODEL_REPOSITORY", "", flag="model-repository")
+    binary: str | None = env_field("TRITONSERVER", None, _parse_optional_str)
+    python_env: str | None = env_field("SERVER_PYTHON_ENV", None, _parse_optional_str)
+    cache_dir: str = env_field(
+        "CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ray-triton-shm")
+    )
+    host: str = env_field(
+        "HOST", "127.0.0.1", flag=("http-address", "grpc-address", "metrics-address")
+    )
+    http_port: int = env_field("HTTP_PORT", 0, flag="http-port")
+    grpc_port: int = env_field("GRPC_PORT", 0, flag="grpc-port")
+    metrics_port: int = env_field("METRICS_PORT", 0, flag="metrics-port")
+    log_verbose: int = env_field("LOG_VERBOSE", 0, flag="log-verbose")
+    exit_timeout_s: int = env_field("EXIT_TIMEOUT_S", 5, flag="exit-timeout-secs")
+    strict_readiness: bool = env_field("STRICT_READINESS", True, flag="strict-readiness")
+    python_shm_default_bytes: int = env_field(
+        "PYTHON_SHM_DEFAULT_BYTES",
+        16 * 1024 * 1024,
+        flag="backend-config=python,shm-default-byte-size",
+    )
+    python_shm_growth_bytes: int = env_field(
+        "PYTHON_SHM_GROWTH_BYTES",
+        64 * 1024 * 1024,
+        flag="backend-config=python,shm-growth-byte-size",
+    )
+    load_models: tuple[str, ...] = env_field("LOAD_MODELS", (), _parse_str_tuple)
+    gpus: tuple[int, ...] | None = env_field("GPUS", None, lambda s: _parse_int_tuple(s))
+    startup_timeout_s: float = env_field("STARTUP_TIMEOUT_S", 120.0)
+    stop_timeout_s: float = env_field("STOP_TIMEOUT_S", 10.0)
+    log_tail_lines: int = env_field("LOG_TAIL_LINES", 200)
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model_repository), "ServerConfig.model_repository is required")
+        for name in ("http_port", "grpc_port", "metrics_port"):
+            port = getattr(self, name)
+            _require(0 <= port <= 65535, f"ServerConfig.{name} must be in 0..65535, got {port}")
+        _require(self.log_verbose >= 0, "ServerConfig.log_verbose must be >= 0")
+        _require(self.exit_timeout_s >= 0, "ServerConfig.exit_timeout_s must be >= 0")
+        _require(self.startup_timeout_s > 0, "ServerConfig.startup_timeout_s must be > 0")
+        _require(self.stop_timeout_s > 0, "ServerConfig.stop_timeout_s must be > 0")
+        _require(self.log_tail_lines > 0, "ServerConfig.log_tail_lines must be > 0")
+        _require(self.python_shm_default_bytes > 0, "python_shm_default_bytes must be > 0")
+        _require(self.python_shm_growth_bytes > 0, "python_shm_growth_bytes must be > 0")
+        _require(bool(self.host), "ServerConfig.host must not be empty")
+        if self.gpus is not None:
+            _require(all(g >= 0 for g in self.gpus), "ServerConfig.gpus must be >= 0")
+        object.__setattr__(self, "load_models", tuple(self.load_models))
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+
+    def server_flags(self) -> list[str]:
+        """The ``tritonserver`` flags derived from the fields that carry one.
+
+        Returns:
+            Flags in ``--name=value`` form, in field order, followed by
+            ``--load-model`` flags and ``extra_args``.
+        """
+        flags: list[str] = []
+        for f in dataclasses.fields(self):
+            names = f.metadata.get("flag")
+            if not names:
+                continue
+            value = getattr(self, f.name)
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            for flag_name in (names,) if isinstance(names, str) else names:
+                flags.append(f"--{flag_name}={text}")
+        if self.load_models:
+            flags.append("--model-control-mode=explicit")
+            flags.extend(f"--load-model={name}" for name in self.load_models)
+        flags.extend(self.extra_args)
+        return flags
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """How to carve a model's shared-memory pool into slots.
+
+    Attributes:
+        slots: Number of slots; each holds one batch of every input and output.
+        max_batch_size: Batch capacity of a slot; ``None`` takes the model's
+            ``max_batch_size``. May only lower it.
+        max_shapes: For tensors with variable (-1) dims, the largest shape
+            (without the batch dim) a slot must hold, by tensor name.
+        lease_timeout_s: How long ``infer`` waits for a free slot.
+        min_shm_bytes: Requests whose inputs are smaller than this go over
+            plain gRPC, where shared memory does not pay; 0 always uses shm.
+    """
+
+    slots: int = env_field("SLOTS", 4)
+    max_batch_size: int | None = None
+    max_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    lease_timeout_s: float = env_field("LEASE_TIMEOUT_S", 30.0)
+    min_shm_bytes: int = env_field("MIN_SHM_BYTES", 0)
+
+    def __post_init__(self) -> None:
+        _require(self.slots >= 1, f"PoolConfig.slots must be >= 1, got {self.slots}")
+        if self.max_batch_size is not None:
+            _require(
+                self.max_batch_size >= 1,
+                f"PoolConfig.max_batch_size must be >= 1, got {self.max_batch_size}",
+            )
+        _require(self.lease_timeout_s > 0, "PoolConfig.lease_timeout_s must be > 0")
+        _require(self.min_shm_bytes >= 0, "PoolConfig.min_shm_bytes must be >= 0")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in dict(self.max_shapes).items():
+            dims = tuple(int(d) for d in shape)
+            _require(
+                all(d >= 1 for d in dims),
+                f"PoolConfig.max_shapes[{name!r}] must have positive dims, got {shape!r}",
+            )
+            shapes[str(name)] = dims
+        object.__setattr__(self, "max_shapes", shapes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    """How a client reaches Triton and sizes its pools.
+
+    Attributes:
+        url: Triton's gRPC address, ``host:port``.
+        default_pool: Pool settings for models not named in ``pools``.
+        pools: Pool settings by model name.
+        request_timeout_s: Deadline of one inference call; ``None`` waits forever.
+        max_parallel_chunks: Threads used to run the pieces of a split batch.
+    """
+
+    url: str = env_field("URL", "127.0.0.1:8001")
+    default_pool: PoolConfig = field(default_factory=PoolConfig)
+    pools: Mapping[str, PoolConfig] = field(default_factory=dict)
+    request_timeout_s: float | None = env_field(
+        "REQUEST_TIMEOUT_S", 60.0, lambda s: float(s) if s else None
+    )
+    max_parallel_chunks: int = env_field("MAX_PARALLEL_CHUNKS", 8)
+
+    def __post_init__(self) -> None:
+        _require(":" in self.url, f"ClientConfig.url must be host:port, got {self.url!r}")
+        if self.request_timeout_s is not None:
+            _require(self.request_timeout_s > 0, "ClientConfig.request_timeout_s must be > 0")
+        _require(self.max_parallel_chunks >= 1, "ClientConfig.max_parallel_chunks must be >= 1")
+        for name, pool in dict(self.pools).items():
+            _require(
+                isinstance(pool, PoolConfig),
+                f"ClientConfig.pools[{name!r}] must be a PoolConfig, got {type(pool).__name__}",
+            )
+        object.__setattr__(self, "pools", dict(self.pools))
+
+    def pool_for(self, model: str) -> PoolConfig:
+        """The pool settings of ``model``.
+
+        Args:
+            model: Model name.
+
+        Returns:
+            ``pools[model]`` if given, else ``default_pool``.
+        """
+        return self.pools.get(model, self.default_pool)

@@ -1,0 +1,132 @@
+"""Exceptions raised by ray_triton_shm.
+
+Every error derives from :class:`RayTritonShmError`, and every constructor
+passes all of its arguments to ``super().__init__`` so that errors survive a
+pickle round trip across Ray actor and task boundaries.
+
+Example:
+    >>> from ray_triton_shm.errors import PoolTimeoutError, RayTritonShmError
+    >>> try:
+    ...     raise PoolTimeoutError("identity", 0.5)
+    ... except RayTritonShmError as err:
+    ...     print(type(err).__name__)
+    PoolTimeoutError
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "InputError",
+    "LayoutError",
+    "LeaseReleasedError",
+    "PoolClosedError",
+    "PoolTimeoutError",
+    "RayTritonShmError",
+    "ServerError",
+    "ServerNotFoundError",
+    "ServerStartError",
+    "SharedMemoryError",
+    "TritonCallError",
+    "UnavailableError",
+]
+
+
+class RayTritonShmError(Exception):
+    """Root of every error raised by this package."""
+
+
+class ConfigError(RayTritonShmError, ValueError):
+    """A configuration value is invalid."""
+
+
+class ServerError(RayTritonShmError):
+    """Something went wrong with the Triton server process."""
+
+
+class ServerNotFoundError(ServerError, FileNotFoundError):
+    """No ``tritonserver`` binary could be found."""
+
+
+class ServerStartError(ServerError):
+    """The Triton server did not become ready.
+
+    Args:
+        message: What went wrong.
+        log_tail: The last lines the server printed.
+    """
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message, log_tail)
+        self.message = message
+        self.log_tail = log_tail
+
+    def __str__(self) -> str:
+        if not self.log_tail:
+            return self.message
+        return f"{self.message}\n--- last lines of the tritonserver log ---\n{self.log_tail}"
+
+
+class SharedMemoryError(RayTritonShmError, OSError):
+    """Creating, attaching or registering a shared-memory segment failed."""
+
+
+class LayoutError(RayTritonShmError, ValueError):
+    """A model cannot be laid out in shared-memory slots (e.g. BYTES tensors, unbounded dims)."""
+
+
+class InputError(RayTritonShmError, ValueError):
+    """Inputs given to ``infer`` do not match the model; nothing was written to shared memory."""
+
+
+class PoolTimeoutError(RayTritonShmError, TimeoutError):
+    """No slot became free within the timeout.
+
+    Args:
+        model: The model whose pool was exhausted.
+        timeout_s: How long the caller waited.
+    """
+
+    def __init__(self, model: str, timeout_s: float) -> None:
+        super().__init__(model, timeout_s)
+        self.model = model
+        self.timeout_s = timeout_s
+
+    def __str__(self) -> str:
+        return (
+            f"no shared-memory slot of model {self.model!r} became free within "
+            f"{self.timeout_s:g} s; raise the pool's slot count or the lease timeout"
+        )
+
+
+class PoolClosedError(RayTritonShmError, RuntimeError):
+    """The slot pool (or client) has been closed."""
+
+
+class LeaseReleasedError(RayTritonShmError, RuntimeError):
+    """A lease was used after it was released."""
+
+
+class TritonCallError(RayTritonShmError):
+    """Triton answered an inference or control call with an error.
+
+    Args:
+        message: Triton's message.
+        status: The gRPC status code name, if known.
+        model: The model the call was for, if any.
+    """
+
+    def __init__(self, message: str, status: str | None = None, model: str | None = None) -> None:
+        super().__init__(message, status, model)
+        self.message = message
+        self.status = status
+        self.model = model
+
+    def __str__(self) -> str:
+        where = f" (model {self.model!r})" if self.model else ""
+        code = f"[{self.status}] " if self.status else ""
+        return f"{code}{self.message}{where}"
+
+
+class UnavailableError(TritonCallError):
+    """Triton could not be reached (it died, restarted, or is not ready)."""

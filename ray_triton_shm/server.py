@@ -1,0 +1,319 @@
+"""A Triton Inference Server process: find, start, wait until ready, stop.
+
+Example:
+    >>> from ray_triton_shm import ServerConfig, TritonServer
+    >>> with TritonServer(ServerConfig(model_repository="deployments/models")) as server:
+    ...     print(server.grpc_url, server.version)   # doctest: +SKIP
+    127.0.0.1:40123 2.51.0
+
+The server binds to loopback on free ports, dies with its parent
+(``PR_SET_PDEATHSIG``), keeps a bounded tail of its log, and on stop removes
+the shared-memory segments its Python backend leaves behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from ray_triton_shm._private import segment
+from ray_triton_shm._private.server_env import LaunchPlan, find_tritonserver
+from ray_triton_shm.config import ServerConfig
+from ray_triton_shm.errors import ServerError, ServerStartError
+
+__all__ = ["TritonServer", "find_tritonserver"]
+
+logger = logging.getLogger(__name__)
+
+# Runs between fork and exec of tritonserver: ask the kernel to SIGKILL it when
+# we die, then make sure we had not died already. Safer than preexec_fn in a
+# threaded parent (Ray workers are).
+_PDEATHSIG_SHIM = (
+    "import ctypes,os,sys\n"
+    "ctypes.CDLL(None).prctl(1, 9)\n"
+    "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+_PORT_IN_USE_HINTS = ("address already in use", "failed to start", "failed to listen")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@functools.lru_cache(maxsize=16)
+def _supported_flags(binary: str, library_path: str, mtime: float) -> str:
+    """``tritonserver --help`` text, cached per binary (mtime is part of the key)."""
+    env = dict(os.environ, LD_LIBRARY_PATH=library_path)
+    try:
+        done = subprocess.run(
+            [binary, "--help"], capture_output=True, text=True, timeout=30, env=env
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout + done.stderr
+
+
+class TritonServer:
+    """One ``tritonserver`` process.
+
+    Args:
+        config: Server configuration; keyword overrides are applied on top.
+        **overrides: Fields of :class:`ServerConfig` to replace.
+
+    Raises:
+        ConfigError: Invalid configuration.
+    """
+
+    def __init__(self, config: ServerConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = ServerConfig(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._log: collections.deque[str] = collections.deque(maxlen=config.log_tail_lines)
+        self._plan: LaunchPlan | None = None
+        self._resolved: ServerConfig | None = None
+        self._backend_prefix = ""
+        self.version: str = ""
+        self.restarts = 0
+
+    # -- addresses ---------------------------------------------------------
+    def _require_resolved(self) -> ServerConfig:
+        if self._resolved is None:
+            raise ServerError("the server has not been started")
+        return self._resolved
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port`` of the gRPC endpoint."""
+        c = self._require_resolved()
+        return f"{c.host}:{c.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        """``host:port`` of the HTTP endpoint."""
+        c = self._require_resolved()
+        return f"{c.host}:{c.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://host:port/metrics``."""
+        c = self._require_resolved()
+        return f"http://{c.host}:{c.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def binary_source(self) -> str:
+        """Where the binary came from (explicit, PATH, system, embedded)."""
+        return self._plan.source if self._plan else ""
+
+    def is_alive(self) -> bool:
+        """Whether the process is running."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int | None = None) -> str:
+        """The last ``lines`` lines the server printed (all kept lines by default)."""
+        kept = list(self._log)
+        return "\n".join(kept if lines is None else kept[-lines:])
+
+    # -- lifecycle ---------------------------------------------------------
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> TritonServer:
+        """Start the server and wait until it is ready.
+
+        Ports given as 0 are chosen free; on a restart the previous ports are
+        tried first.
+
+        Returns:
+            self.
+
+        Raises:
+            ServerNotFoundError: No binary.
+            ServerStartError: The server exited or was not ready in time.
+        """
+        with self._lock:
+            if self.is_alive():
+                return self
+            segment.sweep_stale_segments()
+            if self._plan is None:
+                self._plan = find_tritonserver(self.config)
+                logger.info("using tritonserver %s (%s)", self._plan.binary, self._plan.source)
+            attempts = 3
+            for attempt in range(attempts):
+                self._resolved = self._resolve_ports(fresh=attempt > 0)
+                try:
+                    self._launch()
+                    self._wait_ready()
+                    return self
+                except ServerStartError as e:
+                    self._terminate()
+                    in_use = any(h in e.log_tail.lower() for h in _PORT_IN_USE_HINTS)
+                    if not in_use or attempt == attempts - 1:
+                        raise
+                    logger.warning("tritonserver could not bind its ports; retrying")
+        raise AssertionError("unreachable")
+
+    def restart(self) -> TritonServer:
+        """Stop (if running) and start again, keeping the ports when possible.
+
+        Returns:
+            self.
+        """
+        with self._lock:
+            self._terminate()
+            self.restarts += 1
+            return self.start()
+
+    def stop(self) -> None:
+        """Stop with SIGINT, then SIGKILL after ``stop_timeout_s``. Idempotent."""
+        with self._lock:
+            self._terminate()
+
+    close = stop
+
+    def _resolve_ports(self, *, fresh: bool) -> ServerConfig:
+        base = self.config if fresh or self._resolved is None else self._resolved
+        ports = {}
+        for name in ("http_port", "grpc_port", "metrics_port"):
+            port = getattr(base, name)
+            ports[name] = port if port else _free_port(self.config.host)
+        return dataclasses.replace(self.config, **ports)
+
+    def _command(self, plan: LaunchPlan, resolved: ServerConfig) -> list[str]:
+        flags = resolved.server_flags()
+        flags.append(f"--backend-config=python,shm-region-prefix-name={self._backend_prefix}")
+        flags.extend(plan.extra_flags)
+        library_path = os.pathsep.join(plan.library_paths)
+        help_text = _supported_flags(plan.binary, library_path, os.path.getmtime(plan.binary))
+        if "--allow-client-shm" in help_text:
+            flags.append("--allow-client-shm=true")
+        return [plan.binary, *flags]
+
+    def _environment(self, plan: LaunchPlan) -> dict[str, str]:
+        env = dict(os.environ)
+        # The client's Python paths must not leak into the stub's interpreter.
+        for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+            env.pop(name, None)
+        if plan.path_prefix:
+            env["PATH"] = os.pathsep.join([*plan.path_prefix, env.get("PATH", "")])
+        if plan.library_paths:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                [*plan.library_paths, *filter(None, [env.get("LD_LIBRARY_PATH")])]
+            )
+        if self.config.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.config.gpus)
+        return env
+
+    def _launch(self) -> None:
+        plan, resolved = self._plan, self._resolved
+        assert plan is not None and resolved is not None
+        self._backend_prefix = f"{segment.new_segment_name('pyb')}_"
+        command = self._command(plan, resolved)
+        logger.info("starting tritonserver: %s", " ".join(command))
+        self._log.clear()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self._environment(plan),
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(
+            target=self._pump_log, args=(self._proc,), name="tritonserver-log", daemon=True
+        )
+        self._reader.start()
+
+    def _pump_log(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            self._log.append(line)
+            logger.debug("tritonserver: %s", line)
+
+    def _http_json(self, path: str, timeout: float = 2.0) -> Any:
+        with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            if self._proc is None or self._proc.poll() is not None:
+                code = self._proc.returncode if self._proc else None
+                self._join_reader()
+                raise ServerStartError(
+                    f"tritonserver exited with code {code} before it was ready", self.log_tail(60)
+                )
+            try:
+                self._http_json("/v2/health/ready", timeout=1.0)
+                self.version = str(self._http_json("/v2").get("version", ""))
+                logger.info(
+                    "tritonserver %s ready (pid %s) at grpc %s, http %s",
+                    self.version, self.pid, self.grpc_url, self.http_url,
+                )
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"tritonserver was not ready within {self.config.startup_timeout_s:g} s",
+                    self.log_tail(60),
+                )
+            time.sleep(0.1)
+
+    def _join_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+    def _terminate(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=self.config.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("tritonserver ignored SIGINT for %gs; killing", self.config.stop_timeout_s)
+                proc.kill()
+                proc.wait()
+            except ProcessLookupError:
+                pass
+        if proc is not None:
+            proc.wait()
+            self._join_reader()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._proc = None
+        if self._backend_prefix:
+            removed = segment.unlink_with_prefix(self._backend_prefix)
+            if removed:
+                logger.debug("removed %d Python-backend segment(s)", len(removed))
+            self._backend_prefix = ""
