@@ -41,7 +41,6 @@ from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     InputError,
     PoolClosedError,
-    RayTritonShmError,
     TritonCallError,
     UnavailableError,
 )
@@ -96,16 +95,17 @@ class LocalPools:
     def get_pool(self, model: str, layout: ModelLayout, config: PoolConfig) -> SlotPool:
         pool = SlotPool.create(layout, config.slots)
         try:
-            self._grpc.register_system_shared_memory(
-                pool.region_name, pool.segment.key, pool.segment.size
-            )
+            self._grpc.register_system_shared_memory(pool.region_name, pool.segment.key, pool.segment.size)
         except InferenceServerException as e:
             pool.close()
             raise translate_error(e, model) from e
         self._pools.append(pool)
         logger.info(
             "registered pool %s for %s: %d slots x %d bytes",
-            pool.region_name, model, config.slots, layout.slot_bytes,
+            pool.region_name,
+            model,
+            config.slots,
+            layout.slot_bytes,
         )
         return pool
 
@@ -298,13 +298,10 @@ class TritonShmClient:
             return InferResult(self._run_chunk(pool, checked, chunks[0], wanted, lease_timeout), "shm")
         executor = self._chunk_executor()
         futures = [
-            executor.submit(self._run_chunk, pool, checked, chunk, wanted, lease_timeout)
-            for chunk in chunks
+            executor.submit(self._run_chunk, pool, checked, chunk, wanted, lease_timeout) for chunk in chunks
         ]
         parts = [f.result() for f in futures]
-        return InferResult(
-            {name: np.concatenate([p[name] for p in parts]) for name in wanted}, "shm"
-        )
+        return InferResult({name: np.concatenate([p[name] for p in parts]) for name in wanted}, "shm")
 
     async def ainfer(
         self,
@@ -461,9 +458,7 @@ class TritonShmClient:
             shapes_out[name] = tuple(int(d) for d in out.shape)
         return shapes_out
 
-    def _call_grpc(
-        self, model: str, checked: CheckedInputs, wanted: list[str]
-    ) -> dict[str, np.ndarray]:
+    def _call_grpc(self, model: str, checked: CheckedInputs, wanted: list[str]) -> dict[str, np.ndarray]:
         layout = self.layout(model)
         request_inputs = []
         for spec in layout.inputs:
@@ -474,7 +469,9 @@ class TritonShmClient:
         request_outputs = [grpcclient.InferRequestedOutput(name) for name in wanted]
         try:
             response = self._grpc.infer(
-                model, request_inputs, outputs=request_outputs,
+                model,
+                request_inputs,
+                outputs=request_outputs,
                 client_timeout=self.config.request_timeout_s,
             )
         except InferenceServerException as e:
@@ -487,5 +484,3 @@ def _chunks(layout: ModelLayout, batch: int) -> list[tuple[int, int]]:
         return [(0, 1)]
     step = layout.batch_capacity
     return [(start, min(start + step, batch)) for start in range(0, batch, step)]
-
-

@@ -137,12 +137,8 @@ class ServerConfig:
     model_repository: str = env_field("MODEL_REPOSITORY", "", flag="model-repository")
     binary: str | None = env_field("TRITONSERVER", None, _parse_optional_str)
     python_env: str | None = env_field("SERVER_PYTHON_ENV", None, _parse_optional_str)
-    cache_dir: str = env_field(
-        "CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ray-triton-shm")
-    )
-    host: str = env_field(
-        "HOST", "127.0.0.1", flag=("http-address", "grpc-address", "metrics-address")
-    )
+    cache_dir: str = env_field("CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ray-triton-shm"))
+    host: str = env_field("HOST", "127.0.0.1", flag=("http-address", "grpc-address", "metrics-address"))
     http_port: int = env_field("HTTP_PORT", 0, flag="http-port")
     grpc_port: int = env_field("GRPC_PORT", 0, flag="grpc-port")
     metrics_port: int = env_field("METRICS_PORT", 0, flag="metrics-port")
@@ -263,9 +259,7 @@ class ClientConfig:
     url: str = env_field("URL", "127.0.0.1:8001")
     default_pool: PoolConfig = field(default_factory=PoolConfig)
     pools: Mapping[str, PoolConfig] = field(default_factory=dict)
-    request_timeout_s: float | None = env_field(
-        "REQUEST_TIMEOUT_S", 60.0, lambda s: float(s) if s else None
-    )
+    request_timeout_s: float | None = env_field("REQUEST_TIMEOUT_S", 60.0, lambda s: float(s) if s else None)
     max_parallel_chunks: int = env_field("MAX_PARALLEL_CHUNKS", 8)
 
     def __post_init__(self) -> None:

@@ -61,9 +61,7 @@ def _supported_flags(binary: str, library_path: str, mtime: float) -> str:
     """``tritonserver --help`` text, cached per binary (mtime is part of the key)."""
     env = dict(os.environ, LD_LIBRARY_PATH=library_path)
     try:
-        done = subprocess.run(
-            [binary, "--help"], capture_output=True, text=True, timeout=30, env=env
-        )
+        done = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return done.stdout + done.stderr
@@ -278,7 +276,10 @@ class TritonServer:
                 self.version = str(self._http_json("/v2").get("version", ""))
                 logger.info(
                     "tritonserver %s ready (pid %s) at grpc %s, http %s",
-                    self.version, self.pid, self.grpc_url, self.http_url,
+                    self.version,
+                    self.pid,
+                    self.grpc_url,
+                    self.http_url,
                 )
                 return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):

@@ -93,7 +93,9 @@ class ModelLayout:
         return next((t for t in self.outputs if t.name == name), None)
 
 
-def _tensor_entries(config: Mapping[str, Any], key: str, model: str) -> list[tuple[str, str, tuple[int, ...]]]:
+def _tensor_entries(
+    config: Mapping[str, Any], key: str, model: str
+) -> list[tuple[str, str, tuple[int, ...]]]:
     entries = []
     for tensor in config.get(key, []):
         name = tensor["name"]

@@ -50,7 +50,9 @@ class Slot:
         self.arrays: dict[str, np.ndarray] = {}
         for spec in (*layout.inputs, *layout.outputs):
             self.arrays[spec.name] = np.frombuffer(
-                base, dtype=spec.dtype, count=spec.capacity // spec.dtype.itemsize,
+                base,
+                dtype=spec.dtype,
+                count=spec.capacity // spec.dtype.itemsize,
                 offset=offset + spec.offset,
             )
 
@@ -179,7 +181,9 @@ class SlotPool:
                 self._quarantined.append((slot.index, time.monotonic() + self.quarantine_s))
                 logger.warning(
                     "slot %d of %s held back %gs: its request may still run on the server",
-                    slot.index, self.layout.model, self.quarantine_s,
+                    slot.index,
+                    self.layout.model,
+                    self.quarantine_s,
                 )
             elif view is not None:
                 try:

@@ -80,9 +80,7 @@ def validate_segment_name(name: str) -> None:
     if "/" in name or name in (".", ".."):
         raise SharedMemoryError(f"invalid segment name {name!r}: may not contain '/' or be '.'/'..'")
     if not _NAME_RE.match(name):
-        raise SharedMemoryError(
-            f"invalid segment name {name!r}: use letters, digits, '_', '.', '-' only"
-        )
+        raise SharedMemoryError(f"invalid segment name {name!r}: use letters, digits, '_', '.', '-' only")
     if any(name.startswith(p) for p in _RESERVED_PREFIXES):
         raise SharedMemoryError(f"invalid segment name {name!r}: prefix reserved by Triton")
 

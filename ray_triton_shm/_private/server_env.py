@@ -132,9 +132,17 @@ def provision_server_env(cache_dir: str) -> Path:
                 capture_output=True,
             )
             subprocess.run(
-                [str(staging / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                 "--disable-pip-version-check", "--no-deps",
-                 PYTRITON_REQUIREMENT, NUMPY_REQUIREMENT],
+                [
+                    str(staging / "bin" / "python"),
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "--no-deps",
+                    PYTRITON_REQUIREMENT,
+                    NUMPY_REQUIREMENT,
+                ],
                 check=True,
                 capture_output=True,
                 text=True,

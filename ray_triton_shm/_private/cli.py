@@ -1,0 +1,67 @@
+"""The ``ray-triton-shm`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ray_triton_shm._private import segment
+
+
+def _setup(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.server_env import find_tritonserver
+    from ray_triton_shm.config import ServerConfig
+
+    plan = find_tritonserver(ServerConfig(model_repository="-"))
+    print(f"tritonserver: {plan.binary} ({plan.source})")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.demo import run_demo
+
+    run_demo(args.model_repository, quick=args.quick)
+    return 0
+
+
+def _cleanup(args: argparse.Namespace) -> int:
+    stale = segment.stale_segments()
+    if not stale:
+        print("no stale segments under /dev/shm/" + segment.SEGMENT_PREFIX + "*")
+        return 0
+    for name in stale:
+        print(("removing " if args.yes else "would remove ") + name)
+    if args.yes:
+        segment.sweep_stale_segments()
+    else:
+        print("dry run: pass --yes to remove them")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ray-triton-shm", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("setup", help="find or provision the Triton server").set_defaults(func=_setup)
+    demo = sub.add_parser("demo", help="run the example models through shm and gRPC")
+    demo.add_argument("--model-repository", default=None)
+    demo.add_argument("--quick", action="store_true")
+    demo.set_defaults(func=_demo)
+    cleanup = sub.add_parser("cleanup", help="remove segments left by dead processes")
+    cleanup.add_argument("--yes", action="store_true", help="remove, not just list")
+    cleanup.set_defaults(func=_cleanup)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
