@@ -77,10 +77,27 @@ def translate_error(error: InferenceServerException, model: str | None = None) -
     return cls(str(error.message() or error), status, model)
 
 
-class PoolSource(Protocol):
-    """Where a client gets its slot pools (locally created, or from a Ray node actor)."""
+def fetch_layout(grpc: grpcclient.InferenceServerClient, model: str, config: PoolConfig) -> ModelLayout:
+    """Derive ``model``'s slot layout from its configuration on the server.
 
-    def get_pool(self, model: str, layout: ModelLayout, config: PoolConfig) -> SlotPool: ...
+    Raises:
+        TritonCallError: The server does not know the model.
+        LayoutError: The model cannot use shared-memory slots.
+    """
+    try:
+        model_config = grpc.get_model_config(model, as_json=True)["config"]
+    except InferenceServerException as e:
+        raise translate_error(e, model) from e
+    return layout_from_config(model_config, config)
+
+
+class PoolSource(Protocol):
+    """Where a client gets its slot pools (created here, or granted by a Ray node actor).
+
+    A pool carries the layout it was built with; the client validates against it.
+    """
+
+    def get_pool(self, model: str, config: PoolConfig) -> SlotPool: ...
 
     def close(self) -> None: ...
 
@@ -92,7 +109,8 @@ class LocalPools:
         self._grpc = grpc
         self._pools: list[SlotPool] = []
 
-    def get_pool(self, model: str, layout: ModelLayout, config: PoolConfig) -> SlotPool:
+    def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
+        layout = fetch_layout(self._grpc, model, config)
         pool = SlotPool.create(layout, config.slots)
         try:
             self._grpc.register_system_shared_memory(pool.region_name, pool.segment.key, pool.segment.size)
@@ -149,7 +167,6 @@ class TritonShmClient:
         self.config = config
         self._grpc = grpcclient.InferenceServerClient(url=config.url)
         self._source: PoolSource = pool_source or LocalPools(self._grpc)
-        self._layouts: dict[str, ModelLayout] = {}
         self._pools: dict[str, SlotPool] = {}
         self._lock = threading.Lock()
         self._model_locks: dict[str, threading.Lock] = {}
@@ -178,21 +195,13 @@ class TritonShmClient:
 
     # -- pools -------------------------------------------------------------
     def layout(self, model: str) -> ModelLayout:
-        """The slot layout of ``model``, derived from its config on the server.
+        """The slot layout of ``model`` (that of its pool, created on first use).
 
         Raises:
             TritonCallError: The server does not know the model.
             LayoutError: The model cannot use shared-memory slots.
         """
-        layout = self._layouts.get(model)
-        if layout is None:
-            try:
-                config = self._grpc.get_model_config(model, as_json=True)["config"]
-            except InferenceServerException as e:
-                raise translate_error(e, model) from e
-            layout = layout_from_config(config, self.config.pool_for(model))
-            self._layouts[model] = layout
-        return layout
+        return self.pool(model).layout
 
     def pool(self, model: str) -> SlotPool:
         """The slot pool of ``model``, created and registered on first use.
@@ -211,8 +220,7 @@ class TritonShmClient:
         with model_lock:
             pool = self._pools.get(model)
             if pool is None:
-                layout = self.layout(model)
-                pool = self._source.get_pool(model, layout, self.config.pool_for(model))
+                pool = self._source.get_pool(model, self.config.pool_for(model))
                 self._pools[model] = pool
         return pool
 
