@@ -40,11 +40,15 @@ logger = logging.getLogger(__name__)
 
 # Runs between fork and exec of tritonserver: ask the kernel to SIGKILL it when
 # we die, then make sure we had not died already. Safer than preexec_fn in a
-# threaded parent (Ray workers are).
+# threaded parent (Ray workers are). Ignored or blocked signals survive exec,
+# and Ray workers ignore SIGINT, so SIGINT is made to work again here.
 _PDEATHSIG_SHIM = (
-    "import ctypes,os,sys\n"
+    "import ctypes,os,signal,sys\n"
     "ctypes.CDLL(None).prctl(1, 9)\n"
     "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
+    "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+    "signal.pthread_sigmask(signal.SIG_SETMASK, [])\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
 _PORT_IN_USE_HINTS = ("address already in use", "failed to start", "failed to listen")
