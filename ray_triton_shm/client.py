@@ -40,6 +40,7 @@ from ray_triton_shm._private.validate import CheckedInputs, check_inputs
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     InputError,
+    LeaseReleasedError,
     PoolClosedError,
     TritonCallError,
     UnavailableError,
@@ -260,8 +261,11 @@ class TritonShmClient:
 
         Raises:
             InputError: Not every input was placed.
+            LeaseReleasedError: The lease has ended.
             TritonCallError: The server refused the request.
         """
+        if lease.released:
+            raise LeaseReleasedError("this lease was released; its slot may belong to someone else")
         layout = lease.layout
         missing = [spec.name for spec in layout.inputs if spec.name not in lease.input_shapes]
         if missing:

@@ -101,6 +101,21 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _require_type(owner: object, name: str, kinds: type | tuple[type, ...]) -> None:
+    value = getattr(owner, name)
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise ConfigError(f"{type(owner).__name__}.{name} must not be a bool, got {value!r}")
+    if not isinstance(value, kinds):
+        raise ConfigError(f"{type(owner).__name__}.{name} has the wrong type: {type(value).__name__}")
+
+
+def _string_tuple(owner: object, name: str) -> tuple[str, ...]:
+    value = getattr(owner, name)
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{type(owner).__name__}.{name} must be a sequence of strings, got {value!r}")
+    return tuple(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """How to start a Triton server.
@@ -163,7 +178,14 @@ class ServerConfig:
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _require(bool(self.model_repository), "ServerConfig.model_repository is required")
+        _require(
+            isinstance(self.model_repository, str) and bool(self.model_repository),
+            "ServerConfig.model_repository is required",
+        )
+        for name in ("http_port", "grpc_port", "metrics_port", "log_verbose", "exit_timeout_s"):
+            _require_type(self, name, int)
+        for name in ("startup_timeout_s", "stop_timeout_s"):
+            _require_type(self, name, (int, float))
         for name in ("http_port", "grpc_port", "metrics_port"):
             port = getattr(self, name)
             _require(0 <= port <= 65535, f"ServerConfig.{name} must be in 0..65535, got {port}")
@@ -177,8 +199,8 @@ class ServerConfig:
         _require(bool(self.host), "ServerConfig.host must not be empty")
         if self.gpus is not None:
             _require(all(g >= 0 for g in self.gpus), "ServerConfig.gpus must be >= 0")
-        object.__setattr__(self, "load_models", tuple(self.load_models))
-        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        object.__setattr__(self, "load_models", _string_tuple(self, "load_models"))
+        object.__setattr__(self, "extra_args", _string_tuple(self, "extra_args"))
 
     def server_flags(self) -> list[str]:
         """The ``tritonserver`` flags derived from the fields that carry one.
@@ -225,6 +247,11 @@ class PoolConfig:
     min_shm_bytes: int = env_field("MIN_SHM_BYTES", 0)
 
     def __post_init__(self) -> None:
+        _require_type(self, "slots", int)
+        _require_type(self, "lease_timeout_s", (int, float))
+        _require_type(self, "min_shm_bytes", int)
+        if self.max_batch_size is not None:
+            _require_type(self, "max_batch_size", int)
         _require(self.slots >= 1, f"PoolConfig.slots must be >= 1, got {self.slots}")
         if self.max_batch_size is not None:
             _require(
@@ -235,7 +262,10 @@ class PoolConfig:
         _require(self.min_shm_bytes >= 0, "PoolConfig.min_shm_bytes must be >= 0")
         shapes: dict[str, tuple[int, ...]] = {}
         for name, shape in dict(self.max_shapes).items():
-            dims = tuple(int(d) for d in shape)
+            try:
+                dims = tuple(int(d) for d in shape)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"PoolConfig.max_shapes[{name!r}] must be a sequence of ints") from e
             _require(
                 all(d >= 1 for d in dims),
                 f"PoolConfig.max_shapes[{name!r}] must have positive dims, got {shape!r}",

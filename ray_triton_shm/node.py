@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -304,13 +305,22 @@ def shutdown_node_actors(*, timeout_s: float = 60.0) -> int:
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry.get("namespace") != NAMESPACE or not entry["name"].startswith(_NAME_PREFIX):
             continue
-        try:
-            actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
-            ray.get(actor.shutdown.remote(), timeout=timeout_s)
-            ray.kill(actor, no_restart=True)
-            count += 1
-        except (ValueError, ray.exceptions.RayError) as e:
-            logger.warning("could not shut down %s: %s", entry["name"], e)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
+                ray.get(actor.shutdown.remote(), timeout=timeout_s)
+                ray.kill(actor, no_restart=True)
+                count += 1
+                break
+            except ValueError:
+                break  # already gone
+            except ray.exceptions.RayError as e:
+                # A restarting actor answers once it is back; then it can shut down.
+                if time.monotonic() > deadline:
+                    logger.warning("could not shut down %s: %s", entry["name"], e)
+                    break
+                time.sleep(0.5)
     return count
 
 

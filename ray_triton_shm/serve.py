@@ -130,6 +130,17 @@ class TritonDeployment:
         """The same over plain gRPC, for comparison."""
         return dict(await asyncio.to_thread(self._client.infer_grpc, model, inputs))
 
+    async def infer_with_origin(
+        self, model: str, inputs: dict[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """:meth:`infer`, plus where it ran: the path taken and this replica's node and Triton.
+
+        Raises:
+            The same errors as :meth:`infer`.
+        """
+        result = await self._client.ainfer(model, inputs)
+        return dict(result), {"path": result.path, **(await self.whereami())}
+
     async def whereami(self) -> dict[str, Any]:
         """This replica's pid, node and Triton (for tests and ``status``)."""
         info = self._client.info

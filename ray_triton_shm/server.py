@@ -14,11 +14,13 @@ the shared-memory segments its Python backend leaves behind.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -52,6 +54,36 @@ _PDEATHSIG_SHIM = (
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
 _PORT_IN_USE_HINTS = ("address already in use", "failed to start", "failed to listen")
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the
+# process. Servers are therefore spawned from one daemon thread that lives as
+# long as the process, so that start() may be called from any thread.
+_launcher_lock = threading.Lock()
+_launcher: tuple[int, queue.SimpleQueue[Any]] | None = None
+
+
+def _launcher_loop(jobs: queue.SimpleQueue[Any]) -> None:
+    while True:
+        done, args, kwargs = jobs.get()
+        try:
+            done.set_result(subprocess.Popen(*args, **kwargs))
+        except BaseException as e:
+            done.set_exception(e)
+
+
+def _popen_from_launcher(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+    global _launcher
+    with _launcher_lock:
+        if _launcher is None or _launcher[0] != os.getpid():  # none yet, or we were forked
+            jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            threading.Thread(
+                target=_launcher_loop, args=(jobs,), name="tritonserver-launcher", daemon=True
+            ).start()
+            _launcher = (os.getpid(), jobs)
+        jobs = _launcher[1]
+    done: concurrent.futures.Future[subprocess.Popen[bytes]] = concurrent.futures.Future()
+    jobs.put((done, args, kwargs))
+    return done.result()
 
 
 def _free_port(host: str) -> int:
@@ -241,7 +273,7 @@ class TritonServer:
         command = self._command(plan, resolved)
         logger.info("starting tritonserver: %s", " ".join(command))
         self._log.clear()
-        self._proc = subprocess.Popen(
+        self._proc = _popen_from_launcher(
             [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

@@ -1,11 +1,15 @@
 """A shared-memory segment carved into slots, and leases on those slots.
 
 A pool hands out a :class:`Lease` per slot. A lease can expose zero-copy
-numpy views into its slot; those views hang off a memoryview made for that
-lease alone, and when the lease ends the pool tries to release that
-memoryview. If arrays still point into the slot the release fails, and the
-slot is held back ("pinned") until they are gone, so a view can never see a
-later request's data.
+numpy views into its slot; every one of them is a view of one array (the
+lease's "anchor") made for that lease alone. When the lease ends the pool
+keeps only a weak reference to the anchor: while any view is alive the anchor
+is too, and the slot is held back ("pinned") until they are gone, so a view
+can never see a later request's data.
+
+(Releasing a memoryview cannot detect this: ``np.frombuffer`` wraps a
+memoryview argument in a new memoryview on the same buffer, so the lease's own
+memoryview has no exports and its ``release()`` always succeeds.)
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -87,8 +92,8 @@ class SlotPool:
             raise InputError(f"segment {segment.name!r} is too small for slots {indices}")
         self._slots = {i: Slot(i, i * layout.slot_bytes, layout, self._base) for i in indices}
         self._free: deque[int] = deque(indices)
-        self._pinned: list[tuple[int, memoryview]] = []
-        self._quarantined: list[tuple[int, float]] = []
+        self._pinned: list[tuple[int, weakref.ref[np.ndarray]]] = []
+        self._quarantined: list[tuple[int, float, weakref.ref[np.ndarray] | None]] = []
         self._cond = threading.Condition()
         self._closed = False
 
@@ -112,20 +117,24 @@ class SlotPool:
         return sorted(self._slots)
 
     # -- leasing -----------------------------------------------------------
+    def _free_or_pin_locked(self, index: int, anchor: weakref.ref[np.ndarray] | None) -> None:
+        if anchor is None or anchor() is None:
+            self._free.append(index)
+        else:
+            logger.debug("slot %d of %s pinned by live views", index, self.layout.model)
+            self._pinned.append((index, anchor))
+
     def _reclaim_locked(self) -> None:
-        if self._pinned:
-            still = []
-            for index, view in self._pinned:
-                try:
-                    view.release()
-                    self._free.append(index)
-                except BufferError:
-                    still.append((index, view))
-            self._pinned = still
         if self._quarantined:
             now = time.monotonic()
-            self._free.extend(i for i, until in self._quarantined if until <= now)
-            self._quarantined = [(i, u) for i, u in self._quarantined if u > now]
+            expired = [(i, a) for i, u, a in self._quarantined if u <= now]
+            self._quarantined = [(i, u, a) for i, u, a in self._quarantined if u > now]
+            # Out of quarantine, a slot is still not reused while views point into it.
+            for index, anchor in expired:
+                self._free_or_pin_locked(index, anchor)
+        if self._pinned:
+            self._free.extend(i for i, anchor in self._pinned if anchor() is None)
+            self._pinned = [(i, anchor) for i, anchor in self._pinned if anchor() is not None]
 
     def try_acquire(self) -> Lease | None:
         """A lease if a slot is free right now, else None.
@@ -175,25 +184,18 @@ class SlotPool:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.01)
 
-    def _give_back(self, slot: Slot, view: memoryview | None, quarantine: bool) -> None:
+    def _give_back(self, slot: Slot, anchor: weakref.ref[np.ndarray] | None, quarantine: bool) -> None:
         with self._cond:
             if quarantine:
-                self._quarantined.append((slot.index, time.monotonic() + self.quarantine_s))
+                self._quarantined.append((slot.index, time.monotonic() + self.quarantine_s, anchor))
                 logger.warning(
                     "slot %d of %s held back %gs: its request may still run on the server",
                     slot.index,
                     self.layout.model,
                     self.quarantine_s,
                 )
-            elif view is not None:
-                try:
-                    view.release()
-                    self._free.append(slot.index)
-                except BufferError:
-                    logger.debug("slot %d of %s pinned by live views", slot.index, self.layout.model)
-                    self._pinned.append((slot.index, view))
             else:
-                self._free.append(slot.index)
+                self._free_or_pin_locked(slot.index, anchor)
             self._cond.notify()
 
     def stats(self) -> PoolStats:
@@ -219,12 +221,8 @@ class SlotPool:
             self._cond.notify_all()
             for slot in self._slots.values():
                 slot.arrays.clear()
-            for _, view in self._pinned:
-                try:
-                    view.release()
-                except BufferError:
-                    pass
             self._pinned.clear()
+            self._quarantined.clear()
         self._base.release()
         self.segment.close()
 
@@ -256,7 +254,7 @@ class Lease:
     def __init__(self, pool: SlotPool, slot: Slot) -> None:
         self.pool = pool
         self.slot = slot
-        self._view: memoryview | None = None
+        self._anchor: np.ndarray | None = None
         self._released = False
         self._quarantine = False
         self.input_shapes: dict[str, tuple[int, ...]] = {}
@@ -284,15 +282,17 @@ class Lease:
         if self._released:
             raise LeaseReleasedError("this lease was released; its slot may belong to someone else")
 
-    def _lease_view(self) -> memoryview:
-        if self._view is None:
-            start = self.slot.offset
-            self._view = self.pool._base[start : start + self.layout.slot_bytes]
-        return self._view
+    def _lease_anchor(self) -> np.ndarray:
+        """The slot's bytes as one array that every view of this lease keeps alive (as its base)."""
+        if self._anchor is None:
+            self._anchor = np.frombuffer(self.pool._base, np.uint8, self.layout.slot_bytes, self.slot.offset)
+        return self._anchor
 
     def _array(self, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
         count = _check_shape(spec, shape, self.layout.batched, self.layout.batch_capacity)
-        return np.frombuffer(self._lease_view(), spec.dtype, count, spec.offset).reshape(shape)
+        start = spec.offset
+        region = self._lease_anchor()[start : start + count * spec.dtype.itemsize]
+        return region.view(spec.dtype).reshape(shape)
 
     def input(self, name: str, shape: Sequence[int]) -> np.ndarray:
         """A writable view of input ``name`` with ``shape``, to fill in place.
@@ -340,5 +340,7 @@ class Lease:
             return
         self._released = True
         self.input_shapes = {}
-        self.pool._give_back(self.slot, self._view, self._quarantine)
-        self._view = None
+        anchor, self._anchor = self._anchor, None
+        ref = weakref.ref(anchor) if anchor is not None else None
+        del anchor
+        self.pool._give_back(self.slot, ref, self._quarantine)

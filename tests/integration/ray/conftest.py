@@ -1,0 +1,59 @@
+"""Ray fixtures: a real local Ray with node actors and the Serve app from deployments/."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIG_FILE = REPO / "deployments" / "triton_shm.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config_copy(tmp_dir: Path, **app_args) -> tuple[Path, int]:
+    """deployments/triton_shm.yaml with a free HTTP port and extra app args."""
+    spec = yaml.safe_load(CONFIG_FILE.read_text())
+    port = free_port()
+    spec["http_options"]["port"] = port
+    spec["applications"][0]["args"].update(app_args)
+    path = tmp_dir / "triton_shm.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path, port
+
+
+def teardown_ray() -> None:
+    import ray
+    from ray import serve
+
+    from ray_triton_shm.node import shutdown_node_actors
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            shutdown_node_actors()
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serve_app(tmp_path_factory):
+    """Local Ray, the Serve app started from the config file (quick slot reclaim for tests)."""
+    import ray
+
+    from ray_triton_shm.serve import run_config_file
+
+    path, port = config_copy(tmp_path_factory.mktemp("serve"), quarantine_s=1.0)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        handles = run_config_file(str(path))
+        yield handles["triton"], f"127.0.0.1:{port}"
+    finally:
+        teardown_ray()

@@ -1,0 +1,120 @@
+"""Single node: Serve from the config file, HTTP with tritonclient.http, the handle, Ray Data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+pytestmark = pytest.mark.slow
+
+
+def test_http_protocol_round_trip_with_tritonclient(serve_app):
+    _, address = serve_app
+    client = httpclient.InferenceServerClient(address)
+    assert client.is_server_live() and client.is_server_ready()
+    metadata = client.get_model_metadata("multi_io")
+    assert [i["name"] for i in metadata["inputs"]] == ["INPUT0", "INPUT1"]
+    rng = np.random.default_rng(1)
+    a = rng.integers(-50, 50, (3, 16), dtype=np.int32)
+    b = rng.integers(-50, 50, (3, 16), dtype=np.int32)
+    for binary in (True, False):
+        inputs = [
+            httpclient.InferInput("INPUT0", [3, 16], "INT32"),
+            httpclient.InferInput("INPUT1", [3, 16], "INT32"),
+        ]
+        inputs[0].set_data_from_numpy(a, binary_data=binary)
+        inputs[1].set_data_from_numpy(b, binary_data=binary)
+        outputs = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("OUTPUT0", "OUTPUT1")]
+        result = client.infer("add_sub", inputs, outputs=outputs)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    image = rng.random((2, 3, 224, 224), dtype=np.float32)
+    ints = rng.integers(0, 9, (2, 10), dtype=np.int32)
+    inputs = [
+        httpclient.InferInput("INPUT0", list(image.shape), "FP32"),
+        httpclient.InferInput("INPUT1", [2, 10], "INT32"),
+    ]
+    inputs[0].set_data_from_numpy(image)
+    inputs[1].set_data_from_numpy(ints)
+    result = client.infer("multi_io", inputs)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), image.reshape(2, 512, 294).sum(-1), rtol=1e-4)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), ints.reshape(2, 5, 2).sum(-1))
+
+
+def test_http_bad_input_is_a_clear_client_error(serve_app):
+    _, address = serve_app
+    client = httpclient.InferenceServerClient(address)
+    wrong = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+    wrong.set_data_from_numpy(np.zeros((1, 16), np.float32))
+    other = httpclient.InferInput("INPUT1", [1, 16], "INT32")
+    other.set_data_from_numpy(np.zeros((1, 16), np.int32))
+    with pytest.raises(InferenceServerException, match="dtype"):
+        client.infer("add_sub", [wrong, other])
+
+
+def test_handle_round_trip_uses_shm(serve_app):
+    handle, _ = serve_app
+    x = np.arange(12 * 1000, dtype=np.float32).reshape(12, 1000)
+    outputs, origin = handle.infer_with_origin.remote("whoami", {"INPUT0": x}).result()
+    np.testing.assert_array_equal(outputs["OUTPUT0"], x)
+    assert origin["path"] == "shm"
+    assert set(outputs["SERVER_PID"].ravel()) == {origin["triton_pid"]}
+    a = np.ones((4, 16), np.int32)
+    outputs = handle.infer.remote("add_sub", {"INPUT0": a, "INPUT1": a}).result()
+    np.testing.assert_array_equal(outputs["OUTPUT0"], 2 * a)
+
+
+def test_ray_data_ten_thousand_rows_every_output_checked(serve_app):
+    import ray
+
+    from ray_triton_shm.data import TritonPredictor
+
+    rows = 10_000
+    ids = np.arange(rows, dtype=np.int32)
+    ds = (
+        ray.data.from_numpy(np.stack([ids] * 16, axis=1))
+        .repartition(4)
+        .map_batches(
+            lambda b: {"INPUT0": b["data"], "INPUT1": np.full_like(b["data"], 3)}, batch_format="numpy"
+        )
+    )
+    out = ds.map_batches(
+        TritonPredictor,
+        fn_constructor_kwargs={"model": "add_sub"},
+        compute=ray.data.ActorPoolStrategy(size=2),
+        batch_size=500,
+        batch_format="numpy",
+    ).take_all()
+    assert len(out) == rows
+    seen = set()
+    for row in out:
+        np.testing.assert_array_equal(row["OUTPUT0"], row["INPUT0"] + 3)
+        np.testing.assert_array_equal(row["OUTPUT1"], row["INPUT0"] - 3)
+        seen.add(int(row["INPUT0"][0]))
+    assert seen == set(range(rows))
+
+
+def test_ray_data_pandas_batches(serve_app):
+    import ray
+
+    from ray_triton_shm.data import TritonPredictor
+
+    items = [
+        {"INPUT0": np.full(16, i, np.int32), "INPUT1": np.arange(16, dtype=np.int32)} for i in range(300)
+    ]
+    out = (
+        ray.data.from_items(items)
+        .map_batches(
+            TritonPredictor,
+            fn_constructor_kwargs={"model": "add_sub"},
+            compute=ray.data.ActorPoolStrategy(size=1),
+            batch_size=64,
+            batch_format="pandas",
+        )
+        .take_all()
+    )
+    assert len(out) == 300
+    for row in out:
+        np.testing.assert_array_equal(row["OUTPUT0"], row["INPUT0"] + np.arange(16))

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from ray_triton_shm._private import cli, segment
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def stale_segment() -> Iterator[str]:
+    """A /dev/shm file named as if owned by a process that has exited."""
+    name = f"{segment.owner_tag(_dead_pid())}_pool_{os.urandom(16).hex()}"
+    path = os.path.join(segment.SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.truncate(4096)
+    yield name
+    segment._unlink_quietly(name)
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_TRITON_SHM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "ray_triton_shm", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_cleanup_dry_run_lists_without_removing(stale_segment: str) -> None:
+    live = segment.Segment.create(segment.new_segment_name("test"), 4096)
+    try:
+        out = _run_cli("cleanup")
+        assert out.returncode == 0, out.stderr
+        assert f"would remove {stale_segment}" in out.stdout.splitlines()
+        assert "--yes" in out.stdout
+        assert live.name not in out.stdout
+        assert os.path.exists(os.path.join(segment.SHM_DIR, stale_segment))
+    finally:
+        live.close()
+
+
+def test_cleanup_yes_removes(stale_segment: str) -> None:
+    live = segment.Segment.create(segment.new_segment_name("test"), 4096)
+    try:
+        out = _run_cli("cleanup", "--yes")
+        assert out.returncode == 0, out.stderr
+        assert f"removing {stale_segment}" in out.stdout.splitlines()
+        assert not os.path.exists(os.path.join(segment.SHM_DIR, stale_segment))
+        assert os.path.exists(os.path.join(segment.SHM_DIR, live.name)), "a live owner's segment was removed"
+    finally:
+        live.close()
+
+
+def test_cleanup_with_nothing_stale(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(segment, "stale_segments", lambda: [])
+    monkeypatch.setattr(segment, "sweep_stale_segments", lambda: pytest.fail("nothing to sweep"))
+    assert cli.main(["cleanup", "--yes"]) == 0
+    assert "no stale segments" in capsys.readouterr().out
+
+
+def test_cli_requires_a_command(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+    assert "command" in capsys.readouterr().err
