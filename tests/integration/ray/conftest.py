@@ -51,7 +51,7 @@ def serve_app(tmp_path_factory):
     from ray_triton_shm.serve import run_config_file
 
     path, port = config_copy(tmp_path_factory.mktemp("serve"), quarantine_s=1.0)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         handles = run_config_file(str(path))
         yield handles["triton"], f"127.0.0.1:{port}"

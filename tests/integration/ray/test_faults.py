@@ -28,7 +28,7 @@ def node(tmp_path_factory):
 
     from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor, shutdown_node_actors
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = NodeConfig.for_repository(
         REPO_MODELS,
         quarantine_s=1.0,
