@@ -22,6 +22,10 @@ def _demo(args: argparse.Namespace) -> int:
     from ray_triton_shm._private.demo import run_demo
 
     run_demo(args.model_repository, quick=args.quick)
+    if not args.core_only:
+        from ray_triton_shm._private.demo_ray import run_ray_demo
+
+        run_ray_demo(args.config, quick=args.quick)
     return 0
 
 
@@ -47,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the example models through shm and gRPC")
     demo.add_argument("--model-repository", default=None)
     demo.add_argument("--quick", action="store_true")
+    demo.add_argument("--core-only", action="store_true", help="skip the Ray part")
+    demo.add_argument("--config", default=None, help="Serve config file for the Ray part")
     demo.set_defaults(func=_demo)
     cleanup = sub.add_parser("cleanup", help="remove segments left by dead processes")
     cleanup.add_argument("--yes", action="store_true", help="remove, not just list")

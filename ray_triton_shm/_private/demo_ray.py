@@ -1,0 +1,125 @@
+"""The Ray half of ``make demo``: node actors, the Serve app from deployments/, Ray Data."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ray_triton_shm._private.measure import time_call
+
+MB = 1024 * 1024
+CONFIG_FILE = Path(__file__).resolve().parents[2] / "deployments" / "triton_shm.yaml"
+
+
+def run_ray_demo(config_file: str | None = None, *, quick: bool = False) -> list[dict[str, object]]:
+    """Start local Ray, deploy the Serve app from a config file, call it every way, print a table.
+
+    Returns:
+        One row per path with MB/s over shm and over plain gRPC.
+
+    Raises:
+        RuntimeError: An output did not match.
+    """
+    import ray
+    import tritonclient.http as httpclient
+    import yaml
+    from ray import serve
+
+    from ray_triton_shm.data import TritonPredictor
+    from ray_triton_shm.node import get_node_actor, shutdown_node_actors
+    from ray_triton_shm.serve import run_config_file
+
+    path = config_file or str(CONFIG_FILE)
+    port = yaml.safe_load(Path(path).read_text()).get("http_options", {}).get("port", 8000)
+    rows: list[dict[str, object]] = []
+    failures: list[str] = []
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        print(f"deploying Serve app from {path} ...", flush=True)
+        handle = run_config_file(path)["triton"]
+        info = ray.get(get_node_actor().info.remote())
+        print(f"node actor: Triton {info.version} pid {info.triton_pid} at {info.grpc_url}", flush=True)
+
+        # Handle: numpy in, numpy out; shm to Triton vs the same replica over gRPC.
+        x = np.random.default_rng(0).random((1, 4 * MB), dtype=np.float32)  # 16 MB
+        out = handle.infer.remote("identity", {"INPUT0": x}).result()
+        if not np.array_equal(out["OUTPUT0"], x):
+            failures.append("serve handle")
+        shm = time_call(lambda: handle.infer.remote("identity", {"INPUT0": x}).result(), x.nbytes, repeats=5)
+        grpc = time_call(
+            lambda: handle.infer_grpc.remote("identity", {"INPUT0": x}).result(), x.nbytes, repeats=3
+        )
+        rows.append(_row("Serve handle, identity 16 MB", shm.mb_per_s, grpc.mb_per_s, "handle"))
+
+        # HTTP: unmodified tritonclient.http against Serve vs directly against Triton's HTTP.
+        serve_http = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120)
+        triton_http = httpclient.InferenceServerClient(info.http_url, network_timeout=120)
+
+        def http_call(client: httpclient.InferenceServerClient) -> np.ndarray:
+            tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            return client.infer("identity", [tensor]).as_numpy("OUTPUT0")
+
+        if not np.array_equal(http_call(serve_http), x):
+            failures.append("serve http")
+        via_serve = time_call(lambda: http_call(serve_http), x.nbytes, repeats=3)
+        direct = time_call(lambda: http_call(triton_http), x.nbytes, repeats=3)
+        rows.append(_row("HTTP (tritonclient.http) 16 MB", via_serve.mb_per_s, direct.mb_per_s, "http"))
+
+        # Ray Data: image-shaped rows through multi_io, shm vs gRPC predictor.
+        count = 128 if quick else 512
+        rng = np.random.default_rng(1)
+        images = rng.random((count, 3, 224, 224), dtype=np.float32)
+        ints = rng.integers(0, 9, (count, 10), dtype=np.int32)
+        ds = (
+            ray.data.from_numpy(images)
+            .map_batches(
+                lambda b: {"INPUT0": b["data"], "INPUT1": np.ones((len(b["data"]), 10), np.int32)},
+                batch_format="numpy",
+            )
+            .materialize()
+        )
+        speeds = {}
+        for grpc_mode in (False, True):
+            started = time.perf_counter()
+            result = ds.map_batches(
+                TritonPredictor,
+                fn_constructor_kwargs={"model": "multi_io", "grpc": grpc_mode},
+                compute=ray.data.ActorPoolStrategy(size=1),
+                batch_size=8,
+                batch_format="numpy",
+            ).take_all()
+            seconds = time.perf_counter() - started
+            speeds[grpc_mode] = images.nbytes / seconds / 1e6
+            got = np.stack([r["OUTPUT0"] for r in result])
+            want = np.stack([r["INPUT0"] for r in result]).reshape(count, 512, 294).sum(-1)
+            if len(result) != count or not np.allclose(got, want, rtol=1e-4):
+                failures.append(f"ray data grpc={grpc_mode}")
+        del ints
+        rows.append(_row(f"Ray Data multi_io {count} rows", speeds[False], speeds[True], "data"))
+        _print(rows)
+    finally:
+        serve.shutdown()
+        shutdown_node_actors()
+        ray.shutdown()
+    if failures:
+        raise RuntimeError(f"outputs did not match for: {failures}")
+    return rows
+
+
+def _row(label: str, shm: float, grpc: float, path: str) -> dict[str, object]:
+    return {"case": label, "path": path, "shm_mb_s": shm, "grpc_mb_s": grpc}
+
+
+def _print(rows: list[dict[str, object]]) -> None:
+    header = f"{'Ray path':<34} {'shm MB/s':>10} {'gRPC MB/s':>10} {'speedup':>8}"
+    print()
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        shm, grpc = float(r["shm_mb_s"]), float(r["grpc_mb_s"])
+        print(f"{r['case']:<34} {shm:>10.1f} {grpc:>10.1f} {shm / grpc:>7.1f}x")
+    print("(HTTP row: Serve with shm behind it vs tritonclient.http straight to Triton's HTTP)")
+    print()
