@@ -1,0 +1,161 @@
+"""Shared by every test: the run fails if it leaves shared memory or Triton processes behind.
+
+At session start this records the ``rtshm*`` entries of /dev/shm and the
+processes whose command line contains ``tritonserver`` (the server, its
+start-up shim and the Python-backend stubs, which live under
+``.../tritonserver/backends``), and puts a marker in the environment that
+every process started from here inherits. At session end (after every other
+fixture, Ray's included, has been torn down) it waits a little for stragglers,
+then fails the run if
+
+* a new ``rtshm*`` entry is left whose owner (the pid and start time in its
+  name) belongs to this session, or is gone and started after this session, or
+* a new ``tritonserver`` process started by this session (it carries the
+  marker, or descends from this process) is still running.
+
+What it finds is reported, then removed, so one failing run does not poison
+the next. Segments and servers of other sessions running at the same time
+are left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+import uuid
+
+import pytest
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "rtshm"
+TRITON_WORD = b"tritonserver"
+SESSION_MARKER = "RAY_TRITON_SHM_TEST_SESSION"
+# Python-backend stubs notice their server is gone within a few seconds.
+GRACE_S = 20.0
+_OWNER_RE = re.compile(rf"^{SEGMENT_PREFIX}_(\d+)_(\d+)_")
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields of /proc/<pid>/stat after the command name (state first), or None if gone."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def _running(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")
+
+
+def _descends_from_us(pid: int) -> bool:
+    me = os.getpid()
+    seen = set()
+    while pid > 1 and pid not in seen:
+        if pid == me:
+            return True
+        seen.add(pid)
+        fields = _stat_fields(pid)
+        if fields is None:
+            return False
+        pid = int(fields[1])
+    return False
+
+
+def _has_marker(pid: int, token: str) -> bool:
+    environ = _read(f"/proc/{pid}/environ") or b""
+    return f"{SESSION_MARKER}={token}".encode() in environ.split(b"\0")
+
+
+def _ours(pid: int, token: str) -> bool:
+    return pid == os.getpid() or _has_marker(pid, token) or _descends_from_us(pid)
+
+
+def _segments() -> set[str]:
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(SEGMENT_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+def _triton_pids() -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        cmdline = _read(f"/proc/{entry}/cmdline")
+        if cmdline and TRITON_WORD in cmdline and _running(int(entry)):
+            pids.add(int(entry))
+    return pids
+
+
+def _start_ticks(pid: int) -> int:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else 0
+
+
+def _leftover_segments(before: set[str], token: str) -> list[str]:
+    session_start = _start_ticks(os.getpid())
+    left = []
+    for name in sorted(_segments() - before):
+        m = _OWNER_RE.match(name)
+        if m:
+            owner, owner_start = int(m.group(1)), int(m.group(2))
+            # Not ours to judge: a live owner outside this session (another test run or a
+            # service), or an owner that started before this session did.
+            if _running(owner) and not _ours(owner, token):
+                continue
+            if 0 < owner_start < session_start:
+                continue
+        left.append(name)
+    return left
+
+
+def _leftover_processes(before: set[int], token: str) -> dict[int, str]:
+    left = {}
+    for pid in sorted(_triton_pids() - before):
+        if _ours(pid, token):
+            cmdline = (_read(f"/proc/{pid}/cmdline") or b"").replace(b"\0", b" ")
+            left[pid] = cmdline.decode("utf-8", "replace")[:300]
+    return left
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_leaves_no_shm_or_tritonserver():
+    """Fail the run if it leaves /dev/shm/rtshm* entries or tritonserver processes behind."""
+    token = uuid.uuid4().hex
+    os.environ[SESSION_MARKER] = token
+    segments_before = _segments()
+    triton_before = _triton_pids()
+    yield
+    deadline = time.monotonic() + GRACE_S
+    while True:
+        segments = _leftover_segments(segments_before, token)
+        processes = _leftover_processes(triton_before, token)
+        if (not segments and not processes) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    os.environ.pop(SESSION_MARKER, None)
+    if not segments and not processes:
+        return
+    for pid in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for name in segments:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    lines = ["the test session left resources behind (now removed):"]
+    lines += [f"  /dev/shm/{name}" for name in segments]
+    lines += [f"  pid {pid}: {cmdline}" for pid, cmdline in processes.items()]
+    pytest.fail("\n".join(lines), pytrace=False)

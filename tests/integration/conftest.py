@@ -1,0 +1,92 @@
+"""Fixtures for integration tests against a real Triton server (no mocks).
+
+* ``triton_server``: one embedded Triton per session serving ``deployments/models``.
+* ``client``: a fresh :class:`TritonShmClient` per test (pools from :func:`default_pools`).
+* ``make_client``: builds clients with other settings.
+
+Every client these fixtures hand out is closed after its test, and the test
+fails if one of its slots is still busy or one of its segments is still in
+/dev/shm afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ray_triton_shm import PoolConfig, ServerConfig, TritonServer, TritonShmClient
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_REPOSITORY = REPO_ROOT / "deployments" / "models"
+# Largest length of the variable dim of `identity` a slot of the default pools holds (float32 elements).
+IDENTITY_MAX = 1 << 20
+
+
+def default_pools() -> dict[str, PoolConfig]:
+    """Pools of the ``client`` fixture: small slots for the variable-size models, one slot for ``sleep``."""
+    return {
+        "identity": PoolConfig(
+            slots=2,
+            max_batch_size=2,
+            max_shapes={"INPUT0": (IDENTITY_MAX,), "OUTPUT0": (IDENTITY_MAX,)},
+        ),
+        "whoami": PoolConfig(slots=1, max_batch_size=2, max_shapes={"INPUT0": (1024,), "OUTPUT0": (1024,)}),
+        "sleep": PoolConfig(slots=1),
+    }
+
+
+def close_and_check(client: TritonShmClient) -> None:
+    """Close ``client``; fail if a slot was still busy or a segment of it survives the close."""
+    try:
+        stats = client.pool_stats()
+        regions = [client.pool(s.model).region_name for s in stats]
+        busy = [s for s in stats if s.busy]
+    finally:
+        client.close()
+    left = [name for name in regions if os.path.exists(os.path.join("/dev/shm", name))]
+    assert not busy, f"slots still busy when the test ended: {busy}"
+    assert not left, f"segments left in /dev/shm after client.close(): {left}"
+
+
+@pytest.fixture(scope="session")
+def triton_server() -> Iterator[TritonServer]:
+    """The embedded Triton server on ``deployments/models``, shared by the whole session."""
+    server = TritonServer(ServerConfig(model_repository=str(MODEL_REPOSITORY)))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+    assert not server.is_alive()
+
+
+@pytest.fixture
+def make_client(triton_server: TritonServer) -> Iterator[Callable[..., TritonShmClient]]:
+    """``make_client(**overrides)``: a client of ``triton_server`` with ClientConfig overrides."""
+    made: list[TritonShmClient] = []
+
+    def make(**overrides: Any) -> TritonShmClient:
+        client = TritonShmClient(url=triton_server.grpc_url, **overrides)
+        made.append(client)
+        return client
+
+    yield make
+    failures = []
+    for client in made:
+        try:
+            close_and_check(client)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.fixture
+def client(triton_server: TritonServer) -> Iterator[TritonShmClient]:
+    """A client of ``triton_server`` with :func:`default_pools`, closed (and checked) after the test."""
+    shm_client = TritonShmClient(url=triton_server.grpc_url, pools=default_pools())
+    yield shm_client
+    close_and_check(shm_client)
