@@ -26,14 +26,20 @@ demo: setup
 lint: $(STAMP)
 	$(PY) -m ruff check ray_triton_shm tests
 
+# Each Ray test module gets its own process: a Ray started, shut down and started
+# again (a multi-node Cluster, then a local Ray) in one process can hang.
+RAY_TESTS := $(sort $(wildcard tests/integration/on_ray/test_*.py))
+
 test: setup lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --ignore=tests/integration/on_ray
+	@set -e; for module in $(RAY_TESTS); do $(PY) -m pytest $$module; done
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
 integration: setup
-	$(PY) -m pytest tests/integration
+	$(PY) -m pytest tests/integration --ignore=tests/integration/on_ray
+	@set -e; for module in $(RAY_TESTS); do $(PY) -m pytest $$module; done
 
 cleanup: $(STAMP)
 	$(PY) -m ray_triton_shm cleanup --yes
