@@ -88,6 +88,7 @@ def run_ray_demo(config_file: str | None = None, *, quick: bool = False) -> list
                 TritonPredictor,
                 fn_constructor_kwargs={"model": "multi_io", "grpc": grpc_mode},
                 compute=ray.data.ActorPoolStrategy(size=1),
+                num_cpus=0.25,
                 batch_size=8,
                 batch_format="numpy",
             ).take_all()

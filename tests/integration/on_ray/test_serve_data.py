@@ -84,6 +84,7 @@ def test_ray_data_ten_thousand_rows_every_output_checked(serve_app):
         TritonPredictor,
         fn_constructor_kwargs={"model": "add_sub"},
         compute=ray.data.ActorPoolStrategy(size=2),
+        num_cpus=0.25,  # 2 CPUs in all, Serve replicas hold some
         batch_size=500,
         batch_format="numpy",
     ).take_all()
@@ -110,6 +111,7 @@ def test_ray_data_pandas_batches(serve_app):
             TritonPredictor,
             fn_constructor_kwargs={"model": "add_sub"},
             compute=ray.data.ActorPoolStrategy(size=1),
+            num_cpus=0.25,
             batch_size=64,
             batch_format="pandas",
         )
