@@ -235,7 +235,7 @@ def _check_shape(spec: TensorSpec, shape: Sequence[int], batched: bool, capacity
     if len(shape) != len(dims):
         raise InputError(f"{spec.name}: expected rank {len(dims)} {list(want)}, got shape {list(shape)}")
     for got, fixed, most in zip(shape, want, dims):
-        if got < 0 or (fixed >= 0 and got != fixed and not (batched and fixed == -1)):
+        if got < 0 or (fixed >= 0 and got != fixed):
             raise InputError(f"{spec.name}: shape {list(shape)} does not match {list(want)}")
         if got > most:
             raise InputError(
