@@ -26,6 +26,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.layout import ModelLayout, layout_from_config
+from ray_triton_shm._private.observe import NULL_OBSERVER, Observer, safely
 from ray_triton_shm._private.pool import Lease, PoolStats, SlotPool
 from ray_triton_shm._private.validate import CheckedInputs, check_inputs
 from ray_triton_shm.config import ClientConfig, PoolConfig
@@ -42,6 +44,7 @@ from ray_triton_shm.errors import (
     InputError,
     LeaseReleasedError,
     PoolClosedError,
+    RayTritonShmError,
     TritonCallError,
     UnavailableError,
 )
@@ -146,6 +149,8 @@ class TritonShmClient:
         config: Client configuration; keyword arguments override its fields.
         pool_source: Supplies slot pools; by default pools are created here
             and registered with the server.
+        observer: Told about every request, lease wait and error (metrics);
+            by default nothing is recorded.
         **overrides: Fields of :class:`ClientConfig` (``url``, ``pools``, ...).
 
     Raises:
@@ -157,6 +162,7 @@ class TritonShmClient:
         config: ClientConfig | None = None,
         *,
         pool_source: PoolSource | None = None,
+        observer: Observer | None = None,
         **overrides: Any,
     ) -> None:
         if config is None:
@@ -168,6 +174,7 @@ class TritonShmClient:
         self.config = config
         self._grpc = grpcclient.InferenceServerClient(url=config.url)
         self._source: PoolSource = pool_source or LocalPools(self._grpc)
+        self._observer: Observer = observer or NULL_OBSERVER
         self._pools: dict[str, SlotPool] = {}
         self._lock = threading.Lock()
         self._model_locks: dict[str, threading.Lock] = {}
@@ -241,12 +248,25 @@ class TritonShmClient:
             PoolTimeoutError: No slot became free in time.
         """
         pool = self.pool(model)
-        return pool.acquire(self._lease_timeout(model, timeout))
+        return self._acquire(pool, self._lease_timeout(model, timeout))
+
+    def _acquire(self, pool: SlotPool, timeout: float) -> Lease:
+        started = time.perf_counter()
+        try:
+            lease = pool.acquire(timeout)
+        except RayTritonShmError as e:
+            safely(self._observer.error, pool.layout.model, type(e).__name__)
+            raise
+        safely(self._observer.lease_wait, pool.layout.model, time.perf_counter() - started)
+        return lease
 
     async def alease(self, model: str, timeout: float | None = None) -> Lease:
         """:meth:`lease` for asyncio code."""
         pool = await asyncio.to_thread(self.pool, model) if model not in self._pools else self._pools[model]
-        return await pool.acquire_async(self._lease_timeout(model, timeout))
+        started = time.perf_counter()
+        lease = await pool.acquire_async(self._lease_timeout(model, timeout))
+        safely(self._observer.lease_wait, model, time.perf_counter() - started)
+        return lease
 
     def _lease_timeout(self, model: str, timeout: float | None) -> float:
         return self.config.pool_for(model).lease_timeout_s if timeout is None else timeout
@@ -299,7 +319,7 @@ class TritonShmClient:
             TritonCallError / UnavailableError: The server refused or is gone.
         """
         layout = self.layout(model)
-        checked = check_inputs(layout, inputs)
+        checked = self._check(layout, inputs)
         wanted = self._wanted_outputs(layout, outputs)
         if checked.nbytes < self.config.pool_for(model).min_shm_bytes:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
@@ -351,7 +371,7 @@ class TritonShmClient:
             PoolTimeoutError / TritonCallError: As for :meth:`infer`.
         """
         layout = self.layout(model)
-        checked = check_inputs(layout, inputs)
+        checked = self._check(layout, inputs)
         if checked.batch > layout.batch_capacity:
             raise InputError(
                 f"batch {checked.batch} exceeds a slot's capacity {layout.batch_capacity}; "
@@ -371,7 +391,7 @@ class TritonShmClient:
             InputError / TritonCallError: As for :meth:`infer`.
         """
         layout = self.layout(model)
-        checked = check_inputs(layout, inputs)
+        checked = self._check(layout, inputs)
         return InferResult(self._call_grpc(model, checked, self._wanted_outputs(layout, outputs)), "grpc")
 
     # -- internals ---------------------------------------------------------
@@ -384,6 +404,13 @@ class TritonShmClient:
         if unknown:
             raise InputError(f"model {layout.model!r} has outputs {names}; unknown: {unknown}")
         return list(outputs)
+
+    def _check(self, layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInputs:
+        try:
+            return check_inputs(layout, inputs)
+        except RayTritonShmError as e:
+            safely(self._observer.error, layout.model, type(e).__name__)
+            raise
 
     def _chunk_executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -403,7 +430,7 @@ class TritonShmClient:
         wanted: list[str],
         lease_timeout: float,
     ) -> dict[str, np.ndarray]:
-        with pool.acquire(lease_timeout) as lease:
+        with self._acquire(pool, lease_timeout) as lease:
             shapes = self._write_and_call(lease, checked, chunk, wanted)
             return {
                 name: np.array(lease.slot.arrays[name][: int(np.prod(shape))].reshape(shape))
@@ -451,6 +478,7 @@ class TritonShmClient:
             tensor = grpcclient.InferRequestedOutput(name)
             tensor.set_shared_memory(region, spec.capacity, offset=base + spec.offset)
             request_outputs.append(tensor)
+        started = time.perf_counter()
         try:
             response = self._grpc.infer(
                 layout.model,
@@ -461,13 +489,20 @@ class TritonShmClient:
         except InferenceServerException as e:
             if _status_name(e) in _IN_DOUBT:
                 lease.mark_in_doubt()
-            raise translate_error(e, layout.model) from e
+            error = translate_error(e, layout.model)
+            safely(self._observer.error, layout.model, type(error).__name__)
+            raise error from e
+        seconds = time.perf_counter() - started
         shapes_out = {}
+        nbytes = sum(int(np.prod(shapes[spec.name])) * spec.dtype.itemsize for spec in layout.inputs)
         for name in names:
             out = response.get_output(name)
             if out is None:
+                safely(self._observer.error, layout.model, TritonCallError.__name__)
                 raise TritonCallError(f"server returned no output {name!r}", None, layout.model)
             shapes_out[name] = tuple(int(d) for d in out.shape)
+            nbytes += int(np.prod(shapes_out[name])) * layout.output(name).dtype.itemsize
+        safely(self._observer.request, layout.model, "shm", nbytes, seconds)
         return shapes_out
 
     def _call_grpc(self, model: str, checked: CheckedInputs, wanted: list[str]) -> dict[str, np.ndarray]:
@@ -479,6 +514,7 @@ class TritonShmClient:
             tensor.set_data_from_numpy(np.ascontiguousarray(array))
             request_inputs.append(tensor)
         request_outputs = [grpcclient.InferRequestedOutput(name) for name in wanted]
+        started = time.perf_counter()
         try:
             response = self._grpc.infer(
                 model,
@@ -487,8 +523,14 @@ class TritonShmClient:
                 client_timeout=self.config.request_timeout_s,
             )
         except InferenceServerException as e:
-            raise translate_error(e, model) from e
-        return {name: response.as_numpy(name) for name in wanted}
+            error = translate_error(e, model)
+            safely(self._observer.error, model, type(error).__name__)
+            raise error from e
+        seconds = time.perf_counter() - started
+        outputs = {name: response.as_numpy(name) for name in wanted}
+        nbytes = checked.nbytes + sum(a.nbytes for a in outputs.values())
+        safely(self._observer.request, model, "grpc", nbytes, seconds)
+        return outputs
 
 
 def _chunks(layout: ModelLayout, batch: int) -> list[tuple[int, int]]:

@@ -31,6 +31,7 @@ import tritonclient.grpc as grpcclient
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tritonclient.utils import InferenceServerException
 
+from ray_triton_shm._private import metrics
 from ray_triton_shm._private.node_pools import Grant, NodePools
 from ray_triton_shm._private.pool import SlotPool
 from ray_triton_shm._private.segment import Segment
@@ -139,6 +140,8 @@ class _NodeActor:
         self._epoch = 1
         self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
         self._pools = NodePools(self._register, self._unregister, quarantine_s=config.quarantine_s)
+        # (model, path) -> [requests, bytes], summed from the clients' reports.
+        self._traffic: dict[tuple[str, str], list[int]] = {}
         for model in config.preload:
             self._ensure_pool(model)
         self._stopping = threading.Event()
@@ -169,6 +172,10 @@ class _NodeActor:
                 self.check()
             except Exception:
                 logger.exception("node health check failed")
+            try:
+                metrics.record_pool_gauges(self.node_id, self._pools.stats())
+            except Exception:
+                logger.debug("pool gauges failed", exc_info=True)
 
     def check(self) -> dict[str, int]:
         """Restart Triton if it died (re-registering every region); reclaim slots of dead clients.
@@ -186,6 +193,10 @@ class _NodeActor:
                 self._pools.register_all()
                 self._epoch += 1
                 restarted = 1
+                try:
+                    metrics.record_restart(self.node_id)
+                except Exception:
+                    logger.debug("restart metric failed", exc_info=True)
         return {"restarted": restarted, "reclaimed": self._pools.reclaim()}
 
     # -- API ---------------------------------------------------------------
@@ -223,6 +234,37 @@ class _NodeActor:
     def stats(self) -> dict[str, Any]:
         """Triton identity plus per-model slot counts."""
         return {"info": dataclasses.asdict(self.info()), "pools": self._pools.stats()}
+
+    def report(self, traffic: Sequence[tuple[str, str, int, int]]) -> None:
+        """Add a client's traffic sums, ``(model, path, requests, bytes)`` rows (see ``_private.metrics``)."""
+        with self._lock:
+            for model, path, requests, nbytes in traffic:
+                entry = self._traffic.setdefault((str(model), str(path)), [0, 0])
+                entry[0] += int(requests)
+                entry[1] += int(nbytes)
+
+    def status(self) -> dict[str, Any]:
+        """What ``ray-triton-shm status`` shows: Triton, its models, pools, traffic by path."""
+        with self._lock:
+            traffic = [
+                {"model": model, "path": path, "requests": v[0], "bytes": v[1]}
+                for (model, path), v in sorted(self._traffic.items())
+            ]
+            grpc = self._grpc
+        try:
+            index = grpc.get_model_repository_index(as_json=True).get("models", [])
+            models = [
+                {"name": m.get("name", ""), "version": m.get("version", ""), "state": m.get("state", "")}
+                for m in index
+            ]
+        except InferenceServerException as e:
+            models = [{"name": "?", "version": "", "state": f"unavailable: {e.message()}"}]
+        return {
+            "info": dataclasses.asdict(self.info()),
+            "pools": self._pools.stats(),
+            "models": models,
+            "traffic": traffic,
+        }
 
     def kill_triton(self) -> int:
         """SIGKILL this node's Triton (for fault tests); the health check restarts it.
@@ -384,6 +426,7 @@ class NodeClient:
         self._request_timeout = request_timeout_s
         self._lock = threading.Lock()
         self._inner: TritonShmClient | None = None
+        self._observer: metrics.RayMetricsObserver | None = None
         self.info: NodeInfo | None = None
         self._connect()
 
@@ -394,12 +437,18 @@ class NodeClient:
         client_config = ClientConfig(
             url=info.grpc_url, default_pool=pool, request_timeout_s=self._request_timeout
         )
+        observer = metrics.RayMetricsObserver(actor)
         inner = TritonShmClient(
-            client_config, pool_source=_GrantedPools(actor, self._slots, self._lease_timeout)
+            client_config,
+            pool_source=_GrantedPools(actor, self._slots, self._lease_timeout),
+            observer=observer,
         )
         old, self._inner, self.info = self._inner, inner, info
+        old_observer, self._observer = self._observer, observer
         if old is not None:
             old.close()
+        if old_observer is not None:
+            old_observer.close()
         return inner
 
     def _reconnect_if_changed(self) -> bool:
@@ -477,6 +526,9 @@ class NodeClient:
         inner, self._inner = self._inner, None
         if inner is not None:
             inner.close()
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.close()
 
     def __enter__(self) -> NodeClient:
         return self

@@ -21,12 +21,23 @@ def _setup(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from ray_triton_shm._private.demo import run_demo
 
-    run_demo(args.model_repository, quick=args.quick)
+    if not args.hold:
+        run_demo(args.model_repository, quick=args.quick)
     if not args.core_only:
         from ray_triton_shm._private.demo_ray import run_ray_demo
 
-        run_ray_demo(args.config, quick=args.quick)
+        run_ray_demo(args.config, quick=args.quick, hold=args.hold)
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.status import run
+
+    try:
+        return run(args.address, as_json=args.json, write=print, timeout_s=args.timeout)
+    except ConnectionError as e:
+        print(f"no Ray cluster at {args.address!r}: {e}", file=sys.stderr)
+        return 2
 
 
 def _cleanup(args: argparse.Namespace) -> int:
@@ -53,7 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true")
     demo.add_argument("--core-only", action="store_true", help="skip the Ray part")
     demo.add_argument("--config", default=None, help="Serve config file for the Ray part")
+    demo.add_argument(
+        "--hold",
+        action="store_true",
+        help="Ray part only, then keep Ray, Serve and Triton up (for `status`) until Ctrl-C",
+    )
     demo.set_defaults(func=_demo)
+    status = sub.add_parser("status", help="per node: Triton, models, slot pools, bytes moved")
+    status.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each node")
+    status.set_defaults(func=_status)
     cleanup = sub.add_parser("cleanup", help="remove segments left by dead processes")
     cleanup.add_argument("--yes", action="store_true", help="remove, not just list")
     cleanup.set_defaults(func=_cleanup)

@@ -13,8 +13,16 @@ MB = 1024 * 1024
 CONFIG_FILE = Path(__file__).resolve().parents[2] / "deployments" / "triton_shm.yaml"
 
 
-def run_ray_demo(config_file: str | None = None, *, quick: bool = False) -> list[dict[str, object]]:
+def run_ray_demo(
+    config_file: str | None = None, *, quick: bool = False, hold: bool = False
+) -> list[dict[str, object]]:
     """Start local Ray, deploy the Serve app from a config file, call it every way, print a table.
+
+    Args:
+        config_file: Serve config file; ``deployments/triton_shm.yaml`` by default.
+        quick: Fewer rows and repetitions.
+        hold: Afterwards keep everything up until SIGINT/SIGTERM, so that
+            ``ray-triton-shm status`` can be run from another shell.
 
     Returns:
         One row per path with MB/s over shm and over plain gRPC.
@@ -101,6 +109,8 @@ def run_ray_demo(config_file: str | None = None, *, quick: bool = False) -> list
         del ints
         rows.append(_row(f"Ray Data multi_io {count} rows", speeds[False], speeds[True], "data"))
         _print(rows)
+        if hold:
+            _hold(ray.get_runtime_context().gcs_address)
     finally:
         serve.shutdown()
         shutdown_node_actors()
@@ -108,6 +118,26 @@ def run_ray_demo(config_file: str | None = None, *, quick: bool = False) -> list
     if failures:
         raise RuntimeError(f"outputs did not match for: {failures}")
     return rows
+
+
+def _hold(address: str) -> None:
+    """Block until SIGINT or SIGTERM, telling the user how to look at the running cluster."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print(f"holding: Ray at {address}, Serve on the config's HTTP port, Triton under its node actor.")
+        print(f"  in another shell: ray-triton-shm status --address {address}")
+        print("  (or just `ray-triton-shm status`: address 'auto' finds this cluster)")
+        print("Ctrl-C (or SIGTERM) stops everything.", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("stopping ...", flush=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _row(label: str, shm: float, grpc: float, path: str) -> dict[str, object]:
