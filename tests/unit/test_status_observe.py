@@ -1,0 +1,61 @@
+"""status rendering, the CLI's status arguments, and the observer interface (no Ray, no server)."""
+
+from __future__ import annotations
+
+from ray_triton_shm._private import cli, observe, status
+
+NODE = {
+    "node_id": "9ca5c04698e0d210f5c732d47cd73766aea816c533747f55eb15f353",
+    "node_ip": "10.0.0.5",
+    "info": {
+        "version": "2.51.0",
+        "grpc_url": "127.0.0.1:41415",
+        "http_url": "127.0.0.1:36745",
+        "metrics_url": "http://127.0.0.1:52005/metrics",
+        "triton_pid": 6365,
+        "restarts": 2,
+    },
+    "models": [
+        {"name": "add_sub", "version": "1", "state": "READY"},
+        {"name": "broken", "version": "1", "state": "UNAVAILABLE"},
+    ],
+    "pools": {
+        "add_sub": {"slots": 8, "free": 6, "granted": 2, "quarantined": 0, "owners": 1, "slot_bytes": 512}
+    },
+    "traffic": [{"model": "add_sub", "path": "shm", "requests": 12, "bytes": 3 << 20}],
+}
+
+
+def test_render_shows_every_part_of_a_node() -> None:
+    text = status.render([NODE])
+    assert "node 9ca5c04698e0  (10.0.0.5)" in text
+    assert "Triton 2.51.0" in text and "grpc 127.0.0.1:41415" in text and "restarts 2" in text
+    assert "models ready: add_sub" in text and "broken (UNAVAILABLE)" in text
+    pool_line = next(line for line in text.splitlines() if line.strip().startswith("add_sub") and "B" in line)
+    assert pool_line.split()[:6] == ["add_sub", "8", "6", "2", "0", "1"]
+    traffic_line = next(line for line in text.splitlines() if " shm " in line)
+    assert traffic_line.split() == ["add_sub", "shm", "12", "3.0", "MB"]
+    assert "1 node(s), 3.0 MB moved in all" in text
+
+
+def test_render_handles_no_actors_and_dead_actors() -> None:
+    assert "no Triton node actors" in status.render([])
+    text = status.render([{"node_id": "ab" * 28, "node_ip": "", "error": "GetTimeoutError: slow"}])
+    assert "not answering: GetTimeoutError: slow" in text
+
+
+def test_status_arguments() -> None:
+    args = cli.build_parser().parse_args(["status"])
+    assert (args.address, args.json, args.func) == ("auto", False, cli._status)
+    args = cli.build_parser().parse_args(["status", "--address", "10.0.0.5:6379", "--json"])
+    assert (args.address, args.json) == ("10.0.0.5:6379", True)
+    assert cli.build_parser().parse_args(["demo", "--hold"]).hold
+
+
+def test_a_failing_observer_never_breaks_the_caller() -> None:
+    class Broken:
+        def request(self, *args):
+            raise RuntimeError("observer bug")
+
+    observe.safely(Broken().request, "m", "shm", 1, 0.1)  # logged, not raised
+    observe.safely(observe.NULL_OBSERVER.request, "m", "shm", 1, 0.1)
