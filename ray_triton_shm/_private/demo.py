@@ -105,7 +105,8 @@ def run_demo(model_repository: str | None = None, *, quick: bool = False) -> lis
     print(f"starting Triton from {config.model_repository} ...", flush=True)
     with TritonServer(config) as server, TritonShmClient(url=server.grpc_url, pools=demo_pools()) as client:
         print(f"tritonserver {server.version} ({server.binary_source}) at {server.grpc_url}", flush=True)
-        for case in demo_cases(rng):
+        cases = demo_cases(rng)
+        for number, case in enumerate(cases, 1):
             want = case.expected(case.inputs)
             shm_out = client.infer(case.model, case.inputs)
             grpc_out = client.infer_grpc(case.model, case.inputs)
@@ -136,7 +137,8 @@ def run_demo(model_repository: str | None = None, *, quick: bool = False) -> lis
                 "outputs_match": ok,
             }
             rows.append(row)
-            print(f"  {case.label:<24} done", flush=True)
+            bar = "#" * number + "." * (len(cases) - number)
+            print(f"  [{bar}] {number}/{len(cases)} {case.label}", flush=True)
         print_table(rows)
     bad = [r["case"] for r in rows if not r["outputs_match"]]
     if bad:
