@@ -12,6 +12,7 @@ raise (the client shields itself from a failing observer anyway).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class NullObserver:
 NULL_OBSERVER = NullObserver()
 
 
-def safely(call, *args: object) -> None:
+def safely(call: Callable[..., object], *args: object) -> None:
     """Call an observer method; an observer failure is logged, never raised into the data path."""
     try:
         call(*args)
