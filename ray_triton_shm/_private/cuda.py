@@ -345,3 +345,10 @@ def as_cupy(value: Any) -> Any:
     if hasattr(value, "__dlpack__"):
         return cupy.from_dlpack(value)
     return cupy.asarray(value)
+
+
+def to_host(value: Any) -> Any:
+    """``value`` as a numpy array if it is in GPU memory; otherwise unchanged (no cupy import needed)."""
+    if is_device_array(value):
+        return import_cupy().asnumpy(as_cupy(value))
+    return value
