@@ -66,7 +66,6 @@ mkdir -p "$CARRY/client"
 echo "compressing the server env (xz -9; a few minutes) ..."
 tar -C "$site" -cf - . | xz -9 -T2 > "$CARRY/server-env.tar.xz"
 download "$CARRY/client" "${CLIENT_WHEELS[@]}"
-cp "$REPO/tools/gpu/run.sh" "$CARRY/run.sh"
 
 total=$(du -cb "$CARRY" | tail -1 | cut -f1)
 repo=$(cd "$REPO" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
