@@ -258,7 +258,11 @@ class NodePools:
             }
 
     def close(self) -> None:
-        """Unregister, then unlink every segment. Idempotent."""
+        """Unregister, then unlink every segment (free every GPU region). Idempotent.
+
+        A GPU region with slots still in quarantine (their owner died, a request
+        may still run on the server) is freed only when the quarantine ends.
+        """
         with self._cond:
             if self._closed:
                 return
@@ -266,6 +270,13 @@ class NodePools:
             self._cond.notify_all()
             pools, self._pools = self._pools, {}
         for pool in pools.values():
+            if isinstance(pool.segment, CudaRegion) and pool.quarantined:
+                wait = max(until for _, until in pool.quarantined) - time.monotonic()
+                if wait > 0:
+                    logger.warning(
+                        "waiting %.1fs before freeing %s: requests may be in flight", wait, pool.segment.name
+                    )
+                    time.sleep(wait)
             try:
                 self._unregister(pool.segment)
             except Exception as e:  # the server may already be gone

@@ -122,3 +122,34 @@ def test_node_client_memory_checked_before_connecting(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(CudaUnavailableError):
         node.NodeClient(memory="cuda")
+
+
+def test_gpu_region_of_a_dead_client_is_freed_only_after_its_quarantine() -> None:
+    import subprocess
+    import time
+
+    freed_at: list[float] = []
+
+    class _Timed(_HostBuffer):
+        def close(self) -> None:
+            freed_at.append(time.monotonic())
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pools = NodePools(lambda region: None, lambda region: None, quarantine_s=0.3)
+    layout = layout_from_config(CONFIG, PoolConfig())
+    buffer = _Timed(size=0, device=0)
+
+    def make_region(size: int) -> CudaRegion:
+        buffer.size = size
+        return CudaRegion(buffer, "r", 0)
+
+    pools.ensure_pool("add_sub", layout, PoolConfig(slots=1), key="k", make_region=make_region)
+    try:
+        pools.acquire("add_sub", 1, owner.pid, 1.0, key="k")
+    finally:
+        owner.kill()
+        owner.wait()
+    assert pools.reclaim() == 1  # the owner is gone: its slot is quarantined
+    until = time.monotonic() + 0.3 - 0.05  # the quarantine began a moment before this line
+    pools.close()
+    assert freed_at and freed_at[0] >= until
