@@ -222,18 +222,19 @@ def test_invalid_ipc_handle_is_a_cuda_error(cupy: Any) -> None:
 
 
 @pytest.mark.gpu
-def test_triton_refusing_a_handle_is_a_cuda_error(cupy: Any, triton_server: TritonServer) -> None:
-    from ray_triton_shm._private.cuda import DeviceBuffer
-
-    buffer = DeviceBuffer.allocate(4096, 0)
-    try:
-        with grpcclient.InferenceServerClient(triton_server.grpc_url) as grpc:
-            from tritonclient.utils import InferenceServerException
-
-            with pytest.raises(InferenceServerException):
-                grpc.register_cuda_shared_memory("rtshm-bad-device", buffer.handle_b64, 999, buffer.size)
-    finally:
-        buffer.close()
+def test_triton_refusing_a_region_is_a_cuda_error(
+    cupy: Any, make_client: Callable[..., TritonShmClient], triton_server: TritonServer
+) -> None:
+    """Told that Triton numbers our GPU past its last one, Triton refuses: a CudaError, nothing kept."""
+    own = os.environ.get("CUDA_VISIBLE_DEVICES")
+    first = own.split(",")[0].strip() if own else "0"
+    others = [str(900 + i) for i in range(cupy.cuda.runtime.getDeviceCount())]
+    client = make_client(pools=_cuda_pools(device_id=0), server_visible_devices=",".join([*others, first]))
+    before = _regions(triton_server.grpc_url)
+    with pytest.raises(CudaError, match="Triton refused CUDA region"):
+        client.infer("identity", {"INPUT0": cupy.zeros((1, 8), cupy.float32)})
+    assert _regions(triton_server.grpc_url) == before
+    assert client.pool_stats() == []
 
 
 @pytest.mark.gpu
