@@ -21,9 +21,13 @@ from ray_triton_shm.client import InferResult, TritonShmClient
 from ray_triton_shm.config import ClientConfig, PoolConfig, ServerConfig
 from ray_triton_shm.errors import (
     ConfigError,
+    CudaError,
+    CudaUnavailableError,
+    DeviceMappingError,
     InputError,
     LayoutError,
     LeaseReleasedError,
+    NoGpuError,
     PoolClosedError,
     PoolTimeoutError,
     RayTritonShmError,
@@ -53,10 +57,14 @@ _LAZY = {
 __all__ = [
     "ClientConfig",
     "ConfigError",
+    "CudaError",
+    "CudaUnavailableError",
+    "DeviceMappingError",
     "InferResult",
     "InputError",
     "LayoutError",
     "LeaseReleasedError",
+    "NoGpuError",
     "NodeClient",
     "PoolClosedError",
     "PoolConfig",

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -57,7 +58,10 @@ _IN_DOUBT = ("DEADLINE_EXCEEDED", "CANCELLED")
 
 
 class InferResult(dict):
-    """Outputs by name, plus ``path``: ``"shm"`` or ``"grpc"``, the way they travelled."""
+    """Outputs by name, plus ``path``: ``"shm"``, ``"cuda_shm"`` or ``"grpc"``, the way they travelled.
+
+    Outputs of a CUDA pool (``path == "cuda_shm"``) are cupy arrays on its GPU.
+    """
 
     path: str
 
@@ -109,18 +113,26 @@ class PoolSource(Protocol):
 class LocalPools:
     """Pools created and registered with Triton by this process."""
 
-    def __init__(self, grpc: grpcclient.InferenceServerClient) -> None:
+    def __init__(
+        self, grpc: grpcclient.InferenceServerClient, server_visible_devices: str | None = None
+    ) -> None:
         self._grpc = grpc
+        self._server_visible = server_visible_devices
         self._pools: list[SlotPool] = []
 
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
         layout = fetch_layout(self._grpc, model, config)
-        pool = SlotPool.create(layout, config.slots)
+        if config.memory == "cuda":
+            from ray_triton_shm._private.cuda_pool import CudaSlotPool
+
+            pool: SlotPool = CudaSlotPool.create(layout, config.slots, device=config.device_id)
+        else:
+            pool = SlotPool.create(layout, config.slots)
         try:
-            self._grpc.register_system_shared_memory(pool.region_name, pool.segment.key, pool.segment.size)
-        except InferenceServerException as e:
+            self._register(pool)
+        except BaseException:
             pool.close()
-            raise translate_error(e, model) from e
+            raise
         self._pools.append(pool)
         logger.info(
             "registered pool %s for %s: %d slots x %d bytes",
@@ -131,12 +143,49 @@ class LocalPools:
         )
         return pool
 
+    def _register(self, pool: SlotPool) -> None:
+        model = pool.layout.model
+        if pool.memory != "cuda":
+            try:
+                self._grpc.register_system_shared_memory(
+                    pool.region_name, pool.segment.key, pool.segment.size
+                )
+            except InferenceServerException as e:
+                raise translate_error(e, model) from e
+            return
+        from ray_triton_shm._private.cuda import server_device_id, server_visible_for_local_server
+        from ray_triton_shm.errors import CudaError
+
+        buffer = pool.buffer  # type: ignore[attr-defined]
+        device = server_device_id(
+            buffer.device,
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            server_visible_for_local_server(self._server_visible),
+        )
+        try:
+            self._grpc.register_cuda_shared_memory(pool.region_name, buffer.handle_b64, device, buffer.size)
+        except InferenceServerException as e:
+            raise CudaError(
+                f"Triton refused CUDA region {pool.region_name!r} of {model!r} on its GPU {device}: "
+                f"{e.message() or e}"
+            ) from e
+
     def close(self) -> None:
         for pool in self._pools:
+            wait = pool.in_doubt_until() - time.monotonic()
+            if pool.memory == "cuda" and wait > 0:
+                # A timed-out request may still run on the server: its device memory must outlive it.
+                logger.warning(
+                    "waiting %.1fs before freeing %s: a request may be in flight", wait, pool.region_name
+                )
+                time.sleep(wait)
             try:
-                self._grpc.unregister_system_shared_memory(pool.region_name)
+                if pool.memory == "cuda":
+                    self._grpc.unregister_cuda_shared_memory(pool.region_name)
+                else:
+                    self._grpc.unregister_system_shared_memory(pool.region_name)
             except InferenceServerException as e:
-                # The server may be gone already; the segment is ours to unlink anyway.
+                # The server may be gone already; the memory is ours to free anyway.
                 logger.debug("unregister %s failed: %s", pool.region_name, e)
             pool.close()
         self._pools.clear()
@@ -173,7 +222,7 @@ class TritonShmClient:
             config = dataclasses.replace(config, **overrides)
         self.config = config
         self._grpc = grpcclient.InferenceServerClient(url=config.url)
-        self._source: PoolSource = pool_source or LocalPools(self._grpc)
+        self._source: PoolSource = pool_source or LocalPools(self._grpc, config.server_visible_devices)
         self._observer: Observer = observer or NULL_OBSERVER
         self._pools: dict[str, SlotPool] = {}
         self._lock = threading.Lock()
@@ -324,16 +373,23 @@ class TritonShmClient:
         if checked.nbytes < self.config.pool_for(model).min_shm_bytes:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
         pool = self.pool(model)
+        path = "cuda_shm" if pool.memory == "cuda" else "shm"
         lease_timeout = self._lease_timeout(model, timeout)
         chunks = _chunks(layout, checked.batch)
         if len(chunks) == 1:
-            return InferResult(self._run_chunk(pool, checked, chunks[0], wanted, lease_timeout), "shm")
+            return InferResult(self._run_chunk(pool, checked, chunks[0], wanted, lease_timeout), path)
         executor = self._chunk_executor()
         futures = [
             executor.submit(self._run_chunk, pool, checked, chunk, wanted, lease_timeout) for chunk in chunks
         ]
         parts = [f.result() for f in futures]
-        return InferResult({name: np.concatenate([p[name] for p in parts]) for name in wanted}, "shm")
+        if pool.memory == "cuda":
+            from ray_triton_shm._private.cuda import import_cupy
+
+            concatenate = import_cupy().concatenate
+        else:
+            concatenate = np.concatenate
+        return InferResult({name: concatenate([p[name] for p in parts]) for name in wanted}, path)
 
     async def ainfer(
         self,
@@ -432,10 +488,7 @@ class TritonShmClient:
     ) -> dict[str, np.ndarray]:
         with self._acquire(pool, lease_timeout) as lease:
             shapes = self._write_and_call(lease, checked, chunk, wanted)
-            return {
-                name: np.array(lease.slot.arrays[name][: int(np.prod(shape))].reshape(shape))
-                for name, shape in shapes.items()
-            }
+            return {name: lease.copy_output(name, shape) for name, shape in shapes.items()}
 
     def _write_and_call(
         self,
@@ -449,9 +502,7 @@ class TritonShmClient:
         shapes = {}
         for name, array in checked.arrays.items():
             part = array[start:stop] if layout.batched else array
-            flat = lease.slot.arrays[name]
-            np.copyto(flat[: part.size].reshape(part.shape), part, casting="no")
-            shapes[name] = part.shape
+            shapes[name] = lease.write_input(name, part)
         return self._call_shm(lease, shapes, wanted)
 
     def _call_shm(
@@ -478,6 +529,7 @@ class TritonShmClient:
             tensor = grpcclient.InferRequestedOutput(name)
             tensor.set_shared_memory(region, spec.capacity, offset=base + spec.offset)
             request_outputs.append(tensor)
+        lease.flush()
         started = time.perf_counter()
         try:
             response = self._grpc.infer(
@@ -502,7 +554,8 @@ class TritonShmClient:
                 raise TritonCallError(f"server returned no output {name!r}", None, layout.model)
             shapes_out[name] = tuple(int(d) for d in out.shape)
             nbytes += int(np.prod(shapes_out[name])) * layout.output(name).dtype.itemsize
-        safely(self._observer.request, layout.model, "shm", nbytes, seconds)
+        path = "cuda_shm" if lease.pool.memory == "cuda" else "shm"
+        safely(self._observer.request, layout.model, path, nbytes, seconds)
         return shapes_out
 
     def _call_grpc(self, model: str, checked: CheckedInputs, wanted: list[str]) -> dict[str, np.ndarray]:
@@ -511,6 +564,10 @@ class TritonShmClient:
         for spec in layout.inputs:
             array = checked.arrays[spec.name]
             tensor = grpcclient.InferInput(spec.name, list(array.shape), spec.datatype)
+            if not isinstance(array, np.ndarray):  # a cupy array: plain gRPC sends host bytes
+                from ray_triton_shm._private.cuda import import_cupy
+
+                array = import_cupy().asnumpy(array)
             tensor.set_data_from_numpy(np.ascontiguousarray(array))
             request_inputs.append(tensor)
         request_outputs = [grpcclient.InferRequestedOutput(name) for name in wanted]

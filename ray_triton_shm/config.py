@@ -28,6 +28,7 @@ __all__ = ["ClientConfig", "PoolConfig", "ServerConfig", "env_field"]
 
 T = TypeVar("T")
 ENV_PREFIX = "RAY_TRITON_SHM_"
+MEMORY_KINDS = ("system", "cuda")
 
 
 def _parse_bool(text: str) -> bool:
@@ -238,6 +239,10 @@ class PoolConfig:
         lease_timeout_s: How long ``infer`` waits for a free slot.
         min_shm_bytes: Requests whose inputs are smaller than this go over
             plain gRPC, where shared memory does not pay; 0 always uses shm.
+        memory: ``"system"`` (POSIX shared memory) or ``"cuda"`` (GPU memory
+            shared with Triton through CUDA IPC; needs cupy, see docs/cuda.md).
+        device_id: For ``"cuda"``: the GPU, as this process numbers it; ``None``
+            takes cupy's current device.
     """
 
     slots: int = env_field("SLOTS", 4)
@@ -245,8 +250,17 @@ class PoolConfig:
     max_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     lease_timeout_s: float = env_field("LEASE_TIMEOUT_S", 30.0)
     min_shm_bytes: int = env_field("MIN_SHM_BYTES", 0)
+    memory: str = env_field("MEMORY", "system")
+    device_id: int | None = env_field("DEVICE_ID", None, lambda s: int(s) if s.strip() else None)
 
     def __post_init__(self) -> None:
+        _require(
+            self.memory in MEMORY_KINDS,
+            f"PoolConfig.memory must be one of {list(MEMORY_KINDS)}, got {self.memory!r}",
+        )
+        if self.device_id is not None:
+            _require_type(self, "device_id", int)
+            _require(self.device_id >= 0, f"PoolConfig.device_id must be >= 0, got {self.device_id}")
         _require_type(self, "slots", int)
         _require_type(self, "lease_timeout_s", (int, float))
         _require_type(self, "min_shm_bytes", int)
@@ -284,6 +298,10 @@ class ClientConfig:
         pools: Pool settings by model name.
         request_timeout_s: Deadline of one inference call; ``None`` waits forever.
         max_parallel_chunks: Threads used to run the pieces of a split batch.
+        server_visible_devices: The server's ``CUDA_VISIBLE_DEVICES``, to name
+            GPUs of CUDA pools in its numbering: ``None`` means the same as
+            this process's (a server started from here inherits it), ``"all"``
+            that the server's is unset.
     """
 
     url: str = env_field("URL", "127.0.0.1:8001")
@@ -291,8 +309,11 @@ class ClientConfig:
     pools: Mapping[str, PoolConfig] = field(default_factory=dict)
     request_timeout_s: float | None = env_field("REQUEST_TIMEOUT_S", 60.0, lambda s: float(s) if s else None)
     max_parallel_chunks: int = env_field("MAX_PARALLEL_CHUNKS", 8)
+    server_visible_devices: str | None = env_field("SERVER_VISIBLE_DEVICES", None, _parse_optional_str)
 
     def __post_init__(self) -> None:
+        if self.server_visible_devices is not None:
+            _require_type(self, "server_visible_devices", str)
         _require(":" in self.url, f"ClientConfig.url must be host:port, got {self.url!r}")
         if self.request_timeout_s is not None:
             _require(self.request_timeout_s > 0, "ClientConfig.request_timeout_s must be > 0")

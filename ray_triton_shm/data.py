@@ -21,13 +21,16 @@ from typing import Any
 
 import numpy as np
 
+from ray_triton_shm._private.cuda import is_device_array, to_host
 from ray_triton_shm.errors import InputError
 from ray_triton_shm.node import NodeClient, NodeConfig
 
 __all__ = ["TritonPredictor"]
 
 
-def _column_array(values: Any) -> np.ndarray:
+def _column_array(values: Any) -> Any:
+    if is_device_array(values):  # a cupy/torch CUDA column stays on the GPU
+        return values
     array = np.asarray(values)
     if array.dtype == object:  # pandas keeps per-row arrays as objects
         array = np.stack(list(values))
@@ -46,6 +49,11 @@ class TritonPredictor:
             :func:`ray_triton_shm.serve.build_node_config`).
         slots_per_model: Slots this worker asks its node actor for.
         grpc: Send tensors over plain gRPC instead (for comparison).
+        memory: Slot memory, ``"system"``, ``"cuda"`` or ``"auto"`` (see
+            :class:`~ray_triton_shm.node.NodeClient`). GPU outputs are copied to
+            host before they go back into the dataset, since Ray Data blocks
+            live in host memory (the object store); with ``"cuda"`` only the
+            tensors' trip to and from Triton stays on the GPU.
     """
 
     def __init__(
@@ -59,13 +67,14 @@ class TritonPredictor:
         pools: Mapping[str, Mapping[str, Any]] | None = None,
         slots_per_model: int = 2,
         grpc: bool = False,
+        memory: str = "system",
     ) -> None:
         if node_config is None and model_repository is not None:
             from ray_triton_shm.serve import build_node_config
 
             node_config = build_node_config(model_repository, pools)
         self.model = model
-        self._client = NodeClient(node_config, slots_per_model=slots_per_model)
+        self._client = NodeClient(node_config, slots_per_model=slots_per_model, memory=memory)
         layout = self._client.client.layout(model)
         self._inputs = dict(input_columns or {s.name: s.name for s in layout.inputs})
         self._outputs = dict(output_columns or {s.name: s.name for s in layout.outputs})
@@ -84,7 +93,7 @@ class TritonPredictor:
             raise InputError(f"batch lacks columns {missing} for model {self.model!r}")
         inputs = {name: _column_array(batch[column]) for name, column in self._inputs.items()}
         call = self._client.infer_grpc if self._grpc else self._client.infer
-        result = call(self.model, inputs)
+        result = {name: to_host(value) for name, value in call(self.model, inputs).items()}
         if is_frame:
             frame = batch.copy()
             for name, column in self._outputs.items():

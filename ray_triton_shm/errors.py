@@ -17,9 +17,13 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "CudaError",
+    "CudaUnavailableError",
+    "DeviceMappingError",
     "InputError",
     "LayoutError",
     "LeaseReleasedError",
+    "NoGpuError",
     "PoolClosedError",
     "PoolTimeoutError",
     "RayTritonShmError",
@@ -130,3 +134,28 @@ class TritonCallError(RayTritonShmError):
 
 class UnavailableError(TritonCallError):
     """Triton could not be reached (it died, restarted, or is not ready)."""
+
+
+class CudaError(RayTritonShmError):
+    """A CUDA shared-memory operation failed (allocation, IPC handle, registration with Triton)."""
+
+
+class CudaUnavailableError(CudaError, ImportError):
+    """CUDA memory was asked for but cupy cannot be imported.
+
+    Args:
+        message: What went wrong (includes the pip extra to install).
+    """
+
+
+class NoGpuError(CudaError):
+    """cupy is installed but this process sees no (or not the requested) GPU."""
+
+
+class DeviceMappingError(CudaError, ValueError):
+    """A client's GPU cannot be named in the Triton server's device numbering.
+
+    Raised when ``CUDA_VISIBLE_DEVICES`` of the client and of the server do
+    not describe a common GPU, or use forms (index vs UUID) that cannot be
+    compared without the GPUs' UUIDs.
+    """

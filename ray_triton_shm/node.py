@@ -32,12 +32,21 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private import metrics
-from ray_triton_shm._private.node_pools import Grant, NodePools
+from ray_triton_shm._private.layout import layout_from_config
+from ray_triton_shm._private.node_pools import CudaRegion, Grant, NodePools, pool_key
 from ray_triton_shm._private.pool import SlotPool
-from ray_triton_shm._private.segment import Segment
-from ray_triton_shm.client import InferResult, TritonShmClient, fetch_layout, translate_error
+from ray_triton_shm._private.segment import Segment, new_segment_name
+from ray_triton_shm.client import InferResult, TritonShmClient, translate_error
 from ray_triton_shm.config import ClientConfig, PoolConfig, ServerConfig
-from ray_triton_shm.errors import ConfigError, RayTritonShmError, TritonCallError, UnavailableError
+from ray_triton_shm.errors import (
+    ConfigError,
+    CudaError,
+    CudaUnavailableError,
+    DeviceMappingError,
+    RayTritonShmError,
+    TritonCallError,
+    UnavailableError,
+)
 
 __all__ = [
     "NAMESPACE",
@@ -68,6 +77,11 @@ class NodeConfig:
         preload: Models whose pools are created when the actor starts.
         quarantine_s: How long slots of a dead client are held back.
         health_interval_s: How often Triton's health and client liveness are checked.
+        cuda_pools: When clients that ask for GPU memory get CUDA pools:
+            ``"auto"`` for models whose instances run on GPU (or whose pool
+            config says ``memory="cuda"``) on nodes with GPUs, ``"always"``
+            for every model on nodes with GPUs, ``"never"``. Others get
+            system-memory pools.
     """
 
     server: ServerConfig
@@ -76,8 +90,11 @@ class NodeConfig:
     preload: tuple[str, ...] = ()
     quarantine_s: float = 30.0
     health_interval_s: float = 0.5
+    cuda_pools: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cuda_pools not in ("auto", "always", "never"):
+            raise ConfigError(f"NodeConfig.cuda_pools must be auto, always or never, got {self.cuda_pools!r}")
         if self.quarantine_s < 0:
             raise ConfigError("NodeConfig.quarantine_s must be >= 0")
         if self.health_interval_s <= 0:
@@ -107,6 +124,9 @@ class NodeInfo:
         triton_pid: Triton's process id.
         version: Triton's version.
         restarts: How often Triton was restarted by the health check.
+        gpus: GPUs the node actor (and Triton) see; 0 without cupy or GPUs.
+        gpu_visible_devices: Triton's ``CUDA_VISIBLE_DEVICES`` (``None``: unset),
+            to name a client's GPU in Triton's numbering.
     """
 
     node_id: str
@@ -118,6 +138,8 @@ class NodeInfo:
     triton_pid: int
     version: str
     restarts: int
+    gpus: int = 0
+    gpu_visible_devices: str | None = None
 
 
 def actor_name(node_id: str) -> str:
@@ -136,6 +158,11 @@ class _NodeActor:
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.RLock()
         self._server = TritonServer(config.server)
+        # Triton inherits this actor's CUDA_VISIBLE_DEVICES unless ServerConfig.gpus is set. The actor
+        # asks Ray for no GPU, so Ray leaves the variable as the raylet had it: all of the node's GPUs.
+        gpus = config.server.gpus
+        self._gpu_visible = ",".join(map(str, gpus)) if gpus is not None else os.environ.get(_CVD)
+        self._gpu_count = _local_gpu_count()
         self._server.start()  # sweeps segments of a previous incarnation first
         self._epoch = 1
         self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
@@ -152,19 +179,70 @@ class _NodeActor:
         )
 
     # -- Triton ------------------------------------------------------------
-    def _register(self, name: str, key: str, size: int) -> None:
+    def _register(self, region: Any) -> None:
         try:
-            self._grpc.register_system_shared_memory(name, key, size)
+            if isinstance(region, CudaRegion):
+                buffer = region.buffer
+                self._grpc.register_cuda_shared_memory(
+                    region.name, buffer.handle_b64, region.server_device, region.size
+                )
+            else:
+                self._grpc.register_system_shared_memory(region.name, region.key, region.size)
         except InferenceServerException as e:
+            if isinstance(region, CudaRegion):
+                raise CudaError(f"Triton refused CUDA region {region.name!r}: {e.message() or e}") from e
             raise translate_error(e) from e
 
-    def _unregister(self, name: str) -> None:
-        self._grpc.unregister_system_shared_memory(name)
+    def _unregister(self, region: Any) -> None:
+        if isinstance(region, CudaRegion):
+            self._grpc.unregister_cuda_shared_memory(region.name)
+        else:
+            self._grpc.unregister_system_shared_memory(region.name)
 
-    def _ensure_pool(self, model: str) -> None:
+    def _ensure_pool(self, model: str, device: int | None = None, force_cuda: bool = False) -> str:
+        """Create ``model``'s pool (a CUDA one on Triton's GPU ``device`` if allowed); return its key."""
         pool_config = self.config.pool_for(model)
-        layout = fetch_layout(self._grpc, model, pool_config)
-        self._pools.ensure_pool(model, layout, pool_config)
+        model_config = self._model_config(model)
+        layout = layout_from_config(model_config, pool_config)
+        if device is None or not self._cuda_allowed(model_config, pool_config, force_cuda):
+            self._pools.ensure_pool(model, layout, pool_config)
+            return model
+        key = pool_key(model, "cuda", device)
+        local = self._local_device(device)
+
+        def make_region(size: int) -> CudaRegion:
+            from ray_triton_shm._private.cuda import DeviceBuffer
+
+            return CudaRegion(DeviceBuffer.allocate(size, local), new_segment_name("ncuda"), device)
+
+        self._pools.ensure_pool(model, layout, pool_config, key=key, make_region=make_region)
+        return key
+
+    def _model_config(self, model: str) -> dict[str, Any]:
+        try:
+            return self._grpc.get_model_config(model, as_json=True)["config"]
+        except InferenceServerException as e:
+            raise translate_error(e, model) from e
+
+    def _cuda_allowed(self, model_config: Mapping[str, Any], pool: PoolConfig, force: bool) -> bool:
+        if self._gpu_count == 0 or self.config.cuda_pools == "never":
+            return False
+        return (
+            self.config.cuda_pools == "always" or force or pool.memory == "cuda" or runs_on_gpu(model_config)
+        )
+
+    def _local_device(self, server_device: int) -> int:
+        """This actor's index of the GPU Triton calls ``server_device``."""
+        from ray_triton_shm._private.cuda import server_device_id
+
+        mine = os.environ.get(_CVD)
+        for index in range(self._gpu_count):
+            if server_device_id(index, mine, self._gpu_visible) == server_device:
+                return index
+        raise DeviceMappingError(
+            f"Triton's GPU {server_device} is not visible to the node actor "
+            f"(actor {_CVD}={mine!r}, Triton's {self._gpu_visible!r})"
+        )
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.config.health_interval_s):
@@ -214,18 +292,38 @@ class _NodeActor:
                 triton_pid=server.pid or -1,
                 version=server.version,
                 restarts=server.restarts,
+                gpus=self._gpu_count,
+                gpu_visible_devices=self._gpu_visible,
             )
 
-    def acquire(self, model: str, want: int, owner_pid: int, timeout: float) -> Grant:
+    def acquire(
+        self,
+        model: str,
+        want: int,
+        owner_pid: int,
+        timeout: float,
+        device: int | None = None,
+        force_cuda: bool = False,
+    ) -> Grant:
         """Grant up to ``want`` slots of ``model`` to process ``owner_pid`` on this node.
+
+        Args:
+            model: Model name.
+            want: Slots wanted (at least one is granted).
+            owner_pid: The client process; its slots come back when it dies.
+            timeout: Seconds to wait for free slots.
+            device: The client's GPU in Triton's numbering, if it wants GPU memory;
+                it gets a CUDA pool there when :attr:`NodeConfig.cuda_pools` allows.
+            force_cuda: The client insists on GPU memory (any model, if the node has GPUs).
 
         Raises:
             PoolTimeoutError: No slot became free in time.
             TritonCallError / LayoutError: The model is unknown or cannot use slots.
+            CudaError: The GPU region could not be made or registered.
         """
         with self._lock:
-            self._ensure_pool(model)
-        return self._pools.acquire(model, want, owner_pid, timeout)
+            key = self._ensure_pool(model, device, force_cuda)
+        return self._pools.acquire(model, want, owner_pid, timeout, key=key)
 
     def release(self, grant_id: str) -> bool:
         """Return a grant's slots."""
@@ -284,6 +382,25 @@ class _NodeActor:
             self._pools.close()
             self._server.stop()
             self._grpc.close()
+
+
+_CVD = "CUDA_VISIBLE_DEVICES"
+
+
+def _local_gpu_count() -> int:
+    """GPUs this process sees through cupy; 0 without cupy or GPUs."""
+    from ray_triton_shm._private.cuda import device_count
+
+    try:
+        return device_count()
+    except CudaUnavailableError:
+        return 0
+
+
+def runs_on_gpu(model_config: Mapping[str, Any]) -> bool:
+    """Whether Triton runs some instance of the model on a GPU (instance_group kind GPU)."""
+    groups = model_config.get("instance_group") or []
+    return any(str(group.get("kind", "")).endswith("GPU") for group in groups)
 
 
 TritonNodeActor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=32)(_NodeActor)
@@ -369,17 +486,54 @@ def shutdown_node_actors(*, timeout_s: float = 60.0) -> int:
 class _GrantedPools:
     """A client's :class:`PoolSource` backed by slots granted by the node actor."""
 
-    def __init__(self, actor: ray.actor.ActorHandle, slots_per_model: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        actor: ray.actor.ActorHandle,
+        slots_per_model: int,
+        timeout_s: float,
+        info: NodeInfo | None = None,
+        force_cuda: bool = False,
+    ) -> None:
         self._actor = actor
         self._want = slots_per_model
         self._timeout = timeout_s
+        self._info = info
+        self._force_cuda = force_cuda
         self._held: list[tuple[Grant, SlotPool]] = []
 
+    def _server_device(self, config: PoolConfig) -> tuple[int, int] | None:
+        """(this process's GPU, Triton's id for it) when the pool should be in GPU memory."""
+        if config.memory != "cuda":
+            return None
+        from ray_triton_shm._private.cuda import require_device, server_device_id
+
+        local = require_device(config.device_id)
+        visible = self._info.gpu_visible_devices if self._info else None
+        return local, server_device_id(local, os.environ.get(_CVD), visible)
+
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
-        grant: Grant = ray.get(self._actor.acquire.remote(model, self._want, os.getpid(), self._timeout))
+        devices = self._server_device(config)
+        request = self._actor.acquire.remote(
+            model,
+            self._want,
+            os.getpid(),
+            self._timeout,
+            devices[1] if devices else None,
+            self._force_cuda,
+        )
+        grant: Grant = ray.get(request)
         try:
-            segment = Segment.attach(grant.segment_name, grant.segment_size)
-            pool = SlotPool(segment, grant.layout, grant.slots)
+            if grant.memory == "cuda" and devices is not None:
+                from ray_triton_shm._private.cuda import DeviceBuffer
+                from ray_triton_shm._private.cuda_pool import CudaSlotPool
+
+                buffer = DeviceBuffer.open(grant.cuda_handle, grant.segment_size, devices[0])
+                pool: SlotPool = CudaSlotPool(buffer, grant.segment_name, grant.layout, grant.slots)
+            else:
+                if devices is not None:
+                    logger.info("node gave %s a system-memory pool (model not on GPU or no GPUs)", model)
+                segment = Segment.attach(grant.segment_name, grant.segment_size)
+                pool = SlotPool(segment, grant.layout, grant.slots)
         except BaseException:
             self._actor.release.remote(grant.grant_id)
             raise
@@ -410,6 +564,15 @@ class NodeClient:
         slots_per_model: Slots this process asks for per model.
         lease_timeout_s: How long to wait for slots (grant and per request).
         request_timeout_s: Deadline of one inference call.
+        memory: ``"system"`` (default; outputs are numpy), ``"cuda"`` (slots in
+            this process's GPU memory, outputs are cupy arrays; any model) or
+            ``"auto"`` (GPU memory when this process sees a GPU and the model
+            runs on GPU; else system memory). See docs/cuda.md.
+        device_id: For GPU memory: this process's GPU (default cupy's current one).
+
+    Raises:
+        ConfigError: Unknown ``memory``.
+        CudaUnavailableError / NoGpuError: ``memory="cuda"`` without cupy or a GPU.
     """
 
     def __init__(
@@ -419,7 +582,21 @@ class NodeClient:
         slots_per_model: int = 2,
         lease_timeout_s: float = 30.0,
         request_timeout_s: float | None = 60.0,
+        memory: str = "system",
+        device_id: int | None = None,
     ) -> None:
+        if memory not in ("system", "cuda", "auto"):
+            raise ConfigError(f"NodeClient memory must be system, cuda or auto, got {memory!r}")
+        # An explicit "cuda" gets GPU memory for any model; "auto" only for models that run on GPU.
+        self._force_cuda = memory == "cuda"
+        if memory == "cuda":
+            from ray_triton_shm._private.cuda import require_device
+
+            require_device(device_id)
+        elif memory == "auto":
+            memory = "cuda" if _local_gpu_count() > 0 else "system"
+        self._memory = memory
+        self._device_id = device_id
         self._config = config
         self._slots = slots_per_model
         self._lease_timeout = lease_timeout_s
@@ -433,16 +610,18 @@ class NodeClient:
     def _connect(self) -> TritonShmClient:
         actor = get_node_actor(self._config)
         info: NodeInfo = ray.get(actor.info.remote())
-        pool = PoolConfig(slots=self._slots, lease_timeout_s=self._lease_timeout)
+        pool = PoolConfig(
+            slots=self._slots,
+            lease_timeout_s=self._lease_timeout,
+            memory=self._memory,
+            device_id=self._device_id,
+        )
         client_config = ClientConfig(
             url=info.grpc_url, default_pool=pool, request_timeout_s=self._request_timeout
         )
         observer = metrics.RayMetricsObserver(actor)
-        inner = TritonShmClient(
-            client_config,
-            pool_source=_GrantedPools(actor, self._slots, self._lease_timeout),
-            observer=observer,
-        )
+        source = _GrantedPools(actor, self._slots, self._lease_timeout, info, self._force_cuda)
+        inner = TritonShmClient(client_config, pool_source=source, observer=observer)
         old, self._inner, self.info = self._inner, inner, info
         old_observer, self._observer = self._observer, observer
         if old is not None:

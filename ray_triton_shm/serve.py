@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private import kserve
+from ray_triton_shm._private.cuda import to_host
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.errors import (
     InputError,
@@ -110,10 +111,15 @@ class TritonDeployment:
     Args:
         node_config: What the node actor runs (created if the node has none).
         slots_per_model: Slots this replica asks its node actor for, per model.
+        memory: Slot memory of this replica's pools, ``"system"``, ``"cuda"`` or
+            ``"auto"`` (see :class:`NodeClient`). With GPU memory, handle calls
+            return cupy arrays (Ray pickles them through host memory and
+            rebuilds them on the caller's GPU); HTTP answers are always encoded
+            from host copies.
     """
 
-    def __init__(self, node_config: NodeConfig, slots_per_model: int = 2) -> None:
-        self._client = NodeClient(node_config, slots_per_model=slots_per_model)
+    def __init__(self, node_config: NodeConfig, slots_per_model: int = 2, memory: str = "system") -> None:
+        self._client = NodeClient(node_config, slots_per_model=slots_per_model, memory=memory)
         logger.info(
             "replica on node %s uses Triton %s", self._client.info.node_id, self._client.info.grpc_url
         )
@@ -194,16 +200,18 @@ class TritonDeployment:
         header = request.headers.get(kserve.HEADER_LENGTH)
         decoded = kserve.decode_request(body, int(header) if header else None)
         outputs = await self._client.ainfer(model, decoded.inputs, outputs=decoded.outputs)
-        payload, headers = kserve.encode_response(model, decoded, dict(outputs))
+        host = {name: to_host(value) for name, value in outputs.items()}
+        payload, headers = kserve.encode_response(model, decoded, host)
         return Response(payload, headers=headers)
 
 
 def _build(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:
     args = dict(args or {})
     slots = int(args.pop("slots_per_model", 2))
+    memory = str(args.pop("memory", "system"))
     node_config = build_node_config(**args)
     deployment = TritonDeployment.options(**dict(options)) if options else TritonDeployment
-    return deployment.bind(node_config, slots)
+    return deployment.bind(node_config, slots, memory)
 
 
 def run_config_file(path: str, *, blocking: bool = False) -> dict[str, Any]:
@@ -247,7 +255,8 @@ def app(args: Mapping[str, Any]) -> serve.Application:
     Args:
         args: ``model_repository`` (path or ``examples``), ``pools`` (model ->
             PoolConfig fields), ``default_pool``, ``server`` (ServerConfig
-            fields), ``quarantine_s``, ``slots_per_model``.
+            fields), ``quarantine_s``, ``slots_per_model``, ``memory`` (slot
+            memory of the replicas: system, cuda or auto).
 
     Returns:
         The bound application.

@@ -13,7 +13,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray_triton_shm._private.layout import ModelLayout
 from ray_triton_shm._private.segment import Segment, new_segment_name, process_start_time
@@ -34,6 +36,9 @@ class Grant:
         segment_size: Its size in bytes.
         layout: Placement of tensors in a slot.
         slots: Slot indices the client may use.
+        memory: ``"system"``, or ``"cuda"`` for a region in GPU memory.
+        device_id: For CUDA: the region's GPU in the server's (and node actor's) numbering.
+        cuda_handle: For CUDA: the region's 64-byte IPC handle, to open with ``cudaIpcOpenMemHandle``.
     """
 
     grant_id: str
@@ -42,6 +47,30 @@ class Grant:
     segment_size: int
     layout: ModelLayout
     slots: tuple[int, ...]
+    memory: str = "system"
+    device_id: int = -1
+    cuda_handle: bytes = b""
+
+
+class CudaRegion:
+    """A node-owned region in GPU memory, with the interface NodePools needs of a segment.
+
+    Args:
+        buffer: The raw allocation (a ``cuda.DeviceBuffer`` owned by the node actor).
+        name: Its name in Triton.
+        server_device: Its GPU in Triton's numbering.
+    """
+
+    memory = "cuda"
+
+    def __init__(self, buffer: Any, name: str, server_device: int) -> None:
+        self.buffer = buffer
+        self.name = name
+        self.size = buffer.size
+        self.server_device = server_device
+
+    def close(self) -> None:
+        self.buffer.close()
 
 
 @dataclass
@@ -53,9 +82,9 @@ class _Owner:
 
 @dataclass
 class ModelPool:
-    """One model's segment and who holds which slot."""
+    """One model's region (a segment, or a :class:`CudaRegion`) and who holds which slot."""
 
-    segment: Segment
+    segment: Any
     layout: ModelLayout
     free: list[int]
     grants: dict[str, _Owner] = field(default_factory=dict)
@@ -66,13 +95,24 @@ class ModelPool:
 class NodePools:
     """Segments for each model, and grants of their slots to processes on this node.
 
+    Pools are kept by key: the model name for its system-memory pool, or
+    :func:`pool_key` of model and GPU for a CUDA pool (one per GPU).
+
     Args:
-        register: Called with (region name, key, size) to register a segment with Triton.
-        unregister: Called with a region name before a segment is unlinked.
+        register: Called with a region (a :class:`Segment` or :class:`CudaRegion`)
+            to register it with Triton.
+        unregister: Called with a region before it is freed; it must not be
+            freed before Triton lets go of it.
         quarantine_s: How long slots of a dead process are held back.
     """
 
-    def __init__(self, register, unregister, *, quarantine_s: float) -> None:
+    def __init__(
+        self,
+        register: Callable[[Any], None],
+        unregister: Callable[[Any], None],
+        *,
+        quarantine_s: float,
+    ) -> None:
         self._register = register
         self._unregister = unregister
         self.quarantine_s = quarantine_s
@@ -80,30 +120,50 @@ class NodePools:
         self._cond = threading.Condition()
         self._closed = False
 
-    def ensure_pool(self, model: str, layout: ModelLayout, config: PoolConfig) -> ModelPool:
-        """Create and register ``model``'s segment if it has none yet."""
+    def ensure_pool(
+        self,
+        model: str,
+        layout: ModelLayout,
+        config: PoolConfig,
+        *,
+        key: str | None = None,
+        make_region: Callable[[int], Any] | None = None,
+    ) -> ModelPool:
+        """Create and register a pool for ``model`` under ``key`` (default: the model) if there is none.
+
+        Args:
+            model: Model name.
+            layout: Its slot layout.
+            config: Pool settings (slot count).
+            key: Where the pool is kept; see :func:`pool_key`.
+            make_region: Makes a region of the given size; default a new POSIX segment.
+        """
+        key = key or model
         with self._cond:
-            pool = self._pools.get(model)
+            pool = self._pools.get(key)
             if pool is None:
-                segment = Segment.create(new_segment_name("node"), config.slots * layout.slot_bytes)
+                size = config.slots * layout.slot_bytes
+                region = make_region(size) if make_region else Segment.create(new_segment_name("node"), size)
                 try:
-                    self._register(segment.name, segment.key, segment.size)
+                    self._register(region)
                 except BaseException:
-                    segment.close()
+                    region.close()
                     raise
-                pool = ModelPool(segment, layout, list(range(config.slots)))
-                self._pools[model] = pool
-                logger.info("pool for %s: %d slots x %d bytes", model, config.slots, layout.slot_bytes)
+                pool = ModelPool(region, layout, list(range(config.slots)))
+                self._pools[key] = pool
+                logger.info("pool %s: %d slots x %d bytes", key, config.slots, layout.slot_bytes)
             return pool
 
     def register_all(self) -> None:
         """Register every segment again (after Triton restarted)."""
         with self._cond:
             for pool in self._pools.values():
-                self._register(pool.segment.name, pool.segment.key, pool.segment.size)
+                self._register(pool.segment)
 
-    def acquire(self, model: str, want: int, owner_pid: int, timeout: float) -> Grant:
-        """Grant up to ``want`` (at least one) free slots of ``model`` to ``owner_pid``.
+    def acquire(
+        self, model: str, want: int, owner_pid: int, timeout: float, *, key: str | None = None
+    ) -> Grant:
+        """Grant up to ``want`` (at least one) free slots of ``model`` (pool ``key``) to ``owner_pid``.
 
         Raises:
             PoolTimeoutError: No slot became free within ``timeout``.
@@ -115,14 +175,26 @@ class NodePools:
             while True:
                 if self._closed:
                     raise PoolClosedError("the node's pools are shut down")
-                pool = self._pools[model]
+                pool = self._pools[key or model]
                 self._reclaim_locked(pool)
                 if pool.free:
                     take = tuple(pool.free[: max(1, want)])
                     del pool.free[: len(take)]
                     grant_id = uuid.uuid4().hex
                     pool.grants[grant_id] = _Owner(owner_pid, process_start_time(owner_pid), take)
-                    return Grant(grant_id, model, pool.segment.name, pool.segment.size, pool.layout, take)
+                    region = pool.segment
+                    cuda = getattr(region, "memory", "system") == "cuda"
+                    return Grant(
+                        grant_id,
+                        model,
+                        region.name,
+                        region.size,
+                        pool.layout,
+                        take,
+                        memory="cuda" if cuda else "system",
+                        device_id=region.server_device if cuda else -1,
+                        cuda_handle=region.buffer.handle if cuda else b"",
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PoolTimeoutError(model, timeout)
@@ -174,7 +246,7 @@ class NodePools:
         """Per model: slots, free, granted, quarantined, owners, slot bytes."""
         with self._cond:
             return {
-                model: {
+                key: {
                     "slots": pool.segment.size // pool.layout.slot_bytes,
                     "free": len(pool.free),
                     "granted": sum(len(o.slots) for o in pool.grants.values()),
@@ -182,11 +254,15 @@ class NodePools:
                     "owners": len(pool.grants),
                     "slot_bytes": pool.layout.slot_bytes,
                 }
-                for model, pool in self._pools.items()
+                for key, pool in self._pools.items()
             }
 
     def close(self) -> None:
-        """Unregister, then unlink every segment. Idempotent."""
+        """Unregister, then unlink every segment (free every GPU region). Idempotent.
+
+        A GPU region with slots still in quarantine (their owner died, a request
+        may still run on the server) is freed only when the quarantine ends.
+        """
         with self._cond:
             if self._closed:
                 return
@@ -194,8 +270,20 @@ class NodePools:
             self._cond.notify_all()
             pools, self._pools = self._pools, {}
         for pool in pools.values():
+            if isinstance(pool.segment, CudaRegion) and pool.quarantined:
+                wait = max(until for _, until in pool.quarantined) - time.monotonic()
+                if wait > 0:
+                    logger.warning(
+                        "waiting %.1fs before freeing %s: requests may be in flight", wait, pool.segment.name
+                    )
+                    time.sleep(wait)
             try:
-                self._unregister(pool.segment.name)
+                self._unregister(pool.segment)
             except Exception as e:  # the server may already be gone
                 logger.debug("unregister %s failed: %s", pool.segment.name, e)
             pool.segment.close()
+
+
+def pool_key(model: str, memory: str = "system", device_id: int = -1) -> str:
+    """The key of ``model``'s pool: the model name for system memory, ``model@cuda:<id>`` for a GPU."""
+    return model if memory == "system" else f"{model}@cuda:{device_id}"

@@ -23,6 +23,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -82,16 +83,21 @@ class SlotPool:
         quarantine_s: float = 30.0,
     ) -> None:
         self.segment = segment
+        self._base = memoryview(segment.mm)
+        indices = _check_indices(slot_indices, layout, segment.size, segment.name)
+        self._setup(
+            layout, {i: Slot(i, i * layout.slot_bytes, layout, self._base) for i in indices}, quarantine_s
+        )
+
+    memory = "system"
+    """What kind of memory the slots are in: ``"system"`` here, ``"cuda"`` for CUDA pools."""
+
+    def _setup(self, layout: ModelLayout, slots: dict[int, Any], quarantine_s: float) -> None:
+        """The leasing state, shared by every kind of pool."""
         self.layout = layout
         self.quarantine_s = quarantine_s
-        self._base = memoryview(segment.mm)
-        indices = list(slot_indices)
-        if not indices:
-            raise InputError("a pool needs at least one slot")
-        if (max(indices) + 1) * layout.slot_bytes > segment.size:
-            raise InputError(f"segment {segment.name!r} is too small for slots {indices}")
-        self._slots = {i: Slot(i, i * layout.slot_bytes, layout, self._base) for i in indices}
-        self._free: deque[int] = deque(indices)
+        self._slots = slots
+        self._free: deque[int] = deque(slots)
         self._pinned: list[tuple[int, weakref.ref[np.ndarray]]] = []
         self._quarantined: list[tuple[int, float, weakref.ref[np.ndarray] | None]] = []
         self._cond = threading.Condition()
@@ -148,8 +154,11 @@ class SlotPool:
             if not self._free:
                 self._reclaim_locked()
             if self._free:
-                return Lease(self, self._slots[self._free.popleft()])
+                return self._new_lease(self._slots[self._free.popleft()])
             return None
+
+    def _new_lease(self, slot: Any) -> Lease:
+        return Lease(self, slot)
 
     def acquire(self, timeout: float) -> Lease:
         """Wait up to ``timeout`` seconds for a free slot.
@@ -198,6 +207,15 @@ class SlotPool:
                 self._free_or_pin_locked(slot.index, anchor)
             self._cond.notify()
 
+    def in_doubt_until(self) -> float:
+        """``time.monotonic()`` at which the last held-back (in-doubt) slot leaves quarantine; 0 if none.
+
+        Until then the server may still be using the memory, so a CUDA region
+        is not unregistered and freed before it.
+        """
+        with self._cond:
+            return max((until for _, until, _ in self._quarantined), default=0.0)
+
     def stats(self) -> PoolStats:
         """Counts of free, busy, pinned and quarantined slots."""
         with self._cond:
@@ -223,8 +241,20 @@ class SlotPool:
                 slot.arrays.clear()
             self._pinned.clear()
             self._quarantined.clear()
+        self._release_memory()
+
+    def _release_memory(self) -> None:
         self._base.release()
         self.segment.close()
+
+
+def _check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, name: str) -> list[int]:
+    indices = list(slot_indices)
+    if not indices:
+        raise InputError("a pool needs at least one slot")
+    if (max(indices) + 1) * layout.slot_bytes > size:
+        raise InputError(f"region {name!r} is too small for slots {indices}")
+    return indices
 
 
 def _check_shape(spec: TensorSpec, shape: Sequence[int], batched: bool, capacity: int) -> int:
@@ -325,6 +355,26 @@ class Lease:
         array = self._array(spec, shape)
         array.flags.writeable = False
         return array
+
+    def write_input(self, name: str, value: Any) -> tuple[int, ...]:
+        """Copy ``value`` (validated already) into input ``name``'s region; return its shape.
+
+        A CUDA array is copied to the host first: this is system memory.
+        """
+        if not isinstance(value, np.ndarray):
+            from ray_triton_shm._private.cuda import import_cupy
+
+            value = import_cupy().asnumpy(value)
+        flat = self.slot.arrays[name]
+        np.copyto(flat[: value.size].reshape(value.shape), value, casting="no")
+        return tuple(value.shape)
+
+    def copy_output(self, name: str, shape: Sequence[int]) -> np.ndarray:
+        """A copy of output ``name`` with ``shape``, independent of the slot."""
+        return np.array(self.slot.arrays[name][: math.prod(shape)].reshape(shape))
+
+    def flush(self) -> None:
+        """Make written inputs visible to the server before a call (nothing to do for system memory)."""
 
     def mark_in_doubt(self) -> None:
         """Hold the slot back after release: the server may still write to it."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_triton_shm._private.cuda import as_cupy, is_device_array
 from ray_triton_shm._private.layout import NUMPY_TO_TRITON, ModelLayout
 from ray_triton_shm.errors import InputError
 
@@ -20,11 +21,13 @@ class CheckedInputs:
         arrays: The arrays by name, in the model's input order.
         batch: Batch size (1 for models without batching).
         nbytes: Total input bytes.
+        on_device: Whether some array is in GPU memory (a cupy array then).
     """
 
-    arrays: dict[str, np.ndarray]
+    arrays: dict[str, Any]
     batch: int
     nbytes: int
+    on_device: bool = False
 
 
 def _describe(dtype: np.dtype) -> str:
@@ -59,15 +62,23 @@ def check_inputs(layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInput
         raise InputError(
             f"model {layout.model!r} takes inputs {expected}; unknown: {unknown}, missing: {missing}"
         )
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, Any] = {}
+    on_device = False
     batches = set()
     nbytes = 0
     for spec in layout.inputs:
         value = inputs[spec.name]
         if not isinstance(value, np.ndarray):
-            if not hasattr(value, "__array__"):
-                raise InputError(f"{spec.name}: expected a numpy array, got {type(value).__name__}")
-            value = np.asarray(value)
+            if is_device_array(value):
+                # Stays on the GPU: a zero-copy cupy view (raises CudaUnavailableError without cupy).
+                value = as_cupy(value)
+                on_device = True
+            elif not hasattr(value, "__array__"):
+                raise InputError(
+                    f"{spec.name}: expected a numpy, cupy or DLPack array, got {type(value).__name__}"
+                )
+            else:
+                value = np.asarray(value)
         if value.dtype.kind in "OSUV":
             raise InputError(
                 f"{spec.name}: {value.dtype} (BYTES/string) tensors are not supported over shared "
@@ -102,4 +113,4 @@ def check_inputs(layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInput
     batch = batches.pop() if batches else 1
     if batch < 1 or any(a.size == 0 for a in arrays.values()):
         raise InputError(f"inputs of {layout.model!r} are empty")
-    return CheckedInputs(arrays=arrays, batch=batch, nbytes=nbytes)
+    return CheckedInputs(arrays=arrays, batch=batch, nbytes=nbytes, on_device=on_device)

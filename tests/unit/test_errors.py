@@ -11,6 +11,10 @@ from ray_triton_shm import errors
 ARGS: dict[str, tuple] = {
     "RayTritonShmError": ("something failed",),
     "ConfigError": ("PoolConfig.slots must be >= 1, got 0",),
+    "CudaError": ("cudaMalloc of 4096 bytes on GPU 0 failed",),
+    "CudaUnavailableError": ("CUDA shared memory needs cupy; pip install 'ray-triton-shm[cuda]'",),
+    "DeviceMappingError": ("the client's GPU '3' is not visible to the server",),
+    "NoGpuError": ("this process sees no GPU",),
     "InputError": ("INPUT0: expected dtype FP32 (float32), got INT64 (int64)",),
     "LayoutError": ("model 'strings' tensor 'TEXT' is BYTES/STRING",),
     "LeaseReleasedError": ("this lease was released",),

@@ -164,7 +164,7 @@ def test_array_likes_are_converted(identity_layout: ModelLayout) -> None:
 
 
 def test_plain_lists_refused(identity_layout: ModelLayout) -> None:
-    with pytest.raises(InputError, match="numpy array"):
+    with pytest.raises(InputError, match="numpy, cupy or DLPack array"):
         check_inputs(identity_layout, {"INPUT0": [[1.0, 2.0, 3.0, 4.0]]})
 
 

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Build .gpu-carry/: what a GPU machine without a package registry needs to run the CUDA tests.
+#
+# The lender's GPU machine has Python 3.12, numpy 2, torch, cupy-cuda13x, grpcio and protobuf, but
+# no tritonserver, no tritonclient and no Ray, and at most 64 MiB may be carried. This packs:
+#   server-env.tar.xz   site-packages of the Triton server's own Python env: the pytriton 0.7.0
+#                       tritonserver tree with only the Python 3.12 backend stub, its bundled
+#                       libraries, and numpy 1.26.4 (the stub needs numpy < 2; it never reaches
+#                       the client, which keeps the machine's numpy 2 for cupy)
+#   client/*.whl        tritonclient and what its gRPC client imports that may be missing or too
+#                       old there (python-rapidjson, grpcio, protobuf)
+# Needs pip access here (once). Usage: tools/gpu/pack.sh   (from anywhere; writes <repo>/.gpu-carry)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+CARRY="$REPO/.gpu-carry"
+PY=3.12
+PYTRITON=nvidia-pytriton==0.7.0
+NUMPY=numpy==1.26.4
+CLIENT_WHEELS=(tritonclient==2.73.0 python-rapidjson==1.22 grpcio==1.85.1 protobuf==6.33.6)
+LIMIT=$((64 * 1024 * 1024))
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+download() {  # download DEST SPEC... : binary wheels for CPython 3.12 on x86-64 Linux
+    local dest="$1"; shift
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+        --python-version "$PY" --implementation cp --abi cp312 --abi abi3 --abi none \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_35_x86_64 \
+        --platform manylinux1_x86_64 \
+        --platform any -d "$dest" "$@" 2>&1 | grep -v '^WARNING' || true
+}
+
+echo "downloading $PYTRITON and $NUMPY for Python $PY ..."
+download "$work/wheels" "$PYTRITON" "$NUMPY"
+site="$work/site"
+mkdir -p "$site"
+python3 - "$work/wheels" "$site" "$PY" <<'PYEOF'
+import pathlib, shutil, sys, zipfile
+wheels, site, py = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+for wheel in sorted(wheels.glob("*.whl")):
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            name = info.filename
+            if name.startswith("pytriton/") and not name.startswith("pytriton/tritonserver/"):
+                continue  # only the server tree; the pytriton Python package is not used
+            if "/python_backend_stubs/" in name and f"/python_backend_stubs/{py}/" not in name:
+                continue
+            if name.startswith("numpy/") and "/tests/" in name:
+                continue
+            z.extract(info, site)
+            mode = info.external_attr >> 16
+            if mode:
+                (site / name).chmod(mode & 0o777)
+tree = site / "pytriton" / "tritonserver"
+stub = tree / "python_backend_stubs" / py / "triton_python_backend_stub"
+if not stub.is_file():
+    sys.exit(f"no Python {py} stub in the pytriton wheel")
+shutil.copy2(stub, tree / "backends" / "python" / stub.name)
+shutil.rmtree(tree / "python_backend_stubs")
+PYEOF
+
+rm -rf "$CARRY"
+mkdir -p "$CARRY/client"
+echo "compressing the server env (xz -9; a few minutes) ..."
+tar -C "$site" -cf - . | xz -9 -T2 > "$CARRY/server-env.tar.xz"
+download "$CARRY/client" "${CLIENT_WHEELS[@]}"
+
+total=$(du -cb "$CARRY" | tail -1 | cut -f1)
+repo=$(cd "$REPO" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+ls -la "$CARRY" "$CARRY/client"
+echo "carry: $((total / 1024)) KiB; tracked repo files: $((repo / 1024)) KiB; limit $((LIMIT / 1024)) KiB"
+if [ $((total + repo)) -gt "$LIMIT" ]; then
+    echo "too big for the 64 MiB limit" >&2
+    exit 1
+fi
