@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -406,7 +407,7 @@ class TritonShmClient:
         with pool.acquire(lease_timeout) as lease:
             shapes = self._write_and_call(lease, checked, chunk, wanted)
             return {
-                name: np.array(lease.slot.arrays[name][: int(np.prod(shape))].reshape(shape))
+                name: np.array(lease.slot.arrays[name][: math.prod(shape)].reshape(shape))
                 for name, shape in shapes.items()
             }
 
@@ -439,7 +440,7 @@ class TritonShmClient:
         for spec in layout.inputs:
             shape = shapes[spec.name]
             tensor = grpcclient.InferInput(spec.name, list(shape), spec.datatype)
-            nbytes = int(np.prod(shape)) * spec.dtype.itemsize
+            nbytes = math.prod(shape) * spec.dtype.itemsize
             tensor.set_shared_memory(region, nbytes, offset=base + spec.offset)
             request_inputs.append(tensor)
         names = list(wanted) if wanted is not None else [spec.name for spec in layout.outputs]

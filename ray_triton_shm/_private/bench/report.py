@@ -39,6 +39,11 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return f"{value:,.{digits}f}"
 
 
+def _short_error(error: str | None) -> str:
+    first = (error or "").strip().splitlines()[0] if error else ""
+    return "FAILED " + (first[:70] + "..." if len(first) > 70 else first)
+
+
 def core_rows(records: Sequence[Any]) -> list[list[str]]:
     """One row per core/serve record: method, size, callers, MB/s, p50, p99, x gRPC, x tsc, path."""
     index = _index(records)
@@ -59,7 +64,7 @@ def core_rows(records: Sequence[Any]) -> list[list[str]]:
                 _fmt(r.p99_ms, 2),
                 _fmt(_ratio(r, base), 2) if r.ok else "-",
                 _fmt(_ratio(r, comp), 2) if r.ok else "-",
-                ("ok " + r.path).strip() if r.ok else f"FAILED {r.error}",
+                ("ok " + r.path).strip() if r.ok else _short_error(r.error),
             ]
         )
     return rows
@@ -83,7 +88,7 @@ def data_rows(records: Sequence[Any]) -> list[list[str]]:
                 _fmt(r.p50_ms, 1),
                 _fmt(r.p99_ms, 1),
                 _fmt(_ratio(r, base, "rows_per_s"), 2) if r.ok else "-",
-                "ok" if r.ok else f"FAILED {r.error}",
+                "ok" if r.ok else _short_error(r.error),
             ]
         )
     return rows

@@ -363,12 +363,19 @@ def _data_record(method: str, options: BenchOptions, node_config: Any, endpoints
 
 
 def _environment() -> dict[str, Any]:
-    import tritonclient
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "?"
 
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "numpy": np.__version__,
-        "tritonclient": getattr(tritonclient, "__version__", "?"),
+        "tritonclient": installed("tritonclient"),
+        "grpcio": installed("grpcio"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {_memory_gb():.0f} GB RAM",
         "cpu": _cpu_model(),
         "triton_shm_client": core_methods.competitor_version(),
