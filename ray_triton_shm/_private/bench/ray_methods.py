@@ -58,6 +58,14 @@ class PlainGrpcDeployment:
         return await asyncio.to_thread(self._infer, model, inputs)
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
+class EchoDeployment:
+    """Reference: the handle round trip of the same payload, no Triton at all."""
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"OUTPUT0": inputs["INPUT0"]}
+
+
 def start_serve_apps(node_config: Any, grpc_url: str) -> dict[str, Any]:
     """Deploy our deployment and the plain one (no HTTP proxy: handles only)."""
     from ray_triton_shm.serve import TritonDeployment
@@ -69,7 +77,8 @@ def start_serve_apps(node_config: Any, grpc_url: str) -> dict[str, Any]:
     plain = serve.run(
         PlainGrpcDeployment.options(name="BenchPlain").bind(grpc_url), name="bench-plain", route_prefix=None
     )
-    return {"serve-ours": ours, "serve-grpc": plain}
+    echo = serve.run(EchoDeployment.options(name="BenchEcho").bind(), name="bench-echo", route_prefix=None)
+    return {"serve-ours": ours, "serve-grpc": plain, "serve-echo": echo}
 
 
 def serve_cell(method: str, handle: Any, inputs: list[np.ndarray]) -> Cell:

@@ -72,7 +72,7 @@ class BenchOptions:
     data_actors: int = 1
     budget_s: float | None = None
     min_calls: int | None = None
-    warmup: int = 2
+    warmup: int = 1
     out_dir: str = "bench-results"
     model_repository: str | None = None
     progress: bool = True
@@ -156,7 +156,14 @@ def _triton(options: BenchOptions) -> Iterator[tuple[Endpoints, dict[str, Any], 
         server=ServerConfig(model_repository=repository),
         pools={"identity": _identity_pool(serve_max, 8)},
     )
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+    )
+    _quiet_ray()
     try:
         infos = ensure_node_actors(node_config)
         node = next(iter(infos.values()))
@@ -170,6 +177,18 @@ def _triton(options: BenchOptions) -> Iterator[tuple[Endpoints, dict[str, Any], 
         finally:
             shutdown_node_actors()
             ray.shutdown()
+
+
+def _quiet_ray() -> None:
+    """Keep Serve's and Data's INFO lines and progress bars out of the report."""
+    import ray.data
+
+    for name in ("ray", "ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    if hasattr(context, "enable_operator_progress_bars"):
+        context.enable_operator_progress_bars = False
 
 
 def _label(size: int) -> str:
@@ -257,7 +276,7 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
     plan = core_plan(options)
     ray_cells = 0
     if options.ray:
-        ray_cells = 2 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ()) + 2
+        ray_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ()) + 2
     progress = Progress(len(plan) + ray_cells, enabled=options.progress)
     with _triton(options) as (endpoints, info, node_config):
         inputs_cache: dict[tuple[int, int], list[np.ndarray]] = {}

@@ -46,7 +46,7 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
         for cell in core_plan(options.resolved())
         if have_competitor or cell[0] != "triton-shm-client"
     }
-    expected |= {(m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc")}
+    expected |= {(m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo")}
     got = {(r.method, r.payload_bytes, r.concurrency) for r in records if r.group != "data"}
     assert got == expected
     assert {r.method for r in records if r.group == "data"} == {"data-ours", "data-grpc"}
