@@ -158,8 +158,17 @@ class GrpcPredictor:
         return out
 
 
+def make_source(rows: int, batch_size: int) -> Any:
+    """The image rows both Data methods read, materialised once in the object store."""
+    import ray
+
+    blocks = max(1, rows // batch_size)
+    source = ray.data.range(rows, override_num_blocks=blocks).map_batches(make_rows, batch_size=batch_size)
+    return source.materialize()
+
+
 def run_data(
-    method: str, rows: int, batch_size: int, actors: int, node_config: Any, grpc_url: str
+    method: str, source: Any, rows: int, batch_size: int, actors: int, node_config: Any, grpc_url: str
 ) -> tuple[float, list[float], int]:
     """Stream ``rows`` image rows through ``map_batches`` and time the steady state.
 
@@ -173,17 +182,17 @@ def run_data(
 
     from ray_triton_shm.data import TritonPredictor
 
-    source = ray.data.range(rows, override_num_blocks=max(1, rows // batch_size)).map_batches(
-        make_rows, batch_size=batch_size
-    )
-    source = source.materialize()
     if method == "data-ours":
         fn: Callable[..., Any] | type = TritonPredictor
         kwargs: dict[str, Any] = {"model": DATA_MODEL, "node_config": node_config}
     else:
         fn, kwargs = GrpcPredictor, {"model": DATA_MODEL, "grpc_url": grpc_url}
     mapped = source.map_batches(
-        fn, fn_constructor_kwargs=kwargs, batch_size=batch_size, concurrency=actors, num_cpus=0.5
+        fn,
+        fn_constructor_kwargs=kwargs,
+        batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_cpus=0.5,
     )
     first_t = last_t = 0.0
     first_rows = seen = 0
