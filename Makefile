@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test unit integration lint bench bench-quick bench-env soak cleanup clean
+.PHONY: setup demo test unit integration lint bench bench-quick bench-env bench-docs soak cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ bench: bench-env
 
 bench-quick: bench-env
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench --quick
+
+# Paste the latest bench-results/ into docs/benchmarks.md and docs/img/.
+bench-docs: $(STAMP)
+	$(PY) -m ray_triton_shm._private.bench.docs bench-results docs/benchmarks.md
 
 cleanup: $(STAMP)
 	$(PY) -m ray_triton_shm cleanup --yes
