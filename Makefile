@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test unit integration lint bench soak cleanup clean
+.PHONY: setup demo test unit integration lint bench bench-quick bench-env bench-docs soak cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,31 @@ unit: $(STAMP)
 integration: setup
 	$(PY) -m pytest tests/integration --ignore=tests/integration/on_ray
 	@set -e; for module in $(RAY_TESTS); do $(PY) -m pytest $$module; done
+
+# The benchmark's own extras: matplotlib (the `bench` extra) in the venv, and
+# triton-shm-client, the library compared against, in .cache/bench-extra only
+# (--no-deps: it needs just tritonclient.grpc and numpy, both already here).
+BENCH_EXTRA := .cache/bench-extra
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) -e '.[dev,bench]' 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) --no-deps --target $(BENCH_EXTRA) --upgrade triton-shm-client==0.1.0 2>&1 | grep -v '^WARNING' || true
+	$(PY) -c "import matplotlib, sys; sys.path.append('$(BENCH_EXTRA)'); import triton_shm_client"
+	touch $(BENCH_STAMP)
+
+bench-env: setup $(BENCH_STAMP)
+
+# Full run (about 10 minutes on 2 cores); results in bench-results/.
+bench: bench-env
+	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench
+
+bench-quick: bench-env
+	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench --quick
+
+# Paste the latest bench-results/ into docs/benchmarks.md and docs/img/.
+bench-docs: $(STAMP)
+	$(PY) -m ray_triton_shm._private.bench.docs bench-results docs/benchmarks.md
 
 cleanup: $(STAMP)
 	$(PY) -m ray_triton_shm cleanup --yes

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -517,7 +518,7 @@ class TritonShmClient:
         for spec in layout.inputs:
             shape = shapes[spec.name]
             tensor = grpcclient.InferInput(spec.name, list(shape), spec.datatype)
-            nbytes = int(np.prod(shape)) * spec.dtype.itemsize
+            nbytes = math.prod(shape) * spec.dtype.itemsize
             tensor.set_shared_memory(region, nbytes, offset=base + spec.offset)
             request_inputs.append(tensor)
         names = list(wanted) if wanted is not None else [spec.name for spec in layout.outputs]

@@ -36,6 +36,11 @@ SESSION_MARKER = "RAY_TRITON_SHM_TEST_SESSION"
 # Python-backend stubs notice their server is gone within a few seconds.
 GRACE_S = 20.0
 _OWNER_RE = re.compile(rf"^{SEGMENT_PREFIX}_(\d+)_(\d+)_")
+# Tests send tiny tensors and mean to exercise shared memory: below the default
+# PoolConfig.min_shm_bytes (64 KiB) they would go over gRPC. Set before any
+# config is built, and inherited by the Ray workers and Serve replicas started
+# from here; tests of the size switch pass min_shm_bytes explicitly.
+os.environ.setdefault("RAY_TRITON_SHM_MIN_SHM_BYTES", "0")
 
 
 def _read(path: str) -> bytes | None:

@@ -54,6 +54,26 @@ def _cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.bench import runner
+
+    options = runner.BenchOptions(
+        quick=args.quick,
+        sizes=runner.parse_sizes(args.sizes) if args.sizes else None,
+        concurrency=tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None,
+        methods=runner.methods_arg(args.methods, list(runner.CORE_METHODS)),
+        ray=not args.no_ray,
+        serve_sizes=runner.parse_sizes(args.serve_sizes) if args.serve_sizes else None,
+        data_rows=args.data_rows,
+        data_batch=args.data_batch,
+        out_dir=args.out,
+        model_repository=args.model_repository,
+        progress=not args.no_progress,
+    )
+    records = runner.run_bench(options, write=print)
+    return 0 if records and all(r.ok for r in records) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-triton-shm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -75,6 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each node")
     status.set_defaults(func=_status)
+    bench = sub.add_parser("bench", help="benchmark every path against gRPC, HTTP and triton-shm-client")
+    bench.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (< 3 min)")
+    bench.add_argument("--sizes", help="payload sizes, e.g. 4K,64K,1M,16M,128M")
+    bench.add_argument("--concurrency", help="caller counts, e.g. 1,4,16")
+    bench.add_argument("--methods", help="core methods to run (default: all)")
+    bench.add_argument("--serve-sizes", help="payload sizes of the Serve cells")
+    bench.add_argument("--data-rows", type=int, default=None, help="rows of the Ray Data run")
+    bench.add_argument("--data-batch", type=int, default=64, help="rows per map_batches batch")
+    bench.add_argument("--no-ray", action="store_true", help="core methods only, plain Triton server")
+    bench.add_argument("--out", default="bench-results", help="output directory")
+    bench.add_argument("--model-repository", default=None)
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=_bench)
     cleanup = sub.add_parser("cleanup", help="remove segments left by dead processes")
     cleanup.add_argument("--yes", action="store_true", help="remove, not just list")
     cleanup.set_defaults(func=_cleanup)

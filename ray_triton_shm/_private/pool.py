@@ -130,6 +130,14 @@ class SlotPool:
             logger.debug("slot %d of %s pinned by live views", index, self.layout.model)
             self._pinned.append((index, anchor))
 
+    def _views_gone(self, _ref: weakref.ref[np.ndarray]) -> None:
+        # The last view of a released lease died: free its slot now and wake a
+        # waiter, rather than leaving it to the waiters' 50 ms poll.
+        with self._cond:
+            if not self._closed and self._pinned:
+                self._reclaim_locked()
+                self._cond.notify()
+
     def _reclaim_locked(self) -> None:
         if self._quarantined:
             now = time.monotonic()
@@ -391,6 +399,6 @@ class Lease:
         self._released = True
         self.input_shapes = {}
         anchor, self._anchor = self._anchor, None
-        ref = weakref.ref(anchor) if anchor is not None else None
+        ref = weakref.ref(anchor, self.pool._views_gone) if anchor is not None else None
         del anchor
         self.pool._give_back(self.slot, ref, self._quarantine)

@@ -42,13 +42,14 @@ def test_server_defaults() -> None:
     assert config.cache_dir == os.path.join(os.path.expanduser("~"), ".cache", "ray-triton-shm")
 
 
-def test_pool_defaults() -> None:
+def test_pool_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_TRITON_SHM_MIN_SHM_BYTES", raising=False)  # tests/conftest.py sets it
     config = PoolConfig()
     assert config.slots == 4
     assert config.max_batch_size is None
     assert config.max_shapes == {}
     assert config.lease_timeout_s == 30.0
-    assert config.min_shm_bytes == 0
+    assert config.min_shm_bytes == 64 * 1024
 
 
 def test_client_defaults() -> None:

@@ -342,6 +342,32 @@ def test_live_output_view_pins_slot(make_pool: MakePool, identity_layout: ModelL
     assert pool.stats().free == 1
 
 
+def test_slot_frees_itself_when_its_last_view_dies(make_pool: MakePool, identity_layout: ModelLayout) -> None:
+    pool = make_pool(identity_layout, slots=1)
+    lease = pool.acquire(timeout=1)
+    out = lease.output("OUTPUT0", (1, 4))
+    lease.release()
+    assert pool.stats().pinned == 1
+    del out  # no acquire in between: the view's death alone returns the slot
+    stats = pool.stats()
+    assert (stats.pinned, stats.free) == (0, 1)
+
+
+def test_waiter_wakes_when_the_last_view_dies(make_pool: MakePool, identity_layout: ModelLayout) -> None:
+    pool = make_pool(identity_layout, slots=1)
+    lease = pool.acquire(timeout=1)
+    out = lease.output("OUTPUT0", (1, 4))
+    lease.release()
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout=10)))
+    waiter.start()
+    del out
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and len(got) == 1
+    got[0].release()
+    assert pool.stats().free == 1
+
+
 def test_derived_views_keep_slot_pinned(make_pool: MakePool, identity_layout: ModelLayout) -> None:
     pool = make_pool(identity_layout, slots=1)
     lease = pool.acquire(timeout=1)

@@ -1,0 +1,239 @@
+"""The Ray methods: Serve handle and Ray Data ``map_batches``, ours vs plain gRPC.
+
+Both sides use the node actor's Triton (the one the core methods use too);
+the plain sides are what a user would write without this package: a Serve
+deployment and a Data predictor calling ``tritonclient.grpc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from ray import serve
+
+from ray_triton_shm._private.bench.core_methods import Caller, Cell, check_equal
+
+SERVE_MODEL = "identity"
+DATA_MODEL = "multi_io"
+IMAGE_SHAPE = (3, 224, 224)
+ROW_BYTES = int(np.prod(IMAGE_SHAPE)) * 4 + 10 * 4
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
+class PlainGrpcDeployment:
+    """What users write without this package: a replica calling Triton over gRPC."""
+
+    def __init__(self, grpc_url: str) -> None:
+        self._url = grpc_url
+        self._local = threading.local()
+
+    def _client(self) -> Any:
+        import tritonclient.grpc as grpcclient
+
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = grpcclient.InferenceServerClient(self._url)
+        return client
+
+    def _infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import tritonclient.grpc as grpcclient
+
+        from ray_triton_shm._private.layout import NUMPY_TO_TRITON
+
+        tensors = []
+        for name, array in inputs.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), NUMPY_TO_TRITON[array.dtype])
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        response = self._client().infer(model, tensors)
+        return {out["name"]: response.as_numpy(out["name"]) for out in response.get_response(True)["outputs"]}
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return await asyncio.to_thread(self._infer, model, inputs)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
+class EchoDeployment:
+    """Reference: the handle round trip of the same payload, no Triton at all."""
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"OUTPUT0": inputs["INPUT0"]}
+
+
+def start_serve_apps(node_config: Any, grpc_url: str) -> dict[str, Any]:
+    """Deploy our deployment and the plain one (no HTTP proxy: handles only)."""
+    from ray_triton_shm.serve import TritonDeployment
+
+    serve.start(proxy_location="Disabled")
+    ours = serve.run(
+        TritonDeployment.options(name="BenchOurs").bind(node_config, 4), name="bench-ours", route_prefix=None
+    )
+    plain = serve.run(
+        PlainGrpcDeployment.options(name="BenchPlain").bind(grpc_url), name="bench-plain", route_prefix=None
+    )
+    echo = serve.run(EchoDeployment.options(name="BenchEcho").bind(), name="bench-echo", route_prefix=None)
+    return {"serve-ours": ours, "serve-grpc": plain, "serve-echo": echo}
+
+
+def serve_cell(method: str, handle: Any, inputs: list[np.ndarray]) -> Cell:
+    """Callers of one Serve handle, each sending its own input to ``identity``."""
+
+    def caller(x: np.ndarray) -> Caller:
+        def call(check: bool) -> object:
+            out = handle.infer.remote(SERVE_MODEL, {"INPUT0": x}).result()["OUTPUT0"]
+            if check:
+                check_equal(method, out, x)
+            return out
+
+        return call
+
+    return Cell([caller(x) for x in inputs], paths={"handle"})
+
+
+# -- Ray Data ------------------------------------------------------------------
+def make_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Image-sized rows derived from their ids, so any row can be checked."""
+    ids = batch["id"].astype(np.int64)
+    grid = np.arange(int(np.prod(IMAGE_SHAPE)), dtype=np.float32).reshape(IMAGE_SHAPE) / 1e5
+    images = grid[None] + (ids % 97).astype(np.float32)[:, None, None, None]
+    ints = (ids[:, None] * 10 + np.arange(10)[None]).astype(np.int32)
+    return {"id": ids, "INPUT0": images.astype(np.float32), "INPUT1": ints}
+
+
+def expected_outputs(row_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``multi_io``'s outputs for the row made from ``row_id`` (numpy's sums)."""
+    row = make_rows({"id": np.array([row_id])})
+    image, ints = row["INPUT0"][0], row["INPUT1"][0]
+    return image.reshape(512, 294).sum(-1, dtype=np.float32), ints.reshape(5, 2).sum(-1, dtype=np.int32)
+
+
+def check_data_batch(method: str, batch: dict[str, np.ndarray]) -> None:
+    """Outputs of ``multi_io`` for the batch's rows (first and last row checked)."""
+    from ray_triton_shm._private.bench.core_methods import OutputMismatch
+
+    for row in {0, len(batch["id"]) - 1}:
+        want0, want1 = expected_outputs(int(batch["id"][row]))
+        got0, got1 = batch["OUTPUT0"][row], batch["OUTPUT1"][row]
+        if not (np.allclose(got0, want0, rtol=1e-4) and np.array_equal(got1, want1)):
+            raise OutputMismatch(f"{method}: multi_io outputs differ from numpy's")
+
+
+def _without_inputs(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    # An inference pipeline keeps ids and predictions, not the images: not
+    # writing 600 KB per row back into the object store is the same saving for
+    # both predictors.
+    return {k: v for k, v in batch.items() if k not in ("INPUT0", "INPUT1")}
+
+
+class OurPredictor:
+    """``TritonPredictor`` returning ids and outputs only (see :func:`_without_inputs`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        from ray_triton_shm.data import TritonPredictor
+
+        self._inner = TritonPredictor(**kwargs)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return _without_inputs(self._inner(batch))
+
+
+class GrpcPredictor:
+    """What users write without this package: ``tritonclient.grpc`` in ``map_batches``.
+
+    Batches are split into the model's ``max_batch_size`` and the pieces sent
+    from ``parallel`` threads (as our predictor does across its slots).
+    """
+
+    def __init__(self, model: str, grpc_url: str, max_batch: int = 8, parallel: int = 2) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.model = model
+        self.max_batch = max_batch
+        self._clients = [grpcclient.InferenceServerClient(grpc_url) for _ in range(parallel)]
+        self._pool = ThreadPoolExecutor(parallel)
+
+    def _run(self, index: int, batch: dict[str, np.ndarray], start: int) -> dict[str, np.ndarray]:
+        import tritonclient.grpc as grpcclient
+
+        stop = start + self.max_batch
+        tensors = []
+        for name, dtype in (("INPUT0", "FP32"), ("INPUT1", "INT32")):
+            part = np.ascontiguousarray(batch[name][start:stop])
+            tensor = grpcclient.InferInput(name, list(part.shape), dtype)
+            tensor.set_data_from_numpy(part)
+            tensors.append(tensor)
+        response = self._clients[index % len(self._clients)].infer(self.model, tensors)
+        return {name: response.as_numpy(name) for name in ("OUTPUT0", "OUTPUT1")}
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        starts = range(0, len(batch["INPUT0"]), self.max_batch)
+        parts = list(self._pool.map(lambda a: self._run(a[0], batch, a[1]), enumerate(starts)))
+        out = _without_inputs(batch)
+        for name in ("OUTPUT0", "OUTPUT1"):
+            out[name] = np.concatenate([p[name] for p in parts])
+        return out
+
+
+def make_source(rows: int, batch_size: int) -> Any:
+    """The image rows both Data methods read, materialised once in the object store."""
+    import ray
+
+    blocks = max(1, rows // batch_size)
+    source = ray.data.range(rows, override_num_blocks=blocks).map_batches(make_rows, batch_size=batch_size)
+    return source.materialize()
+
+
+def run_data(
+    method: str, source: Any, rows: int, batch_size: int, actors: int, node_config: Any, grpc_url: str
+) -> tuple[float, list[float], int]:
+    """Stream ``rows`` image rows through ``map_batches`` and time the steady state.
+
+    The clock starts when the first output batch arrives (actor start-up is
+    excluded, the same for both sides).
+
+    Returns:
+        Rows per second after the first batch, the gaps between batches (s), rows seen.
+    """
+    import ray
+
+    if method == "data-ours":
+        fn: Callable[..., Any] | type = OurPredictor
+        kwargs: dict[str, Any] = {"model": DATA_MODEL, "node_config": node_config}
+    else:
+        fn, kwargs = GrpcPredictor, {"model": DATA_MODEL, "grpc_url": grpc_url}
+    mapped = source.map_batches(
+        fn,
+        fn_constructor_kwargs=kwargs,
+        batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_cpus=0.5,
+    )
+    first_t = last_t = 0.0
+    first_rows = seen = 0
+    gaps: list[float] = []
+    began = time.perf_counter()
+    for batch in mapped.iter_batches(batch_size=None, batch_format="numpy"):
+        now = time.perf_counter()
+        n = len(batch["id"])
+        check_data_batch(method, batch)
+        if not seen:
+            first_t, first_rows = now, n
+        else:
+            gaps.append(now - last_t)
+        last_t = now
+        seen += n
+    if seen != rows:
+        from ray_triton_shm._private.bench.core_methods import OutputMismatch
+
+        raise OutputMismatch(f"{method}: {seen} rows came out of {rows}")
+    if seen == first_rows:  # a single batch: no steady state to time, count from the start
+        span = max(last_t - began, 1e-9)
+        return seen / span, [span], seen
+    span = max(last_t - first_t, 1e-9)
+    return (seen - first_rows) / span, gaps, seen

@@ -1,0 +1,455 @@
+"""The benchmark run: one Triton, every method, every size and caller count.
+
+Flow: start Ray and the node actor (or, with ``ray=False``, a plain
+:class:`~ray_triton_shm.server.TritonServer`), point every core method at that
+Triton, run the cells with a progress bar, then the Serve and Data methods,
+and write ``results.json``, the plots and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ray_triton_shm._private.bench import core_methods, report
+from ray_triton_shm._private.bench.core_methods import CORE_METHODS, Endpoints, make_inputs
+from ray_triton_shm._private.bench.timing import Progress, run_callers
+
+logger = logging.getLogger(__name__)
+
+KB = 1024
+MB = 1024 * KB
+FULL_SIZES = (4 * KB, 64 * KB, MB, 16 * MB, 128 * MB)
+QUICK_SIZES = (4 * KB, MB, 16 * MB)
+# Skipped: 16 callers x 128 MB. Each caller holds its input and a copied output
+# (256 MB), the shm methods add a 256 MB slot per caller and the server's Python
+# backend two 128 MB tensors per request in flight; the gRPC/HTTP methods add
+# several serialised copies per request. That is 8-20 GB per method on a 24 GB
+# machine shared with the Ray object store, and minutes of gRPC time.
+MAX_BYTES_IN_FLIGHT = 16 * 128 * MB - 1
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to run.
+
+    Attributes:
+        quick: Fewer sizes, callers and repetitions (< 3 minutes on 2 cores).
+        sizes: Payload bytes per request; None picks by ``quick``.
+        concurrency: Caller counts; None picks by ``quick``.
+        methods: Core method names to run; None runs all.
+        ray: Also run the Serve and Data methods (and use the node actor's Triton).
+        serve_sizes / serve_concurrency: Serve cells.
+        data_rows / data_batch / data_actors: Ray Data run.
+        budget_s: Per cell: callers stop after this long once they have ``min_calls``.
+        min_calls: Timed calls per cell at least (spread over the callers).
+        warmup: Checked warm-up calls per caller.
+        out_dir: Where results.json, plots and report.md go.
+        model_repository: Models to serve (the repository's examples by default).
+        progress: Show the progress bar on stderr.
+    """
+
+    quick: bool = False
+    sizes: tuple[int, ...] | None = None
+    concurrency: tuple[int, ...] | None = None
+    methods: tuple[str, ...] | None = None
+    ray: bool = True
+    serve_sizes: tuple[int, ...] | None = None
+    serve_concurrency: tuple[int, ...] | None = None
+    data_rows: int | None = None
+    data_batch: int = 64
+    data_actors: int = 1
+    budget_s: float | None = None
+    min_calls: int | None = None
+    warmup: int = 1
+    out_dir: str = "bench-results"
+    model_repository: str | None = None
+    progress: bool = True
+    plots: bool = True
+
+    def resolved(self) -> BenchOptions:
+        """A copy with every None replaced by the default of the chosen mode."""
+        quick = self.quick
+        return BenchOptions(
+            quick=quick,
+            sizes=self.sizes or (QUICK_SIZES if quick else FULL_SIZES),
+            concurrency=self.concurrency or ((1, 4) if quick else (1, 4, 16)),
+            methods=self.methods or tuple(CORE_METHODS),
+            ray=self.ray,
+            serve_sizes=self.serve_sizes or ((16 * MB,) if quick else (MB, 16 * MB)),
+            serve_concurrency=self.serve_concurrency or ((1,) if quick else (1, 4)),
+            data_rows=self.data_rows or (256 if quick else 1024),
+            data_batch=self.data_batch,
+            data_actors=self.data_actors,
+            budget_s=self.budget_s if self.budget_s is not None else (0.4 if quick else 1.5),
+            min_calls=self.min_calls or (3 if quick else 6),
+            warmup=self.warmup,
+            out_dir=self.out_dir,
+            model_repository=self.model_repository,
+            progress=self.progress,
+            plots=self.plots,
+        )
+
+
+@dataclass
+class Record:
+    """One measured cell (a row of results.json)."""
+
+    method: str
+    payload_bytes: int
+    concurrency: int
+    throughput_mb_s: float
+    p50_ms: float
+    p99_ms: float
+    calls: int
+    ok: bool
+    group: str = "core"
+    path: str = ""
+    rows_per_s: float | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _model_repository(options: BenchOptions) -> str:
+    from ray_triton_shm._private.demo import default_model_repository
+
+    return os.path.abspath(options.model_repository or default_model_repository())
+
+
+def _identity_pool(max_bytes: int, slots: int) -> Any:
+    from ray_triton_shm.config import PoolConfig
+
+    n = max(1, max_bytes // 4)
+    return PoolConfig(slots=slots, max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
+
+
+@contextlib.contextmanager
+def _triton(options: BenchOptions) -> Iterator[tuple[Endpoints, dict[str, Any], Any]]:
+    """The run's one Triton: the node actor's under Ray, else a plain server."""
+    from ray_triton_shm.config import ServerConfig
+
+    repository = _model_repository(options)
+    if not options.ray:
+        from ray_triton_shm.server import TritonServer
+
+        with TritonServer(ServerConfig(model_repository=repository)) as server:
+            info = {"triton": server.version, "triton_source": server.binary_source}
+            yield Endpoints(server.grpc_url, server.http_url), info, None
+        return
+    import ray
+
+    from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
+
+    serve_max = max(options.serve_sizes or (MB,))
+    node_config = NodeConfig(
+        server=ServerConfig(model_repository=repository),
+        pools={"identity": _identity_pool(serve_max, 8)},
+    )
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+    )
+    _quiet_ray()
+    try:
+        infos = ensure_node_actors(node_config)
+        node = next(iter(infos.values()))
+        info = {"triton": node.version, "ray": ray.__version__}
+        yield Endpoints(node.grpc_url, node.http_url), info, node_config
+    finally:
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        finally:
+            shutdown_node_actors()
+            ray.shutdown()
+
+
+def _quiet_ray() -> None:
+    """Keep Serve's and Data's INFO lines and progress bars out of the report."""
+    import ray.data
+
+    for name in ("ray", "ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    if hasattr(context, "enable_operator_progress_bars"):
+        context.enable_operator_progress_bars = False
+
+
+def _label(size: int) -> str:
+    return f"{size // MB} MB" if size >= MB else f"{size // KB} KB"
+
+
+def _record_from(
+    method: str, size: int, concurrency: int, timing: Any, paths: set[str], group: str
+) -> Record:
+    wall_mb_s = timing.calls * size / timing.elapsed_s / 1e6
+    return Record(
+        method=method,
+        payload_bytes=size,
+        concurrency=concurrency,
+        # One caller: payload / median latency, which shrugs off stalls caused by
+        # other load on the machine. Several: total bytes / wall time, since a
+        # per-call median would hide the time callers wait for each other
+        # (the GIL, the server's queue) between their timed calls.
+        throughput_mb_s=(size / (timing.percentile_ms(50) / 1e3) / 1e6 if concurrency == 1 else wall_mb_s),
+        p50_ms=timing.percentile_ms(50),
+        p99_ms=timing.percentile_ms(99),
+        calls=timing.calls,
+        ok=True,
+        group=group,
+        path="/".join(sorted(paths)),
+        extra={"wall_mb_s": round(wall_mb_s, 2)},
+    )
+
+
+def _failed(method: str, size: int, concurrency: int, error: BaseException, group: str) -> Record:
+    logger.error("%s %s x%d failed: %s", method, _label(size), concurrency, error)
+    nan = float("nan")
+    return Record(
+        method, size, concurrency, nan, nan, nan, 0, False, group, error=f"{type(error).__name__}: {error}"
+    )
+
+
+def _run_cell(
+    method: str,
+    open_cell: Callable[[], Any],
+    size: int,
+    concurrency: int,
+    options: BenchOptions,
+    group: str,
+) -> Record:
+    cell = None
+    try:
+        cell = open_cell()
+        per_caller = max(2, -(-(options.min_calls or 1) // concurrency))
+        # A lone caller gets one more warm-up call: the first large request grows
+        # the server's Python-backend arena, which is not what we want to time.
+        warmup = options.warmup + (1 if concurrency == 1 else 0)
+        timing = run_callers(
+            cell.callers, warmup=warmup, min_calls=per_caller, budget_s=options.budget_s or 1.0
+        )
+        return _record_from(method, size, concurrency, timing, cell.paths, group)
+    except Exception as e:
+        return _failed(method, size, concurrency, e, group)
+    finally:
+        if cell is not None:
+            cell.close()
+        gc.collect()
+
+
+def core_plan(options: BenchOptions) -> list[tuple[str, int, int]]:
+    """(method, size, concurrency) cells of the core part, skipping those too big for memory."""
+    plan = []
+    for size in options.sizes or ():
+        for concurrency in options.concurrency or ():
+            if size * concurrency > MAX_BYTES_IN_FLIGHT:
+                continue
+            plan.extend((method, size, concurrency) for method in options.methods or ())
+    return plan
+
+
+def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> list[Record]:
+    """Run the benchmark and write its outputs under ``options.out_dir``.
+
+    Args:
+        options: What to run.
+        write: Where the report text goes (the CLI prints it).
+
+    Returns:
+        Every record measured (failed cells have ``ok=False``).
+    """
+    options = options.resolved()
+    began = time.monotonic()
+    records: list[Record] = []
+    methods = list(options.methods or ())
+    if "triton-shm-client" in methods and core_methods.import_competitor() is None:
+        write("triton-shm-client is not installed: skipping it (make bench installs it)")
+        methods.remove("triton-shm-client")
+        options = BenchOptions(**{**asdict(options), "methods": tuple(methods)})
+    plan = core_plan(options)
+    ray_cells = 0
+    if options.ray:
+        ray_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ()) + 2
+    progress = Progress(len(plan) + ray_cells, enabled=options.progress)
+    with _triton(options) as (endpoints, info, node_config):
+        inputs_cache: dict[tuple[int, int], list[np.ndarray]] = {}
+        for method, size, concurrency in plan:
+            progress.step(f"{method} {_label(size)} x{concurrency}")
+            key = (size, concurrency)
+            if key not in inputs_cache:
+                inputs_cache.clear()
+                inputs_cache[key] = make_inputs(size, concurrency)
+            inputs = inputs_cache[key]
+            factory = CORE_METHODS[method]
+            records.append(
+                _run_cell(
+                    method, lambda f=factory, i=inputs: f(endpoints, i), size, concurrency, options, "core"
+                )
+            )
+            progress.advance()
+        inputs_cache.clear()
+        if options.ray:
+            records.extend(_run_ray(options, endpoints, node_config, progress))
+    progress.close()
+    info.update(_environment())
+    info["duration_s"] = round(time.monotonic() - began, 1)
+    info["quick"] = options.quick
+    out = Path(options.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
+        json.dumps({"info": info, "records": [asdict(r) for r in records]}, indent=1, allow_nan=True) + "\n"
+    )
+    text = report.render(records, info)
+    plots = report.plot(records, out) if options.plots else []
+    (out / "report.md").write_text(report.markdown(records, info, plots))
+    write(text)
+    write(
+        f"wrote {out / 'results.json'}, {out / 'report.md'}" + (f" and {len(plots)} plots" if plots else "")
+    )
+    return records
+
+
+def _run_ray(
+    options: BenchOptions, endpoints: Endpoints, node_config: Any, progress: Progress
+) -> list[Record]:
+    from ray_triton_shm._private.bench import ray_methods
+
+    records: list[Record] = []
+    progress.step("starting Serve")
+    handles = ray_methods.start_serve_apps(node_config, endpoints.grpc_url)
+    for size in options.serve_sizes or ():
+        for concurrency in options.serve_concurrency or ():
+            inputs = make_inputs(size, concurrency, seed=1)
+            for method, handle in handles.items():
+                progress.step(f"{method} {_label(size)} x{concurrency}")
+                records.append(
+                    _run_cell(
+                        method,
+                        lambda m=method, h=handle, i=inputs: ray_methods.serve_cell(m, h, i),
+                        size,
+                        concurrency,
+                        options,
+                        "serve",
+                    )
+                )
+                progress.advance()
+    from ray import serve
+
+    serve.shutdown()
+    progress.step(f"making {options.data_rows} image rows")
+    source = ray_methods.make_source(options.data_rows or 256, options.data_batch)
+    for method in ("data-ours", "data-grpc"):
+        progress.step(f"{method} {options.data_rows} rows")
+        records.append(_data_record(method, options, node_config, endpoints, source))
+        progress.advance()
+    return records
+
+
+def _data_record(
+    method: str, options: BenchOptions, node_config: Any, endpoints: Endpoints, source: Any
+) -> Record:
+    from ray_triton_shm._private.bench import ray_methods
+
+    rows = options.data_rows or 256
+    try:
+        rows_per_s, gaps, seen = ray_methods.run_data(
+            method, source, rows, options.data_batch, options.data_actors, node_config, endpoints.grpc_url
+        )
+    except Exception as e:
+        return _failed(method, ray_methods.ROW_BYTES, options.data_actors, e, "data")
+    ordered = sorted(gaps)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, -(-int(q * len(ordered)) // 100) - 1))] * 1e3
+
+    return Record(
+        method=method,
+        payload_bytes=ray_methods.ROW_BYTES,
+        concurrency=options.data_actors,
+        throughput_mb_s=rows_per_s * ray_methods.ROW_BYTES / 1e6,
+        p50_ms=pct(50),
+        p99_ms=pct(99),
+        calls=seen,
+        ok=True,
+        group="data",
+        path="batch gaps",
+        rows_per_s=rows_per_s,
+        extra={"rows": rows, "batch_size": options.data_batch},
+    )
+
+
+def _environment() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "?"
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "tritonclient": installed("tritonclient"),
+        "grpcio": installed("grpcio"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {_memory_gb():.0f} GB RAM",
+        "cpu": _cpu_model(),
+        "triton_shm_client": core_methods.competitor_version(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    return env
+
+
+def _memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        return 0.0
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "?"
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``4K,1M,16M`` -> bytes."""
+    units = {"K": KB, "M": MB, "G": 1024 * MB}
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().upper().removesuffix("B")
+        if not part:
+            continue
+        factor = units.get(part[-1], 1)
+        sizes.append(int(float(part[:-1] if part[-1] in units else part) * factor))
+    return tuple(sizes)
+
+
+def methods_arg(text: str | None, known: Sequence[str]) -> tuple[str, ...] | None:
+    """Validate a comma list of method names."""
+    if not text:
+        return None
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; known: {list(known)}")
+    return names

@@ -1,0 +1,81 @@
+"""The benchmark's quick mode on tiny sizes: every method runs, checks its outputs, and is recorded."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KB = 1024
+
+
+def _competitor_segments() -> set[str]:
+    # triton-shm-client names its segments after the model.
+    return {name for name in os.listdir("/dev/shm") if name.startswith("identity_")}
+
+
+def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
+    from ray_triton_shm._private.bench import core_methods
+    from ray_triton_shm._private.bench.runner import BenchOptions, core_plan, run_bench
+
+    before = _competitor_segments()
+    options = BenchOptions(
+        quick=True,
+        sizes=(4 * KB, 64 * KB),
+        concurrency=(1, 2),
+        serve_sizes=(64 * KB,),
+        serve_concurrency=(1,),
+        data_rows=48,
+        data_batch=16,
+        budget_s=0.05,
+        min_calls=2,
+        warmup=1,
+        out_dir=str(tmp_path),
+        progress=False,
+    )
+    lines: list[str] = []
+    records = run_bench(options, write=lines.append)
+
+    have_competitor = core_methods.import_competitor() is not None
+    expected = {
+        cell
+        for cell in core_plan(options.resolved())
+        if have_competitor or cell[0] != "triton-shm-client"
+    }
+    expected |= {(m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo")}
+    got = {(r.method, r.payload_bytes, r.concurrency) for r in records if r.group != "data"}
+    assert got == expected
+    assert {r.method for r in records if r.group == "data"} == {"data-ours", "data-grpc"}
+    failed = [(r.method, r.payload_bytes, r.concurrency, r.error) for r in records if not r.ok]
+    assert not failed, failed
+
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["records"]) == len(records)
+    for row in saved["records"]:
+        for key in ("method", "payload_bytes", "concurrency", "throughput_mb_s", "p50_ms", "p99_ms"):
+            assert key in row, (key, row)
+        assert row["ok"] is True
+        assert math.isfinite(row["throughput_mb_s"]) and row["throughput_mb_s"] > 0, row
+        assert 0 < row["p50_ms"] <= row["p99_ms"], row
+        if row["group"] != "data":
+            assert row["calls"] >= 2 * row["concurrency"], row
+    assert all(r.rows_per_s and r.rows_per_s > 0 for r in records if r.group == "data")
+    # The shm methods really took the shm path (tests pin min_shm_bytes=0).
+    assert {r.path for r in records if r.method.startswith("ours-")} == {"shm"}
+
+    report = (tmp_path / "report.md").read_text()
+    assert "| target | measured | verdict |" in report and "ours-copy" in report
+    text = "\n".join(lines)
+    assert "x gRPC" in text and "x tsc" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert (tmp_path / "throughput.png").stat().st_size > 0
+        assert (tmp_path / "latency.png").stat().st_size > 0
+    assert _competitor_segments() <= before, "triton-shm-client left segments behind"
