@@ -25,7 +25,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -36,11 +38,13 @@ from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.layout import ModelLayout, layout_from_config
 from ray_triton_shm._private.pool import Lease, PoolStats, SlotPool
+from ray_triton_shm._private.segment import check_span, redact
 from ray_triton_shm._private.validate import CheckedInputs, check_inputs
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     InputError,
     LeaseReleasedError,
+    OutputTooLargeError,
     PoolClosedError,
     TritonCallError,
     UnavailableError,
@@ -51,6 +55,7 @@ __all__ = ["InferResult", "PoolSource", "TritonShmClient"]
 logger = logging.getLogger(__name__)
 
 _IN_DOUBT = ("DEADLINE_EXCEEDED", "CANCELLED")
+_UNREGISTER_WAIT_S = 5.0
 
 
 class InferResult(dict):
@@ -72,10 +77,29 @@ def _status_name(error: InferenceServerException) -> str | None:
 
 
 def translate_error(error: InferenceServerException, model: str | None = None) -> TritonCallError:
-    """Turn a tritonclient exception into ours (typed by gRPC status)."""
+    """Turn a tritonclient exception into ours (typed by gRPC status), segment keys redacted."""
     status = _status_name(error)
-    cls = UnavailableError if status == "UNAVAILABLE" else TritonCallError
-    return cls(str(error.message() or error), status, model)
+    message = redact(str(error.message() or error))
+    if "protocol is restricted" in message or "API is restricted" in message:
+        return TritonCallError(
+            f"{message}; the server protects its shared-memory endpoints: pass its "
+            "TritonServer.shm_api_key as ClientConfig.shm_api_key",
+            status,
+            model,
+        )
+    if status == "UNAVAILABLE":
+        return UnavailableError(message, status, model)
+    if "should be at least" in message and "to hold the results" in message:
+        return OutputTooLargeError(
+            f"{message}; raise PoolConfig.max_shapes for it or set ClientConfig.grpc_fallback",
+            status,
+            model,
+        )
+    return TritonCallError(message, status, model)
+
+
+def _region_unknown(error: InferenceServerException) -> bool:
+    return _status_name(error) == "NOT_FOUND" and "shared memory region" in str(error.message())
 
 
 def fetch_layout(grpc: grpcclient.InferenceServerClient, model: str, config: PoolConfig) -> ModelLayout:
@@ -106,18 +130,30 @@ class PoolSource(Protocol):
 class LocalPools:
     """Pools created and registered with Triton by this process."""
 
-    def __init__(self, grpc: grpcclient.InferenceServerClient) -> None:
+    def __init__(self, grpc: grpcclient.InferenceServerClient, shm_api_key: str | None = None) -> None:
+        from ray_triton_shm.server import SHM_API_GRPC_HEADER
+
         self._grpc = grpc
+        self._headers = {SHM_API_GRPC_HEADER: shm_api_key} if shm_api_key else None
         self._pools: list[SlotPool] = []
+
+    def _register(self, pool: SlotPool) -> None:
+        check_span(pool.region_name, pool.segment.size, 0, pool.segment.size)
+        try:
+            self._grpc.register_system_shared_memory(
+                pool.region_name, pool.segment.key, pool.segment.size, headers=self._headers
+            )
+        except InferenceServerException as e:
+            raise translate_error(e, pool.layout.model) from e
 
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
         layout = fetch_layout(self._grpc, model, config)
         pool = SlotPool.create(layout, config.slots)
         try:
-            self._grpc.register_system_shared_memory(pool.region_name, pool.segment.key, pool.segment.size)
-        except InferenceServerException as e:
+            self._register(pool)
+        except BaseException:
             pool.close()
-            raise translate_error(e, model) from e
+            raise
         self._pools.append(pool)
         logger.info(
             "registered pool %s for %s: %d slots x %d bytes",
@@ -128,13 +164,37 @@ class LocalPools:
         )
         return pool
 
-    def close(self) -> None:
-        for pool in self._pools:
+    def reregister(self, pool: SlotPool) -> None:
+        """Register ``pool`` again after the server lost it (e.g. it restarted).
+
+        Raises:
+            TritonCallError: The server refused.
+        """
+        try:
+            self._grpc.unregister_system_shared_memory(pool.region_name, headers=self._headers)
+        except InferenceServerException as e:
+            logger.debug("unregister %s before re-registering failed: %s", pool.region_name, e)
+        self._register(pool)
+        logger.warning("re-registered pool of %s: the server had lost it", pool.layout.model)
+
+    def _unregister(self, pool: SlotPool) -> None:
+        # Triton refuses while a request still uses the region; such requests end soon.
+        deadline = time.monotonic() + _UNREGISTER_WAIT_S
+        while True:
             try:
-                self._grpc.unregister_system_shared_memory(pool.region_name)
+                self._grpc.unregister_system_shared_memory(pool.region_name, headers=self._headers)
+                return
             except InferenceServerException as e:
+                if "in use" in str(e.message()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
                 # The server may be gone already; the segment is ours to unlink anyway.
                 logger.debug("unregister %s failed: %s", pool.region_name, e)
+                return
+
+    def close(self) -> None:
+        for pool in self._pools:
+            self._unregister(pool)
             pool.close()
         self._pools.clear()
 
@@ -167,7 +227,7 @@ class TritonShmClient:
             config = dataclasses.replace(config, **overrides)
         self.config = config
         self._grpc = grpcclient.InferenceServerClient(url=config.url)
-        self._source: PoolSource = pool_source or LocalPools(self._grpc)
+        self._source: PoolSource = pool_source or LocalPools(self._grpc, config.shm_api_key)
         self._pools: dict[str, SlotPool] = {}
         self._lock = threading.Lock()
         self._model_locks: dict[str, threading.Lock] = {}
@@ -303,9 +363,19 @@ class TritonShmClient:
         wanted = self._wanted_outputs(layout, outputs)
         if checked.nbytes < self.config.pool_for(model).min_shm_bytes:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
+        try:
+            return self._infer_shm(model, checked, wanted, self._lease_timeout(model, timeout))
+        except OutputTooLargeError as e:
+            if not self.config.grpc_fallback:
+                raise
+            logger.warning("%s; sending it over plain gRPC", e)
+            return InferResult(self._call_grpc(model, checked, wanted), "grpc")
+
+    def _infer_shm(
+        self, model: str, checked: CheckedInputs, wanted: list[str], lease_timeout: float
+    ) -> InferResult:
         pool = self.pool(model)
-        lease_timeout = self._lease_timeout(model, timeout)
-        chunks = _chunks(layout, checked.batch)
+        chunks = _chunks(pool.layout, checked.batch)
         if len(chunks) == 1:
             return InferResult(self._run_chunk(pool, checked, chunks[0], wanted, lease_timeout), "shm")
         executor = self._chunk_executor()
@@ -406,7 +476,7 @@ class TritonShmClient:
         with pool.acquire(lease_timeout) as lease:
             shapes = self._write_and_call(lease, checked, chunk, wanted)
             return {
-                name: np.array(lease.slot.arrays[name][: int(np.prod(shape))].reshape(shape))
+                name: np.array(lease.slot.arrays[name][: math.prod(shape)].reshape(shape))
                 for name, shape in shapes.items()
             }
 
@@ -434,12 +504,15 @@ class TritonShmClient:
         wanted: Sequence[str] | None,
     ) -> dict[str, tuple[int, ...]]:
         layout = lease.layout
-        region, base = lease.region_name, lease.offset
+        region, base, size = lease.region_name, lease.offset, lease.pool.segment.size
         request_inputs = []
         for spec in layout.inputs:
             shape = shapes[spec.name]
             tensor = grpcclient.InferInput(spec.name, list(shape), spec.datatype)
-            nbytes = int(np.prod(shape)) * spec.dtype.itemsize
+            nbytes = math.prod(shape) * spec.dtype.itemsize
+            if nbytes > spec.capacity:
+                raise InputError(f"{spec.name}: {nbytes} bytes do not fit its {spec.capacity} byte slot")
+            check_span(region, size, base + spec.offset, nbytes)
             tensor.set_shared_memory(region, nbytes, offset=base + spec.offset)
             request_inputs.append(tensor)
         names = list(wanted) if wanted is not None else [spec.name for spec in layout.outputs]
@@ -449,19 +522,27 @@ class TritonShmClient:
             if spec is None:
                 raise InputError(f"model {layout.model!r} has no output {name!r}")
             tensor = grpcclient.InferRequestedOutput(name)
+            check_span(region, size, base + spec.offset, spec.capacity)
             tensor.set_shared_memory(region, spec.capacity, offset=base + spec.offset)
             request_outputs.append(tensor)
-        try:
-            response = self._grpc.infer(
-                layout.model,
-                request_inputs,
-                outputs=request_outputs,
-                client_timeout=self.config.request_timeout_s,
-            )
-        except InferenceServerException as e:
-            if _status_name(e) in _IN_DOUBT:
-                lease.mark_in_doubt()
-            raise translate_error(e, layout.model) from e
+        reregister = getattr(self._source, "reregister", None)
+        for attempt in (0, 1):
+            try:
+                response = self._grpc.infer(
+                    layout.model,
+                    request_inputs,
+                    outputs=request_outputs,
+                    client_timeout=self.config.request_timeout_s,
+                )
+                break
+            except InferenceServerException as e:
+                if _status_name(e) in _IN_DOUBT:
+                    lease.mark_in_doubt()
+                # A restarted server has forgotten our region: register it again, once.
+                if attempt == 0 and reregister is not None and _region_unknown(e):
+                    reregister(lease.pool)
+                    continue
+                raise translate_error(e, layout.model) from e
         shapes_out = {}
         for name in names:
             out = response.get_output(name)

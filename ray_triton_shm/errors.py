@@ -20,6 +20,7 @@ __all__ = [
     "InputError",
     "LayoutError",
     "LeaseReleasedError",
+    "OutputTooLargeError",
     "PoolClosedError",
     "PoolTimeoutError",
     "RayTritonShmError",
@@ -130,3 +131,11 @@ class TritonCallError(RayTritonShmError):
 
 class UnavailableError(TritonCallError):
     """Triton could not be reached (it died, restarted, or is not ready)."""
+
+
+class OutputTooLargeError(TritonCallError):
+    """An output is larger than the space its slot reserves; nothing was truncated.
+
+    Raise ``PoolConfig.max_shapes`` for that output, or set
+    ``ClientConfig.grpc_fallback`` to send such requests over plain gRPC.
+    """

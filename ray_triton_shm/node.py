@@ -33,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.node_pools import Grant, NodePools
 from ray_triton_shm._private.pool import SlotPool
-from ray_triton_shm._private.segment import Segment
+from ray_triton_shm._private.segment import Segment, check_span
 from ray_triton_shm.client import InferResult, TritonShmClient, fetch_layout, translate_error
 from ray_triton_shm.config import ClientConfig, PoolConfig, ServerConfig
 from ray_triton_shm.errors import ConfigError, RayTritonShmError, TritonCallError, UnavailableError
@@ -134,7 +134,9 @@ class _NodeActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.RLock()
-        self._server = TritonServer(config.server)
+        # Only this actor registers regions, so the shm endpoints can always be keyed.
+        protect = config.server.protect_shm_api is not False
+        self._server = TritonServer(config.server, protect_shm_api=protect)
         self._server.start()  # sweeps segments of a previous incarnation first
         self._epoch = 1
         self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
@@ -150,13 +152,14 @@ class _NodeActor:
 
     # -- Triton ------------------------------------------------------------
     def _register(self, name: str, key: str, size: int) -> None:
+        check_span(name, size, 0, size)
         try:
-            self._grpc.register_system_shared_memory(name, key, size)
+            self._grpc.register_system_shared_memory(name, key, size, headers=self._server.shm_api_headers)
         except InferenceServerException as e:
             raise translate_error(e) from e
 
     def _unregister(self, name: str) -> None:
-        self._grpc.unregister_system_shared_memory(name)
+        self._grpc.unregister_system_shared_memory(name, headers=self._server.shm_api_headers)
 
     def _ensure_pool(self, model: str) -> None:
         pool_config = self.config.pool_for(model)
