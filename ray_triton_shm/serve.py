@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private import kserve
+from ray_triton_shm._private.segment import redact
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.errors import (
     InputError,
@@ -164,7 +165,7 @@ class TritonDeployment:
         except RayTritonShmError as e:
             # Our messages name models and tensors, never shm keys or paths.
             return Response(
-                kserve.error_body(str(e)), status_code=_status_for(e), media_type="application/json"
+                kserve.error_body(redact(str(e))), status_code=_status_for(e), media_type="application/json"
             )
 
     async def _http_get(self, path: str) -> Response:
