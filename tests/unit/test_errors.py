@@ -22,7 +22,7 @@ ARGS: dict[str, tuple] = {
     "SharedMemoryError": ("/dev/shm has too little space",),
     "TritonCallError": ("unexpected shape for input 'INPUT0'", "INVALID_ARGUMENT", "identity"),
     "UnavailableError": ("failed to connect to all addresses", "UNAVAILABLE", "add_sub"),
-    "OutputTooLargeError": ("output 'OUTPUT0' (64 bytes) should be at least 400 bytes", "INTERNAL", "identity"),
+    "OutputTooLargeError": ("output 'OUTPUT0' should be at least 400 bytes", "INTERNAL", "identity"),
 }
 
 ATTRS: dict[str, tuple[str, ...]] = {
