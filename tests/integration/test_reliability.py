@@ -498,3 +498,64 @@ def _regions_with(server: TritonServer) -> set[str]:
     with grpcclient.InferenceServerClient(server.grpc_url) as raw:
         status = raw.get_system_shared_memory_status(headers=server.shm_api_headers, as_json=True)
     return set(status.get("regions", {}))
+
+
+# -- case 10: many lease/release cycles -----------------------------------------------
+
+# `make test` runs a short variant; `make soak` sets 100000.
+LEAK_CYCLES = int(os.environ.get("RAY_TRITON_SHM_LEAK_CYCLES", "4000"))
+
+
+def process_footprint(pid: int) -> tuple[int, int]:
+    """(VmRSS in kB, open file descriptors) of ``pid``."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def assert_flat(label: str, before: tuple[int, int], after: tuple[int, int]) -> None:
+    """RSS within 2% and not one more file descriptor."""
+    (rss0, fds0), (rss1, fds1) = before, after
+    assert rss1 <= rss0 * 1.02, f"{label}: RSS grew from {rss0} kB to {rss1} kB"
+    assert fds1 <= fds0, f"{label}: open fds grew from {fds0} to {fds1}"
+
+
+def test_lease_release_cycles_keep_memory_and_fds_flat(
+    triton_server: TritonServer, make_client, record_property
+) -> None:
+    client = make_client(pools={"add_sub": PoolConfig(slots=2, max_batch_size=1)})
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    assert triton_server.pid is not None
+
+    def cycles(n: int) -> None:
+        for i in range(n):
+            with client.lease("add_sub") as lease:
+                lease.input("INPUT0", (1, 16))[:] = a + i
+                lease.input("INPUT1", (1, 16))[:] = a
+                out = client.run(lease)
+                assert out["OUTPUT0"][0, 0] == 2 * a[0, 0] + i
+                del out
+
+    cycles(max(1000, LEAK_CYCLES // 10))  # warm-up: gRPC buffers, allocator arenas
+    before = {"client": process_footprint(os.getpid()), "server": process_footprint(triton_server.pid)}
+    cycles(LEAK_CYCLES)
+    after = {"client": process_footprint(os.getpid()), "server": process_footprint(triton_server.pid)}
+    for name in before:
+        record_property(f"{name}_before", before[name])
+        record_property(f"{name}_after", after[name])
+        assert_flat(f"{name} after {LEAK_CYCLES} cycles", before[name], after[name])
+    assert _free_slots(client, "add_sub") == 2
+
+
+# -- load: the short soak through the direct client ---------------------------------------
+
+
+def test_short_soak_through_the_client_every_response_matches(triton_server: TritonServer) -> None:
+    """The short form of `make soak`: 16 callers on 4 slots, every answer checked against its tag."""
+    from ray_triton_shm._private.soak import soak_client
+
+    report = soak_client(duration_s=15, callers=16, slots=4, url=triton_server.grpc_url)
+    print(report.summary())
+    assert report.requests > 100
+    assert report.error_count == 0, report.errors
+    assert report.mismatches == 0
