@@ -163,7 +163,7 @@ class TritonDeployment:
                 return await self._http_get(path)
             return JSONResponse({"error": f"no route for {request.method} {path}"}, status_code=404)
         except RayTritonShmError as e:
-            # Our messages name models and tensors, never shm keys or paths.
+            # Triton's messages can name shm keys; they must not leave the machine.
             return Response(
                 kserve.error_body(redact(str(e))), status_code=_status_for(e), media_type="application/json"
             )
