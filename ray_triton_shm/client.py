@@ -136,6 +136,7 @@ class LocalPools:
         self._grpc = grpc
         self._headers = {SHM_API_GRPC_HEADER: shm_api_key} if shm_api_key else None
         self._pools: list[SlotPool] = []
+        self._lock = threading.Lock()
 
     def _register(self, pool: SlotPool) -> None:
         check_span(pool.region_name, pool.segment.size, 0, pool.segment.size)
@@ -170,11 +171,13 @@ class LocalPools:
         Raises:
             TritonCallError: The server refused.
         """
-        try:
-            self._grpc.unregister_system_shared_memory(pool.region_name, headers=self._headers)
-        except InferenceServerException as e:
-            logger.debug("unregister %s before re-registering failed: %s", pool.region_name, e)
-        self._register(pool)
+        with self._lock:
+            try:
+                self._register(pool)
+            except TritonCallError as e:
+                if e.status == "ALREADY_EXISTS":  # another thread got there first
+                    return
+                raise
         logger.warning("re-registered pool of %s: the server had lost it", pool.layout.model)
 
     def _unregister(self, pool: SlotPool) -> None:
@@ -320,8 +323,10 @@ class TritonShmClient:
         them is alive.
 
         Raises:
-            InputError: Not every input was placed.
+            InputError: Not every input was placed, or a recorded shape outgrows the slot.
+            SharedMemoryError: A tensor's span would run past the segment (refused locally).
             LeaseReleasedError: The lease has ended.
+            OutputTooLargeError: An output does not fit its slot.
             TritonCallError: The server refused the request.
         """
         if lease.released:
@@ -356,6 +361,7 @@ class TritonShmClient:
         Raises:
             InputError: Inputs do not match the model; nothing was sent.
             PoolTimeoutError: No slot became free in time.
+            OutputTooLargeError: An output does not fit its slot and ``grpc_fallback`` is off.
             TritonCallError / UnavailableError: The server refused or is gone.
         """
         layout = self.layout(model)

@@ -195,17 +195,35 @@ class SlotPool:
                     self._cond.notify_all()  # someone else may be first in line now
 
     async def acquire_async(self, timeout: float) -> Lease:
-        """:meth:`acquire` for asyncio code: waits without blocking the event loop."""
+        """:meth:`acquire` for asyncio code: waits without blocking the event loop.
+
+        It queues with the threads that wait in :meth:`acquire`, in the same order.
+        """
         deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while True:
-            lease = self.try_acquire()
-            if lease is not None:
-                return lease
-            if time.monotonic() >= deadline:
-                raise PoolTimeoutError(self.layout.model, timeout)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        lease = self.try_acquire()
+        if lease is not None:
+            return lease
+        me = object()
+        with self._cond:
+            self._waiters.append(me)
+        try:
+            delay = 0.0005
+            while True:
+                with self._cond:
+                    if self._waiters[0] is me:
+                        lease = self._take_locked()
+                        if lease is not None:
+                            return lease
+                    elif self._closed:
+                        raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
+                if time.monotonic() >= deadline:
+                    raise PoolTimeoutError(self.layout.model, timeout)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.01)
+        finally:
+            with self._cond:
+                self._waiters.remove(me)
+                self._cond.notify_all()
 
     def _give_back(self, slot: Slot, anchor: weakref.ref[np.ndarray] | None, quarantine: bool) -> None:
         with self._cond:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -135,3 +136,30 @@ def test_restricted_flags_carry_the_key_only_when_protected(tmp_path) -> None:
     assert TritonServer(ServerConfig(model_repository=str(tmp_path), protect_shm_api=True)).shm_api_key != (
         keyed.shm_api_key
     )
+
+
+def test_async_waiters_queue_with_threads(make_pool, identity_layout: ModelLayout) -> None:
+    pool = make_pool(identity_layout, slots=1)
+    held = pool.acquire(timeout=1)
+    order: list[str] = []
+
+    def thread_waiter() -> None:
+        with pool.acquire(timeout=10):
+            order.append("thread")
+
+    async def async_waiter() -> None:
+        lease = await pool.acquire_async(timeout=10)
+        order.append("async")
+        lease.release()
+
+    first = threading.Thread(target=thread_waiter)
+    first.start()
+    _wait_for(lambda: len(pool._waiters) == 1)
+    second = threading.Thread(target=lambda: asyncio.run(async_waiter()))
+    second.start()
+    _wait_for(lambda: len(pool._waiters) == 2)
+    held.release()
+    first.join(timeout=10)
+    second.join(timeout=10)
+    assert order == ["thread", "async"]
+    assert pool.stats().free == 1 and not pool._waiters
