@@ -46,7 +46,7 @@ integration: setup
 soak: setup
 	$(PY) -m ray_triton_shm._private.soak --duration 120 --callers 16 --slots 4
 	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/test_reliability.py -k cycles
-	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/on_ray/test_reliability_ray.py -k cycles
+	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/on_ray/test_leak_ray.py
 
 cleanup: $(STAMP)
 	$(PY) -m ray_triton_shm cleanup --yes

@@ -322,6 +322,8 @@ class TritonServer:
         assert proc.stdout is not None
         for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
+            if self.shm_api_key:  # Triton echoes a flag it cannot parse; the tail ends up in errors
+                line = line.replace(self.shm_api_key, "***")
             self._log.append(line)
             logger.debug("tritonserver: %s", line)
 
