@@ -36,7 +36,12 @@ _KEY_RE = re.compile(rf"/?{SEGMENT_PREFIX}_[A-Za-z0-9_.-]+")
 
 
 def process_start_time(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot, or None if it is gone."""
+    """The start time of ``pid`` in clock ticks since boot, or None if it is gone.
+
+    A zombie counts as gone: it holds nothing, and one whose parent died without
+    reaping it (a removed Ray node's workers, in a container whose init does not
+    reap) can stay a zombie for good.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -44,6 +49,8 @@ def process_start_time(pid: int) -> int | None:
         return None
     # The command name may hold spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
     return int(fields[19])
 
 

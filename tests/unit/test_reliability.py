@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -163,3 +164,21 @@ def test_async_waiters_queue_with_threads(make_pool, identity_layout: ModelLayou
     second.join(timeout=10)
     assert order == ["thread", "async"]
     assert pool.stats().free == 1 and not pool._waiters
+
+
+def test_a_zombie_owns_nothing() -> None:
+    """Segments and grants of an exited but unreaped process count as ownerless."""
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    try:
+
+        def is_zombie() -> bool:
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+
+        _wait_for(is_zombie)
+        assert segment.process_start_time(child.pid) is None
+        assert segment.process_start_time(os.getpid()) is not None
+    finally:
+        child.wait()
