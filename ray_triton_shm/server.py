@@ -121,6 +121,10 @@ def _supported_flags(binary: str, library_path: str, mtime: float) -> str:
 class TritonServer:
     """One ``tritonserver`` process.
 
+    When ``config.protect_shm_api`` is on (or auto and the host is not
+    loopback), ``shm_api_key`` holds the random key its shared-memory endpoints
+    require; give it to clients as ``ClientConfig.shm_api_key``.
+
     Args:
         config: Server configuration; keyword overrides are applied on top.
         **overrides: Fields of :class:`ServerConfig` to replace.
