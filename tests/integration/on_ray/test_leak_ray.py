@@ -6,6 +6,8 @@ RAY_TRITON_SHM_LEAK_CYCLES=100000 (10,000 grant and 40,000 lease cycles).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 from pathlib import Path
 
@@ -49,6 +51,11 @@ def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
     ensure_node_actors(config)
     actor = get_node_actor()
     actor_pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+    def settle() -> None:
+        # Collect garbage and hand the allocator's cached free pages back to the kernel in
+        # the actor, so that RSS shows live memory rather than how glibc keeps free lists.
+        ray.get(actor.__ray_call__.remote(lambda self: (gc.collect(), ctypes.CDLL(None).malloc_trim(0))))
     cycles = max(500, int(os.environ.get("RAY_TRITON_SHM_LEAK_CYCLES", "4000")) // 10)
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
 
@@ -68,9 +75,11 @@ def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
         grant_cycles(max(cycles, 1500))
         lease_cycles(cycles * 4)
         triton_pid = client.info.triton_pid
+        settle()
         before = {"actor": process_footprint(actor_pid), "server": process_footprint(triton_pid)}
         grant_cycles(cycles)
         lease_cycles(cycles * 4)
+        settle()
         after = {"actor": process_footprint(actor_pid), "server": process_footprint(triton_pid)}
     for name in before:
         print(f"{name}: {before[name]} -> {after[name]}")
