@@ -386,10 +386,8 @@ def test_unregister_while_requests_are_in_flight(own_server: TritonServer) -> No
             raw.unregister_system_shared_memory(region)  # idle now: it goes
         assert sorted(results) == [0, 1, 2, 3], "a request was lost"
         for i, result in results.items():
-            if isinstance(result, Exception):
-                assert isinstance(result, TritonCallError), result
-            else:
-                np.testing.assert_allclose(result, [[0.3 + i / 1000]], rtol=1e-6)
+            assert not isinstance(result, Exception), result  # the refused unregister hurt nobody
+            np.testing.assert_allclose(result, [[0.3 + i / 1000]], rtol=1e-6)
         # Service continues: the region comes back on the next call.
         out = client.infer("sleep", {"INPUT0": np.full((1, 1), 0.01, np.float32)})
         np.testing.assert_allclose(out["OUTPUT0"], [[0.01]], rtol=1e-6)
