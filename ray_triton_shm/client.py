@@ -40,11 +40,13 @@ from tritonclient.utils import InferenceServerException
 from ray_triton_shm._private.layout import ModelLayout, layout_from_config
 from ray_triton_shm._private.observe import NULL_OBSERVER, Observer, safely
 from ray_triton_shm._private.pool import Lease, PoolStats, SlotPool
+from ray_triton_shm._private.segment import check_span, redact
 from ray_triton_shm._private.validate import CheckedInputs, check_inputs
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     InputError,
     LeaseReleasedError,
+    OutputTooLargeError,
     PoolClosedError,
     RayTritonShmError,
     TritonCallError,
@@ -56,6 +58,7 @@ __all__ = ["InferResult", "PoolSource", "TritonShmClient"]
 logger = logging.getLogger(__name__)
 
 _IN_DOUBT = ("DEADLINE_EXCEEDED", "CANCELLED")
+_UNREGISTER_WAIT_S = 5.0
 
 
 class InferResult(dict):
@@ -80,10 +83,29 @@ def _status_name(error: InferenceServerException) -> str | None:
 
 
 def translate_error(error: InferenceServerException, model: str | None = None) -> TritonCallError:
-    """Turn a tritonclient exception into ours (typed by gRPC status)."""
+    """Turn a tritonclient exception into ours (typed by gRPC status), segment keys redacted."""
     status = _status_name(error)
-    cls = UnavailableError if status == "UNAVAILABLE" else TritonCallError
-    return cls(str(error.message() or error), status, model)
+    message = redact(str(error.message() or error))
+    if "protocol is restricted" in message or "API is restricted" in message:
+        return TritonCallError(
+            f"{message}; the server protects its shared-memory endpoints: pass its "
+            "TritonServer.shm_api_key as ClientConfig.shm_api_key",
+            status,
+            model,
+        )
+    if status == "UNAVAILABLE":
+        return UnavailableError(message, status, model)
+    if "should be at least" in message and "to hold the results" in message:
+        return OutputTooLargeError(
+            f"{message}; raise PoolConfig.max_shapes for it or set ClientConfig.grpc_fallback",
+            status,
+            model,
+        )
+    return TritonCallError(message, status, model)
+
+
+def _region_unknown(error: InferenceServerException) -> bool:
+    return _status_name(error) == "NOT_FOUND" and "shared memory region" in str(error.message())
 
 
 def fetch_layout(grpc: grpcclient.InferenceServerClient, model: str, config: PoolConfig) -> ModelLayout:
@@ -115,11 +137,18 @@ class LocalPools:
     """Pools created and registered with Triton by this process."""
 
     def __init__(
-        self, grpc: grpcclient.InferenceServerClient, server_visible_devices: str | None = None
+        self,
+        grpc: grpcclient.InferenceServerClient,
+        server_visible_devices: str | None = None,
+        shm_api_key: str | None = None,
     ) -> None:
+        from ray_triton_shm.server import SHM_API_GRPC_HEADER
+
         self._grpc = grpc
         self._server_visible = server_visible_devices
+        self._headers = {SHM_API_GRPC_HEADER: shm_api_key} if shm_api_key else None
         self._pools: list[SlotPool] = []
+        self._lock = threading.Lock()
 
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
         layout = fetch_layout(self._grpc, model, config)
@@ -147,9 +176,10 @@ class LocalPools:
     def _register(self, pool: SlotPool) -> None:
         model = pool.layout.model
         if pool.memory != "cuda":
+            check_span(pool.region_name, pool.segment.size, 0, pool.segment.size)
             try:
                 self._grpc.register_system_shared_memory(
-                    pool.region_name, pool.segment.key, pool.segment.size
+                    pool.region_name, pool.segment.key, pool.segment.size, headers=self._headers
                 )
             except InferenceServerException as e:
                 raise translate_error(e, model) from e
@@ -163,13 +193,52 @@ class LocalPools:
             os.environ.get("CUDA_VISIBLE_DEVICES"),
             server_visible_for_local_server(self._server_visible),
         )
+        check_span(pool.region_name, buffer.size, 0, buffer.size)
         try:
-            self._grpc.register_cuda_shared_memory(pool.region_name, buffer.handle_b64, device, buffer.size)
+            self._grpc.register_cuda_shared_memory(
+                pool.region_name, buffer.handle_b64, device, buffer.size, headers=self._headers
+            )
         except InferenceServerException as e:
+            if _status_name(e) == "ALREADY_EXISTS":
+                raise translate_error(e, model) from e
             raise CudaError(
                 f"Triton refused CUDA region {pool.region_name!r} of {model!r} on its GPU {device}: "
-                f"{e.message() or e}"
+                f"{redact(str(e.message() or e))}"
             ) from e
+
+    def reregister(self, pool: SlotPool) -> None:
+        """Register ``pool`` again after the server lost it (e.g. it restarted).
+
+        Raises:
+            TritonCallError: The server refused.
+            CudaError: The server refused a CUDA region.
+        """
+        with self._lock:
+            try:
+                self._register(pool)
+            except TritonCallError as e:
+                if e.status == "ALREADY_EXISTS":  # another thread got there first
+                    return
+                raise
+        logger.warning("re-registered pool of %s: the server had lost it", pool.layout.model)
+
+    def _unregister(self, pool: SlotPool) -> None:
+        # Triton refuses while a request still uses the region; such requests end soon.
+        deadline = time.monotonic() + _UNREGISTER_WAIT_S
+        while True:
+            try:
+                if pool.memory == "cuda":
+                    self._grpc.unregister_cuda_shared_memory(pool.region_name, headers=self._headers)
+                else:
+                    self._grpc.unregister_system_shared_memory(pool.region_name, headers=self._headers)
+                return
+            except InferenceServerException as e:
+                if "in use" in str(e.message()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                # The server may be gone already; the memory is ours to free anyway.
+                logger.debug("unregister %s failed: %s", pool.region_name, e)
+                return
 
     def close(self) -> None:
         for pool in self._pools:
@@ -180,14 +249,7 @@ class LocalPools:
                     "waiting %.1fs before freeing %s: a request may be in flight", wait, pool.region_name
                 )
                 time.sleep(wait)
-            try:
-                if pool.memory == "cuda":
-                    self._grpc.unregister_cuda_shared_memory(pool.region_name)
-                else:
-                    self._grpc.unregister_system_shared_memory(pool.region_name)
-            except InferenceServerException as e:
-                # The server may be gone already; the memory is ours to free anyway.
-                logger.debug("unregister %s failed: %s", pool.region_name, e)
+            self._unregister(pool)
             pool.close()
         self._pools.clear()
 
@@ -223,7 +285,9 @@ class TritonShmClient:
             config = dataclasses.replace(config, **overrides)
         self.config = config
         self._grpc = grpcclient.InferenceServerClient(url=config.url)
-        self._source: PoolSource = pool_source or LocalPools(self._grpc, config.server_visible_devices)
+        self._source: PoolSource = pool_source or LocalPools(
+            self._grpc, config.server_visible_devices, config.shm_api_key
+        )
         self._observer: Observer = observer or NULL_OBSERVER
         self._pools: dict[str, SlotPool] = {}
         self._lock = threading.Lock()
@@ -330,8 +394,10 @@ class TritonShmClient:
         them is alive.
 
         Raises:
-            InputError: Not every input was placed.
+            InputError: Not every input was placed, or a recorded shape outgrows the slot.
+            SharedMemoryError: A tensor's span would run past the segment (refused locally).
             LeaseReleasedError: The lease has ended.
+            OutputTooLargeError: An output does not fit its slot.
             TritonCallError: The server refused the request.
         """
         if lease.released:
@@ -366,6 +432,7 @@ class TritonShmClient:
         Raises:
             InputError: Inputs do not match the model; nothing was sent.
             PoolTimeoutError: No slot became free in time.
+            OutputTooLargeError: An output does not fit its slot and ``grpc_fallback`` is off.
             TritonCallError / UnavailableError: The server refused or is gone.
         """
         layout = self.layout(model)
@@ -373,10 +440,20 @@ class TritonShmClient:
         wanted = self._wanted_outputs(layout, outputs)
         if checked.nbytes < self.config.pool_for(model).min_shm_bytes:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
+        try:
+            return self._infer_shm(model, checked, wanted, self._lease_timeout(model, timeout))
+        except OutputTooLargeError as e:
+            if not self.config.grpc_fallback:
+                raise
+            logger.warning("%s; sending it over plain gRPC", e)
+            return InferResult(self._call_grpc(model, checked, wanted), "grpc")
+
+    def _infer_shm(
+        self, model: str, checked: CheckedInputs, wanted: list[str], lease_timeout: float
+    ) -> InferResult:
         pool = self.pool(model)
         path = "cuda_shm" if pool.memory == "cuda" else "shm"
-        lease_timeout = self._lease_timeout(model, timeout)
-        chunks = _chunks(layout, checked.batch)
+        chunks = _chunks(pool.layout, checked.batch)
         if len(chunks) == 1:
             return InferResult(self._run_chunk(pool, checked, chunks[0], wanted, lease_timeout), path)
         executor = self._chunk_executor()
@@ -513,12 +590,15 @@ class TritonShmClient:
         wanted: Sequence[str] | None,
     ) -> dict[str, tuple[int, ...]]:
         layout = lease.layout
-        region, base = lease.region_name, lease.offset
+        region, base, size = lease.region_name, lease.offset, lease.pool.region_bytes
         request_inputs = []
         for spec in layout.inputs:
             shape = shapes[spec.name]
             tensor = grpcclient.InferInput(spec.name, list(shape), spec.datatype)
             nbytes = math.prod(shape) * spec.dtype.itemsize
+            if nbytes > spec.capacity:
+                raise InputError(f"{spec.name}: {nbytes} bytes do not fit its {spec.capacity} byte slot")
+            check_span(region, size, base + spec.offset, nbytes)
             tensor.set_shared_memory(region, nbytes, offset=base + spec.offset)
             request_inputs.append(tensor)
         names = list(wanted) if wanted is not None else [spec.name for spec in layout.outputs]
@@ -528,33 +608,41 @@ class TritonShmClient:
             if spec is None:
                 raise InputError(f"model {layout.model!r} has no output {name!r}")
             tensor = grpcclient.InferRequestedOutput(name)
+            check_span(region, size, base + spec.offset, spec.capacity)
             tensor.set_shared_memory(region, spec.capacity, offset=base + spec.offset)
             request_outputs.append(tensor)
         lease.flush()
         started = time.perf_counter()
-        try:
-            response = self._grpc.infer(
-                layout.model,
-                request_inputs,
-                outputs=request_outputs,
-                client_timeout=self.config.request_timeout_s,
-            )
-        except InferenceServerException as e:
-            if _status_name(e) in _IN_DOUBT:
-                lease.mark_in_doubt()
-            error = translate_error(e, layout.model)
-            safely(self._observer.error, layout.model, type(error).__name__)
-            raise error from e
+        reregister = getattr(self._source, "reregister", None)
+        for attempt in (0, 1):
+            try:
+                response = self._grpc.infer(
+                    layout.model,
+                    request_inputs,
+                    outputs=request_outputs,
+                    client_timeout=self.config.request_timeout_s,
+                )
+                break
+            except InferenceServerException as e:
+                if _status_name(e) in _IN_DOUBT:
+                    lease.mark_in_doubt()
+                # A restarted server has forgotten our region: register it again, once.
+                if attempt == 0 and reregister is not None and _region_unknown(e):
+                    reregister(lease.pool)
+                    continue
+                error = translate_error(e, layout.model)
+                safely(self._observer.error, layout.model, type(error).__name__)
+                raise error from e
         seconds = time.perf_counter() - started
         shapes_out = {}
-        nbytes = sum(int(np.prod(shapes[spec.name])) * spec.dtype.itemsize for spec in layout.inputs)
+        nbytes = sum(math.prod(shapes[spec.name]) * spec.dtype.itemsize for spec in layout.inputs)
         for name in names:
             out = response.get_output(name)
             if out is None:
                 safely(self._observer.error, layout.model, TritonCallError.__name__)
                 raise TritonCallError(f"server returned no output {name!r}", None, layout.model)
             shapes_out[name] = tuple(int(d) for d in out.shape)
-            nbytes += int(np.prod(shapes_out[name])) * layout.output(name).dtype.itemsize
+            nbytes += math.prod(shapes_out[name]) * layout.output(name).dtype.itemsize
         path = "cuda_shm" if lease.pool.memory == "cuda" else "shm"
         safely(self._observer.request, layout.model, path, nbytes, seconds)
         return shapes_out

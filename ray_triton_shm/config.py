@@ -44,6 +44,10 @@ def _parse_optional_str(text: str) -> str | None:
     return text or None
 
 
+def _parse_optional_bool(text: str) -> bool | None:
+    return None if text.strip().lower() in ("", "auto") else _parse_bool(text)
+
+
 def _parse_int_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
@@ -147,6 +151,10 @@ class ServerConfig:
         startup_timeout_s: How long to wait for readiness.
         stop_timeout_s: How long to wait after SIGINT before SIGKILL.
         log_tail_lines: How many lines of server output are kept in memory.
+        protect_shm_api: Restrict Triton's shared-memory endpoints (gRPC and
+            HTTP register/unregister/status) to callers that send a random
+            per-server key header (``TritonServer.shm_api_key``). ``None``
+            (auto) turns it on when ``host`` is not loopback.
         extra_args: More flags, passed as they are.
     """
 
@@ -176,6 +184,7 @@ class ServerConfig:
     startup_timeout_s: float = env_field("STARTUP_TIMEOUT_S", 120.0)
     stop_timeout_s: float = env_field("STOP_TIMEOUT_S", 10.0)
     log_tail_lines: int = env_field("LOG_TAIL_LINES", 200)
+    protect_shm_api: bool | None = env_field("PROTECT_SHM_API", None, _parse_optional_bool)
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -198,6 +207,8 @@ class ServerConfig:
         _require(self.python_shm_default_bytes > 0, "python_shm_default_bytes must be > 0")
         _require(self.python_shm_growth_bytes > 0, "python_shm_growth_bytes must be > 0")
         _require(bool(self.host), "ServerConfig.host must not be empty")
+        if self.protect_shm_api is not None:
+            _require_type(self, "protect_shm_api", bool)
         if self.gpus is not None:
             _require(all(g >= 0 for g in self.gpus), "ServerConfig.gpus must be >= 0")
         object.__setattr__(self, "load_models", _string_tuple(self, "load_models"))
@@ -304,6 +315,11 @@ class ClientConfig:
             GPUs of CUDA pools in its numbering: ``None`` means the same as
             this process's (a server started from here inherits it), ``"all"``
             that the server's is unset.
+        shm_api_key: The key of a server whose shared-memory endpoints are
+            protected (``TritonServer.shm_api_key``); sent when registering.
+        grpc_fallback: When an output does not fit its slot (a variable-size
+            output larger than ``max_shapes`` allows), ``infer`` retries the
+            request over plain gRPC instead of raising ``OutputTooLargeError``.
     """
 
     url: str = env_field("URL", "127.0.0.1:8001")
@@ -312,6 +328,8 @@ class ClientConfig:
     request_timeout_s: float | None = env_field("REQUEST_TIMEOUT_S", 60.0, lambda s: float(s) if s else None)
     max_parallel_chunks: int = env_field("MAX_PARALLEL_CHUNKS", 8)
     server_visible_devices: str | None = env_field("SERVER_VISIBLE_DEVICES", None, _parse_optional_str)
+    shm_api_key: str | None = env_field("SHM_API_KEY", None, _parse_optional_str)
+    grpc_fallback: bool = env_field("GRPC_FALLBACK", False)
 
     def __post_init__(self) -> None:
         if self.server_visible_devices is not None:

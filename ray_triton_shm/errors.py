@@ -24,6 +24,7 @@ __all__ = [
     "LayoutError",
     "LeaseReleasedError",
     "NoGpuError",
+    "OutputTooLargeError",
     "PoolClosedError",
     "PoolTimeoutError",
     "RayTritonShmError",
@@ -158,4 +159,12 @@ class DeviceMappingError(CudaError, ValueError):
     Raised when ``CUDA_VISIBLE_DEVICES`` of the client and of the server do
     not describe a common GPU, or use forms (index vs UUID) that cannot be
     compared without the GPUs' UUIDs.
+    """
+
+
+class OutputTooLargeError(TritonCallError):
+    """An output is larger than the space its slot reserves; nothing was truncated.
+
+    Raise ``PoolConfig.max_shapes`` for that output, or set
+    ``ClientConfig.grpc_fallback`` to send such requests over plain gRPC.
     """

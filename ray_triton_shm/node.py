@@ -35,7 +35,7 @@ from ray_triton_shm._private import metrics
 from ray_triton_shm._private.layout import layout_from_config
 from ray_triton_shm._private.node_pools import CudaRegion, Grant, NodePools, pool_key
 from ray_triton_shm._private.pool import SlotPool
-from ray_triton_shm._private.segment import Segment, new_segment_name
+from ray_triton_shm._private.segment import Segment, check_span, new_segment_name, redact
 from ray_triton_shm.client import InferResult, TritonShmClient, translate_error
 from ray_triton_shm.config import ClientConfig, PoolConfig, ServerConfig
 from ray_triton_shm.errors import (
@@ -157,7 +157,9 @@ class _NodeActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.RLock()
-        self._server = TritonServer(config.server)
+        # Only this actor registers regions, so the shm endpoints can always be keyed.
+        protect = config.server.protect_shm_api is not False
+        self._server = TritonServer(config.server, protect_shm_api=protect)
         # Triton inherits this actor's CUDA_VISIBLE_DEVICES unless ServerConfig.gpus is set. The actor
         # asks Ray for no GPU, so Ray leaves the variable as the raylet had it: all of the node's GPUs.
         gpus = config.server.gpus
@@ -180,24 +182,30 @@ class _NodeActor:
 
     # -- Triton ------------------------------------------------------------
     def _register(self, region: Any) -> None:
+        check_span(region.name, region.size, 0, region.size)
+        headers = self._server.shm_api_headers
         try:
             if isinstance(region, CudaRegion):
                 buffer = region.buffer
                 self._grpc.register_cuda_shared_memory(
-                    region.name, buffer.handle_b64, region.server_device, region.size
+                    region.name, buffer.handle_b64, region.server_device, region.size, headers=headers
                 )
             else:
-                self._grpc.register_system_shared_memory(region.name, region.key, region.size)
+                self._grpc.register_system_shared_memory(
+                    region.name, region.key, region.size, headers=headers
+                )
         except InferenceServerException as e:
             if isinstance(region, CudaRegion):
-                raise CudaError(f"Triton refused CUDA region {region.name!r}: {e.message() or e}") from e
+                message = redact(str(e.message() or e))
+                raise CudaError(f"Triton refused CUDA region {region.name!r}: {message}") from e
             raise translate_error(e) from e
 
     def _unregister(self, region: Any) -> None:
+        headers = self._server.shm_api_headers
         if isinstance(region, CudaRegion):
-            self._grpc.unregister_cuda_shared_memory(region.name)
+            self._grpc.unregister_cuda_shared_memory(region.name, headers=headers)
         else:
-            self._grpc.unregister_system_shared_memory(region.name)
+            self._grpc.unregister_system_shared_memory(region.name, headers=headers)
 
     def _ensure_pool(self, model: str, device: int | None = None, force_cuda: bool = False) -> str:
         """Create ``model``'s pool (a CUDA one on Triton's GPU ``device`` if allowed); return its key."""

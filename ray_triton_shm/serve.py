@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private import kserve
 from ray_triton_shm._private.cuda import to_host
+from ray_triton_shm._private.segment import redact
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.errors import (
     InputError,
@@ -168,9 +169,9 @@ class TritonDeployment:
                 return await self._http_get(path)
             return JSONResponse({"error": f"no route for {request.method} {path}"}, status_code=404)
         except RayTritonShmError as e:
-            # Our messages name models and tensors, never shm keys or paths.
+            # Triton's messages can name shm keys; they must not leave the machine.
             return Response(
-                kserve.error_body(str(e)), status_code=_status_for(e), media_type="application/json"
+                kserve.error_body(redact(str(e))), status_code=_status_for(e), media_type="application/json"
             )
 
     async def _http_get(self, path: str) -> Response:

@@ -17,10 +17,12 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import ipaddress
 import json
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -53,6 +55,10 @@ _PDEATHSIG_SHIM = (
     "signal.pthread_sigmask(signal.SIG_SETMASK, [])\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
+# Header that protected shared-memory endpoints expect over HTTP; over gRPC Triton
+# expects it with a "triton-grpc-protocol-" prefix (metadata keys are lower case).
+SHM_API_HEADER = "rtshm-shm-key"
+SHM_API_GRPC_HEADER = f"triton-grpc-protocol-{SHM_API_HEADER}"
 _PORT_IN_USE_HINTS = ("address already in use", "failed to start", "failed to listen")
 
 # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the
@@ -86,6 +92,15 @@ def _popen_from_launcher(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
     return done.result()
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -105,6 +120,10 @@ def _supported_flags(binary: str, library_path: str, mtime: float) -> str:
 
 class TritonServer:
     """One ``tritonserver`` process.
+
+    When ``config.protect_shm_api`` is on (or auto and the host is not
+    loopback), ``shm_api_key`` holds the random key its shared-memory endpoints
+    require; give it to clients as ``ClientConfig.shm_api_key``.
 
     Args:
         config: Server configuration; keyword overrides are applied on top.
@@ -129,6 +148,11 @@ class TritonServer:
         self._backend_prefix = ""
         self.version: str = ""
         self.restarts = 0
+        protect = config.protect_shm_api
+        if protect is None:
+            protect = not _is_loopback(config.host)
+        # Kept across restarts, so that whoever holds it keeps working.
+        self.shm_api_key: str | None = secrets.token_urlsafe(24) if protect else None
 
     # -- addresses ---------------------------------------------------------
     def _require_resolved(self) -> ServerConfig:
@@ -153,6 +177,11 @@ class TritonServer:
         """``http://host:port/metrics``."""
         c = self._require_resolved()
         return f"http://{c.host}:{c.metrics_port}/metrics"
+
+    @property
+    def shm_api_headers(self) -> dict[str, str] | None:
+        """gRPC headers that open the protected shared-memory endpoints; ``None`` if unprotected."""
+        return {SHM_API_GRPC_HEADER: self.shm_api_key} if self.shm_api_key else None
 
     @property
     def pid(self) -> int | None:
@@ -249,6 +278,10 @@ class TritonServer:
         help_text = _supported_flags(plan.binary, library_path, os.path.getmtime(plan.binary))
         if "--allow-client-shm" in help_text:
             flags.append("--allow-client-shm=true")
+        if self.shm_api_key:
+            restriction = f"shared-memory:{SHM_API_HEADER}={self.shm_api_key}"
+            flags.append(f"--grpc-restricted-protocol={restriction}")
+            flags.append(f"--http-restricted-api={restriction}")
         return [plan.binary, *flags]
 
     def _environment(self, plan: LaunchPlan) -> dict[str, str]:
@@ -271,7 +304,10 @@ class TritonServer:
         assert plan is not None and resolved is not None
         self._backend_prefix = f"{segment.new_segment_name('pyb')}_"
         command = self._command(plan, resolved)
-        logger.info("starting tritonserver: %s", " ".join(command))
+        shown = " ".join(command)
+        if self.shm_api_key:
+            shown = shown.replace(self.shm_api_key, "***")
+        logger.info("starting tritonserver: %s", shown)
         self._log.clear()
         self._proc = _popen_from_launcher(
             [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command],
@@ -290,6 +326,8 @@ class TritonServer:
         assert proc.stdout is not None
         for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
+            if self.shm_api_key:  # Triton echoes a flag it cannot parse; the tail ends up in errors
+                line = line.replace(self.shm_api_key, "***")
             self._log.append(line)
             logger.debug("tritonserver: %s", line)
 

@@ -91,6 +91,10 @@ class CudaSlotPool(SlotPool):
         return self._name
 
     @property
+    def region_bytes(self) -> int:
+        return self.buffer.size
+
+    @property
     def device(self) -> int:
         """The region's GPU, in this process's numbering."""
         return self.buffer.device

@@ -101,6 +101,9 @@ class SlotPool:
         self._pinned: list[tuple[int, weakref.ref[np.ndarray]]] = []
         self._quarantined: list[tuple[int, float, weakref.ref[np.ndarray] | None]] = []
         self._cond = threading.Condition()
+        # Blocked acquirers, first come first served: without the queue a newcomer
+        # can take each freed slot before a woken waiter runs, starving it until timeout.
+        self._waiters: deque[object] = deque()
         self._closed = False
 
     @classmethod
@@ -117,6 +120,11 @@ class SlotPool:
     def region_name(self) -> str:
         """The name this pool's segment is registered under in Triton."""
         return self.segment.name
+
+    @property
+    def region_bytes(self) -> int:
+        """Size of the region registered in Triton (every slot's span lies inside it)."""
+        return self.segment.size
 
     @property
     def slot_indices(self) -> list[int]:
@@ -136,7 +144,8 @@ class SlotPool:
         with self._cond:
             if not self._closed and self._pinned:
                 self._reclaim_locked()
-                self._cond.notify()
+                # Only the first waiter may take the slot, and notify() could wake another.
+                self._cond.notify_all()
 
     def _reclaim_locked(self) -> None:
         if self._quarantined:
@@ -150,20 +159,27 @@ class SlotPool:
             self._free.extend(i for i, anchor in self._pinned if anchor() is None)
             self._pinned = [(i, anchor) for i, anchor in self._pinned if anchor() is not None]
 
+    def _take_locked(self) -> Lease | None:
+        if self._closed:
+            raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
+        if not self._free:
+            self._reclaim_locked()
+        if self._free:
+            return self._new_lease(self._slots[self._free.popleft()])
+        return None
+
     def try_acquire(self) -> Lease | None:
-        """A lease if a slot is free right now, else None.
+        """A lease if a slot is free right now and nobody is waiting for one, else None.
 
         Raises:
             PoolClosedError: The pool is closed.
         """
         with self._cond:
-            if self._closed:
-                raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
-            if not self._free:
-                self._reclaim_locked()
-            if self._free:
-                return self._new_lease(self._slots[self._free.popleft()])
-            return None
+            if self._waiters:
+                if self._closed:
+                    raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
+                return None
+            return self._take_locked()
 
     def _new_lease(self, slot: Any) -> Lease:
         return Lease(self, slot)
@@ -177,29 +193,60 @@ class SlotPool:
         """
         deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                lease = self.try_acquire()
-                if lease is not None:
-                    return lease
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PoolTimeoutError(self.layout.model, timeout)
-                # Pinned and quarantined slots free themselves without a notify.
-                poll = 0.05 if (self._pinned or self._quarantined) else remaining
-                self._cond.wait(min(remaining, poll))
-
-    async def acquire_async(self, timeout: float) -> Lease:
-        """:meth:`acquire` for asyncio code: waits without blocking the event loop."""
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while True:
             lease = self.try_acquire()
             if lease is not None:
                 return lease
-            if time.monotonic() >= deadline:
-                raise PoolTimeoutError(self.layout.model, timeout)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            me = object()
+            self._waiters.append(me)
+            try:
+                while True:
+                    if self._waiters[0] is me:
+                        lease = self._take_locked()
+                        if lease is not None:
+                            return lease
+                    elif self._closed:
+                        raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise PoolTimeoutError(self.layout.model, timeout)
+                    # Pinned and quarantined slots free themselves without a notify.
+                    poll = 0.05 if (self._pinned or self._quarantined) else remaining
+                    self._cond.wait(min(remaining, poll))
+            finally:
+                self._waiters.remove(me)
+                if self._waiters:
+                    self._cond.notify_all()  # someone else may be first in line now
+
+    async def acquire_async(self, timeout: float) -> Lease:
+        """:meth:`acquire` for asyncio code: waits without blocking the event loop.
+
+        It queues with the threads that wait in :meth:`acquire`, in the same order.
+        """
+        deadline = time.monotonic() + timeout
+        lease = self.try_acquire()
+        if lease is not None:
+            return lease
+        me = object()
+        with self._cond:
+            self._waiters.append(me)
+        try:
+            delay = 0.0005
+            while True:
+                with self._cond:
+                    if self._waiters[0] is me:
+                        lease = self._take_locked()
+                        if lease is not None:
+                            return lease
+                    elif self._closed:
+                        raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
+                if time.monotonic() >= deadline:
+                    raise PoolTimeoutError(self.layout.model, timeout)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.01)
+        finally:
+            with self._cond:
+                self._waiters.remove(me)
+                self._cond.notify_all()
 
     def _give_back(self, slot: Slot, anchor: weakref.ref[np.ndarray] | None, quarantine: bool) -> None:
         with self._cond:
@@ -213,7 +260,8 @@ class SlotPool:
                 )
             else:
                 self._free_or_pin_locked(slot.index, anchor)
-            self._cond.notify()
+            # Only the first waiter may take the slot, and notify() could wake another.
+            self._cond.notify_all()
 
     def in_doubt_until(self) -> float:
         """``time.monotonic()`` at which the last held-back (in-doubt) slot leaves quarantine; 0 if none.

@@ -30,10 +30,18 @@ _RESERVED_PREFIXES = ("triton_python_backend", "triton_")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _OWNED_RE = re.compile(rf"^{SEGMENT_PREFIX}_(\d+)_(\d+)_")
 MAX_NAME_LEN = 200
+# Triton's shm offsets and sizes are uint64 on the wire, but a span past int64 is never a real mapping.
+_MAX_SPAN = (1 << 63) - 1
+_KEY_RE = re.compile(rf"/?{SEGMENT_PREFIX}_[A-Za-z0-9_.-]+")
 
 
 def process_start_time(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot, or None if it is gone."""
+    """The start time of ``pid`` in clock ticks since boot, or None if it is gone.
+
+    A zombie counts as gone: it holds nothing, and one whose parent died without
+    reaping it (a removed Ray node's workers, in a container whose init does not
+    reap) can stay a zombie for good.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -41,6 +49,8 @@ def process_start_time(pid: int) -> int | None:
         return None
     # The command name may hold spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
     return int(fields[19])
 
 
@@ -83,6 +93,44 @@ def validate_segment_name(name: str) -> None:
         raise SharedMemoryError(f"invalid segment name {name!r}: use letters, digits, '_', '.', '-' only")
     if any(name.startswith(p) for p in _RESERVED_PREFIXES):
         raise SharedMemoryError(f"invalid segment name {name!r}: prefix reserved by Triton")
+
+
+def check_span(name: str, size: int, offset: int, nbytes: int) -> None:
+    """Refuse a byte span that does not lie inside a region of ``size`` bytes.
+
+    Checked before anything is sent to Triton, which would refuse such spans
+    itself, but with a message naming the segment key (see :func:`redact`).
+
+    Args:
+        name: Region name, for the message.
+        size: Bytes in the region.
+        offset: First byte of the span.
+        nbytes: Length of the span.
+
+    Raises:
+        SharedMemoryError: Negative, overflowing or out-of-range values.
+    """
+    values = (size, offset, nbytes)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise SharedMemoryError(f"region {name!r}: offset and size must be ints, got {values!r}")
+    if size <= 0 or offset < 0 or nbytes < 0 or max(values) > _MAX_SPAN:
+        raise SharedMemoryError(
+            f"region {name!r}: offset {offset} and size {nbytes} must be >= 0 and < 2**63 "
+            f"(region size {size})"
+        )
+    if offset + nbytes > size:
+        raise SharedMemoryError(
+            f"region {name!r}: bytes {offset}..{offset + nbytes} run past its end ({size} bytes)"
+        )
+
+
+def redact(text: str) -> str:
+    """``text`` with our segment keys and region names replaced by ``<shm>``.
+
+    Segment names carry 128 random bits; whoever learns one can attach or
+    register it, so they stay out of messages that may leave the machine.
+    """
+    return _KEY_RE.sub("<shm>", text)
 
 
 def _path(name: str) -> str:

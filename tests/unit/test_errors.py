@@ -26,6 +26,7 @@ ARGS: dict[str, tuple] = {
     "SharedMemoryError": ("/dev/shm has too little space",),
     "TritonCallError": ("unexpected shape for input 'INPUT0'", "INVALID_ARGUMENT", "identity"),
     "UnavailableError": ("failed to connect to all addresses", "UNAVAILABLE", "add_sub"),
+    "OutputTooLargeError": ("output 'OUTPUT0' should be at least 400 bytes", "INTERNAL", "identity"),
 }
 
 ATTRS: dict[str, tuple[str, ...]] = {
@@ -33,6 +34,7 @@ ATTRS: dict[str, tuple[str, ...]] = {
     "ServerStartError": ("message", "log_tail"),
     "TritonCallError": ("message", "status", "model"),
     "UnavailableError": ("message", "status", "model"),
+    "OutputTooLargeError": ("message", "status", "model"),
 }
 
 
@@ -81,6 +83,7 @@ def test_all_derive_from_root(name: str) -> None:
         (errors.ServerStartError, errors.ServerError),
         (errors.SharedMemoryError, OSError),
         (errors.UnavailableError, errors.TritonCallError),
+        (errors.OutputTooLargeError, errors.TritonCallError),
         (errors.PoolClosedError, RuntimeError),
         (errors.LeaseReleasedError, RuntimeError),
     ],

@@ -1,0 +1,86 @@
+"""Case 10 for the node actor: grant and lease cycles keep its (and its Triton's) RSS and fds flat.
+
+`make test` runs 400 grant and 1,600 lease cycles; `make soak` sets
+RAY_TRITON_SHM_LEAK_CYCLES=100000 (10,000 grant and 40,000 lease cycles).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO_MODELS = str(Path(__file__).resolve().parents[3] / "deployments" / "models")
+
+
+def setup_module(module):
+    # Ray workers cannot import test modules: ship this one's functions by value.
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    from .conftest import teardown_ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        teardown_ray()
+
+
+def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
+    """Case 10 for the node actor: acquire/release grants, then NodeClient leases; RSS and fds flat."""
+    import ray
+
+    from ray_triton_shm.node import NodeClient, NodeConfig, ensure_node_actors, get_node_actor
+
+    from ..test_reliability import assert_flat, process_footprint
+
+    config = NodeConfig.for_repository(REPO_MODELS, quarantine_s=1.0)
+    ensure_node_actors(config)
+    actor = get_node_actor()
+    actor_pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+    def settle() -> None:
+        # Collect garbage and hand the allocator's cached free pages back to the kernel in
+        # the actor, so that RSS shows live memory rather than how glibc keeps free lists.
+        ray.get(actor.__ray_call__.remote(lambda self: (gc.collect(), ctypes.CDLL(None).malloc_trim(0))))
+    cycles = max(500, int(os.environ.get("RAY_TRITON_SHM_LEAK_CYCLES", "4000")) // 10)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+
+    def grant_cycles(n: int) -> None:
+        for _ in range(n):
+            grant = ray.get(actor.acquire.remote("add_sub", 1, os.getpid(), 10.0))
+            assert ray.get(actor.release.remote(grant.grant_id))
+
+    with NodeClient(config, slots_per_model=1) as client:
+
+        def lease_cycles(n: int) -> None:
+            for i in range(n):
+                out = client.infer("add_sub", {"INPUT0": a + i, "INPUT1": a})
+                assert out["OUTPUT0"][0, 0] == i
+
+        # Warm-up as long as the measured run: Ray's own per-call buffers fill up first.
+        grant_cycles(max(cycles, 1500))
+        lease_cycles(cycles * 4)
+        triton_pid = client.info.triton_pid
+        settle()
+        before = {"actor": process_footprint(actor_pid), "server": process_footprint(triton_pid)}
+        grant_cycles(cycles)
+        lease_cycles(cycles * 4)
+        settle()
+        after = {"actor": process_footprint(actor_pid), "server": process_footprint(triton_pid)}
+    for name in before:
+        print(f"{name}: {before[name]} -> {after[name]}")
+        assert_flat(name, before[name], after[name])
