@@ -24,15 +24,17 @@ demo: setup
 	$(PY) -m ray_triton_shm demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check ray_triton_shm tests
+	$(PY) -m ruff check ray_triton_shm tests notebooks
 
 # Each Ray test module gets its own process: a Ray started, shut down and started
 # again (a multi-node Cluster, then a local Ray) in one process can hang.
 RAY_TESTS := $(sort $(wildcard tests/integration/on_ray/test_*.py))
 
-test: setup lint
+# bench-env: the benchmark's smoke test also runs triton-shm-client.
+test: setup lint bench-env
 	$(PY) -m pytest tests --ignore=tests/integration/on_ray
-	@set -e; for module in $(RAY_TESTS); do $(PY) -m pytest $$module; done
+	@set -e; for module in $(RAY_TESTS); do \
+		RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m pytest $$module; done
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit

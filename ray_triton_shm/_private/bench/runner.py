@@ -153,7 +153,9 @@ def _triton(options: BenchOptions) -> Iterator[tuple[Endpoints, dict[str, Any], 
 
     serve_max = max(options.serve_sizes or (MB,))
     node_config = NodeConfig(
-        server=ServerConfig(model_repository=repository),
+        # The core methods (and triton-shm-client) register their own regions on the node
+        # actor's Triton, so its shm endpoints stay open here: loopback only, one user.
+        server=ServerConfig(model_repository=repository, protect_shm_api=False),
         pools={"identity": _identity_pool(serve_max, 8)},
     )
     ray.init(
