@@ -128,7 +128,10 @@ class CudaLease(Lease):
     def _dtype_view(self, name: str, shape: Sequence[int]) -> Any:
         """A contiguous view of ``name``'s region with ``shape`` (already validated)."""
         spec = self.layout.input(name) or self.layout.output(name)
-        assert spec is not None
+        if spec is None:
+            from ray_triton_shm.errors import InputError
+
+            raise InputError(f"model {self.layout.model!r} has no tensor {name!r}")
         nbytes = math.prod(shape) * spec.dtype.itemsize
         region = self._lease_anchor()[spec.offset : spec.offset + nbytes]
         return region.view(spec.dtype).reshape(tuple(shape))

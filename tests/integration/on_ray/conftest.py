@@ -57,3 +57,15 @@ def serve_app(tmp_path_factory):
         yield handles["triton"], f"127.0.0.1:{port}"
     finally:
         teardown_ray()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A private local Ray for one module, torn down (Serve and node actors too) after it."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        teardown_ray()

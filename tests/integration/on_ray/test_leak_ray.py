@@ -26,19 +26,6 @@ def setup_module(module):
     cloudpickle.register_pickle_by_value(module)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from .conftest import teardown_ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        teardown_ray()
-
-
 def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
     """Case 10 for the node actor: acquire/release grants, then NodeClient leases; RSS and fds flat."""
     import ray

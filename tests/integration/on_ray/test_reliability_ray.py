@@ -25,19 +25,6 @@ def setup_module(module):
     cloudpickle.register_pickle_by_value(module)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from .conftest import teardown_ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        teardown_ray()
-
-
 def _wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while True:
