@@ -94,6 +94,8 @@ class TritonPredictor:
         inputs = {name: _column_array(batch[column]) for name, column in self._inputs.items()}
         call = self._client.infer_grpc if self._grpc else self._client.infer
         result = {name: to_host(value) for name, value in call(self.model, inputs).items()}
+        # Ray Data kills its workers without a close when the job ends: report per batch.
+        self._client.flush_reports()
         if is_frame:
             frame = batch.copy()
             for name, column in self._outputs.items():

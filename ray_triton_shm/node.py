@@ -708,6 +708,16 @@ class NodeClient:
         """The model's KServe v2 metadata."""
         return self.client._grpc.get_model_metadata(model, as_json=True)
 
+    def flush_reports(self) -> None:
+        """Send the traffic counted so far to the node actor now (fire-and-forget).
+
+        For short-lived workers (Ray Data actors are killed when their job ends,
+        without a ``close``) whose whole run can fit in one reporting interval.
+        """
+        observer = self._observer
+        if observer is not None:
+            observer.flush()
+
     def close(self) -> None:
         """Give the slots back to the node actor. Idempotent."""
         inner, self._inner = self._inner, None

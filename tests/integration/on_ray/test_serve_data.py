@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
@@ -66,10 +68,34 @@ def test_handle_round_trip_uses_shm(serve_app):
     np.testing.assert_array_equal(outputs["OUTPUT0"], 2 * a)
 
 
+def _add_sub_bytes_reported() -> int:
+    from ray_triton_shm._private import status
+
+    return sum(
+        entry["bytes"]
+        for node in status.collect()
+        for entry in node.get("traffic", [])
+        if entry["model"] == "add_sub"
+    )
+
+
+def _settled_add_sub_bytes() -> int:
+    """The reported sum once earlier tests' last reports (sent every 0.25 s) have landed."""
+    last = _add_sub_bytes_reported()
+    while True:
+        time.sleep(0.6)
+        now = _add_sub_bytes_reported()
+        if now == last:
+            return now
+        last = now
+
+
 def test_ray_data_ten_thousand_rows_every_output_checked(serve_app):
     import ray
 
     from ray_triton_shm.data import TritonPredictor
+
+    reported_before = _settled_add_sub_bytes()
 
     rows = 10_000
     ids = np.arange(rows, dtype=np.int32)
@@ -95,6 +121,13 @@ def test_ray_data_ten_thousand_rows_every_output_checked(serve_app):
         np.testing.assert_array_equal(row["OUTPUT1"], row["INPUT0"] - 3)
         seen.add(int(row["INPUT0"][0]))
     assert seen == set(range(rows))
+    # Ray Data kills its workers without a close: every batch's traffic must still reach
+    # the node actor (2 inputs + 2 outputs of 16 int32 per row), whatever the path.
+    want = rows * 4 * 16 * 4
+    deadline = time.monotonic() + 10
+    while (moved := _add_sub_bytes_reported() - reported_before) < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert moved == want
 
 
 def test_ray_data_pandas_batches(serve_app):
