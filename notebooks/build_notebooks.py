@@ -393,8 +393,9 @@ print("GPU:", HAS_GPU)'''
 
 A pool with `memory="cuda"` lives in GPU memory (`device_id` picks the GPU);
 it is registered with Triton as CUDA shared memory, once per node, by the node
-actor. Clients pass `cupy` arrays and get `cupy` arrays back; numpy inputs are
-copied to the GPU once. On a cluster you would connect with
+actor. Clients that ask for GPU memory (`NodeClient(memory="cuda")`, or
+`"auto"` for models whose instances run on GPU) pass `cupy` arrays and get
+`cupy` arrays back; numpy inputs are copied to the GPU once. On a cluster you would connect with
 `ray.init(address="auto")` from the head node; here a local Ray is started."""
     ),
     new_code_cell(
@@ -423,7 +424,7 @@ else:
 
     from ray_triton_shm.node import NodeClient
 
-    with NodeClient() as client:
+    with NodeClient(memory="cuda") as client:   # GPU slots; "auto" picks them for GPU models
         x = cp.random.random((1, 1 << 22), dtype=cp.float32)       # 16 MB on the GPU
         out = client.infer("identity", {"INPUT0": x})
         print("path:", out.path, "same data:", bool(cp.array_equal(cp.asarray(out["OUTPUT0"]), x)))
