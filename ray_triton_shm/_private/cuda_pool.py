@@ -136,21 +136,6 @@ class CudaLease(Lease):
         region = self._lease_anchor()[spec.offset : spec.offset + nbytes]
         return region.view(spec.dtype).reshape(tuple(shape))
 
-    def output(self, name: str, shape: Sequence[int]) -> Any:
-        """A cupy view of output ``name`` with ``shape``.
-
-        Raises:
-            InputError: Unknown name or a shape that does not fit.
-            LeaseReleasedError: The lease has ended.
-        """
-        self._check_live()
-        spec = self.layout.output(name)
-        if spec is None:
-            from ray_triton_shm.errors import InputError
-
-            raise InputError(f"model {self.layout.model!r} has no output {name!r}")
-        return self._array(spec, shape)
-
     def write_input(self, name: str, value: Any) -> tuple[int, ...]:
         """Copy ``value`` into input ``name``: device to device for CUDA arrays, host to device for numpy."""
         cupy = import_cupy()

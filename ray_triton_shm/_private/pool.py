@@ -409,7 +409,8 @@ class Lease:
         if spec is None:
             raise InputError(f"model {self.layout.model!r} has no output {name!r}")
         array = self._array(spec, shape)
-        array.flags.writeable = False
+        if isinstance(array, np.ndarray):  # device arrays (CUDA leases) have no read-only flag
+            array.flags.writeable = False
         return array
 
     def write_input(self, name: str, value: Any) -> tuple[int, ...]:

@@ -16,10 +16,9 @@ REPO_MODELS = str(__import__("pathlib").Path(__file__).resolve().parents[3] / "d
 @pytest.fixture(scope="module")
 def two_nodes():
     import ray
-    from ray import serve
     from ray.cluster_utils import Cluster
 
-    from ray_triton_shm.node import shutdown_node_actors
+    from .conftest import teardown_ray
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
@@ -29,10 +28,8 @@ def two_nodes():
         yield cluster
     finally:
         try:
-            serve.shutdown()
+            teardown_ray()
         finally:
-            shutdown_node_actors()
-            ray.shutdown()
             cluster.shutdown()
 
 

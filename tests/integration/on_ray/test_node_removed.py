@@ -30,10 +30,9 @@ def setup_module(module):
 @pytest.fixture(scope="module")
 def cluster():
     import ray
-    from ray import serve
     from ray.cluster_utils import Cluster
 
-    from ray_triton_shm.node import shutdown_node_actors
+    from .conftest import teardown_ray
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     ray.init(address=cluster.address, log_to_driver=False)
@@ -41,10 +40,8 @@ def cluster():
         yield cluster
     finally:
         try:
-            serve.shutdown()
+            teardown_ray()
         finally:
-            shutdown_node_actors()
-            ray.shutdown()
             cluster.shutdown()
 
 

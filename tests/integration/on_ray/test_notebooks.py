@@ -8,7 +8,6 @@ on machines without a GPU; its other cells run.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -24,13 +23,12 @@ CELL_TIMEOUT_S = 300
 
 
 def _has_gpu() -> bool:
-    if shutil.which("nvidia-smi") is None:
-        return False
-    try:
-        import cupy
+    from ray_triton_shm._private.cuda import device_count
+    from ray_triton_shm.errors import CudaUnavailableError
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
+    try:
+        return device_count() > 0
+    except CudaUnavailableError:
         return False
 
 
