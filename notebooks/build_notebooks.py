@@ -52,7 +52,7 @@ one pool of slots per model in `/dev/shm` and registers it with Triton once.
         '''server = TritonServer(ServerConfig(model_repository=MODELS)).start()
 largest = {"INPUT0": (1 << 20,), "OUTPUT0": (1 << 20,)}  # 4 MB of float32
 pools = {"identity": PoolConfig(slots=2, max_batch_size=1, max_shapes=largest)}
-client = TritonShmClient(url=server.grpc_url, pools=pools)
+client = TritonShmClient(url=server.grpc_url, http_url=server.http_url, pools=pools)
 print("Triton", server.version, "at", server.grpc_url, f"({server.binary_source})")'''
     ),
     new_markdown_cell("## 2. Infer: numpy in, numpy out"),

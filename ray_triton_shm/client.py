@@ -37,6 +37,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES, call_error, region_unknown
+from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput
 from ray_triton_shm._private.layout import ModelLayout, layout_from_config
 from ray_triton_shm._private.observe import NULL_OBSERVER, Observer, safely
 from ray_triton_shm._private.pool import Lease, PoolStats, SlotPool
@@ -50,14 +52,12 @@ from ray_triton_shm.errors import (
     PoolClosedError,
     RayTritonShmError,
     TritonCallError,
-    UnavailableError,
 )
 
 __all__ = ["InferResult", "PoolSource", "TritonShmClient"]
 
 logger = logging.getLogger(__name__)
 
-_IN_DOUBT = ("DEADLINE_EXCEEDED", "CANCELLED")
 _UNREGISTER_WAIT_S = 5.0
 
 
@@ -84,28 +84,7 @@ def _status_name(error: InferenceServerException) -> str | None:
 
 def translate_error(error: InferenceServerException, model: str | None = None) -> TritonCallError:
     """Turn a tritonclient exception into ours (typed by gRPC status), segment keys redacted."""
-    status = _status_name(error)
-    message = redact(str(error.message() or error))
-    if "protocol is restricted" in message or "API is restricted" in message:
-        return TritonCallError(
-            f"{message}; the server protects its shared-memory endpoints: pass its "
-            "TritonServer.shm_api_key as ClientConfig.shm_api_key",
-            status,
-            model,
-        )
-    if status == "UNAVAILABLE":
-        return UnavailableError(message, status, model)
-    if "should be at least" in message and "to hold the results" in message:
-        return OutputTooLargeError(
-            f"{message}; raise PoolConfig.max_shapes for it or set ClientConfig.grpc_fallback",
-            status,
-            model,
-        )
-    return TritonCallError(message, status, model)
-
-
-def _region_unknown(error: InferenceServerException) -> bool:
-    return _status_name(error) == "NOT_FOUND" and "shared memory region" in str(error.message())
+    return call_error(str(error.message() or error), _status_name(error), model)
 
 
 def fetch_layout(grpc: grpcclient.InferenceServerClient, model: str, config: PoolConfig) -> ModelLayout:
@@ -285,6 +264,8 @@ class TritonShmClient:
             config = dataclasses.replace(config, **overrides)
         self.config = config
         self._grpc = grpcclient.InferenceServerClient(url=config.url)
+        # Shared-memory requests carry only descriptors; HTTP sends them for less CPU than gRPC.
+        self._http = HttpShmSender(config.http_url, config.request_timeout_s) if config.http_url else None
         self._source: PoolSource = pool_source or LocalPools(
             self._grpc, config.server_visible_devices, config.shm_api_key
         )
@@ -313,6 +294,8 @@ class TritonShmClient:
             executor.shutdown(wait=True)
         self._source.close()
         self._pools.clear()
+        if self._http is not None:
+            self._http.close()
         self._grpc.close()
 
     # -- pools -------------------------------------------------------------
@@ -417,6 +400,7 @@ class TritonShmClient:
         *,
         outputs: Sequence[str] | None = None,
         timeout: float | None = None,
+        copy: bool = True,
     ) -> InferResult:
         """Run ``model`` on ``inputs`` and return copies of its outputs.
 
@@ -425,6 +409,10 @@ class TritonShmClient:
             inputs: Arrays by input name (exact dtypes; any memory layout).
             outputs: Output names to return; all by default.
             timeout: Seconds to wait for a free slot; default from the pool config.
+            copy: ``False`` returns read-only views into the slot when the batch
+                fits one slot: the slot is not reused while any of them is alive.
+                For outputs that go straight to a serializer (a Ray Serve
+                replica's return value), which copies them anyway.
 
         Returns:
             Outputs by name; ``.path`` says whether shm or plain gRPC was used.
@@ -438,10 +426,10 @@ class TritonShmClient:
         layout = self.layout(model)
         checked = self._check(layout, inputs)
         wanted = self._wanted_outputs(layout, outputs)
-        if checked.nbytes < self.config.pool_for(model).min_shm_bytes:
+        if checked.nbytes < self.config.pool_for(model).shm_threshold(over_http=self._http is not None):
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
         try:
-            return self._infer_shm(model, checked, wanted, self._lease_timeout(model, timeout))
+            return self._infer_shm(model, checked, wanted, self._lease_timeout(model, timeout), copy)
         except OutputTooLargeError as e:
             if not self.config.grpc_fallback:
                 raise
@@ -449,13 +437,14 @@ class TritonShmClient:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
 
     def _infer_shm(
-        self, model: str, checked: CheckedInputs, wanted: list[str], lease_timeout: float
+        self, model: str, checked: CheckedInputs, wanted: list[str], lease_timeout: float, copy: bool = True
     ) -> InferResult:
         pool = self.pool(model)
         path = "cuda_shm" if pool.memory == "cuda" else "shm"
         chunks = _chunks(pool.layout, checked.batch)
         if len(chunks) == 1:
-            return InferResult(self._run_chunk(pool, checked, chunks[0], wanted, lease_timeout), path)
+            outputs = self._run_chunk(pool, checked, chunks[0], wanted, lease_timeout, copy)
+            return InferResult(outputs, path)
         executor = self._chunk_executor()
         futures = [
             executor.submit(self._run_chunk, pool, checked, chunk, wanted, lease_timeout) for chunk in chunks
@@ -476,6 +465,7 @@ class TritonShmClient:
         *,
         outputs: Sequence[str] | None = None,
         timeout: float | None = None,
+        copy: bool = True,
     ) -> InferResult:
         """:meth:`infer` for asyncio code; the event loop is not blocked.
 
@@ -483,7 +473,7 @@ class TritonShmClient:
             The same errors as :meth:`infer`.
         """
         loop = asyncio.get_running_loop()
-        call = functools.partial(self.infer, model, inputs, outputs=outputs, timeout=timeout)
+        call = functools.partial(self.infer, model, inputs, outputs=outputs, timeout=timeout, copy=copy)
         return await loop.run_in_executor(None, call)
 
     @contextlib.contextmanager
@@ -563,10 +553,12 @@ class TritonShmClient:
         chunk: tuple[int, int],
         wanted: list[str],
         lease_timeout: float,
+        copy: bool = True,
     ) -> dict[str, np.ndarray]:
         with self._acquire(pool, lease_timeout) as lease:
             shapes = self._write_and_call(lease, checked, chunk, wanted)
-            return {name: lease.copy_output(name, shape) for name, shape in shapes.items()}
+            read = lease.copy_output if copy else lease.output
+            return {name: read(name, shape) for name, shape in shapes.items()}
 
     def _write_and_call(
         self,
@@ -591,61 +583,77 @@ class TritonShmClient:
     ) -> dict[str, tuple[int, ...]]:
         layout = lease.layout
         region, base, size = lease.region_name, lease.offset, lease.pool.region_bytes
-        request_inputs = []
+        inputs = []
+        nbytes_in = 0
         for spec in layout.inputs:
-            shape = shapes[spec.name]
-            tensor = grpcclient.InferInput(spec.name, list(shape), spec.datatype)
+            shape = tuple(shapes[spec.name])
             nbytes = math.prod(shape) * spec.dtype.itemsize
             if nbytes > spec.capacity:
                 raise InputError(f"{spec.name}: {nbytes} bytes do not fit its {spec.capacity} byte slot")
             check_span(region, size, base + spec.offset, nbytes)
-            tensor.set_shared_memory(region, nbytes, offset=base + spec.offset)
-            request_inputs.append(tensor)
+            inputs.append(ShmInput(spec.name, shape, spec.datatype, region, nbytes, base + spec.offset))
+            nbytes_in += nbytes
         names = list(wanted) if wanted is not None else [spec.name for spec in layout.outputs]
-        request_outputs = []
+        outputs = []
         for name in names:
             spec = layout.output(name)
             if spec is None:
                 raise InputError(f"model {layout.model!r} has no output {name!r}")
-            tensor = grpcclient.InferRequestedOutput(name)
             check_span(region, size, base + spec.offset, spec.capacity)
-            tensor.set_shared_memory(region, spec.capacity, offset=base + spec.offset)
-            request_outputs.append(tensor)
+            outputs.append(ShmOutput(name, region, spec.capacity, base + spec.offset))
         lease.flush()
         started = time.perf_counter()
         reregister = getattr(self._source, "reregister", None)
         for attempt in (0, 1):
             try:
-                response = self._grpc.infer(
-                    layout.model,
-                    request_inputs,
-                    outputs=request_outputs,
-                    client_timeout=self.config.request_timeout_s,
-                )
+                shapes_out = self._send_shm(layout.model, inputs, outputs)
                 break
-            except InferenceServerException as e:
-                if _status_name(e) in _IN_DOUBT:
+            except TritonCallError as error:
+                if error.status in IN_DOUBT_STATUSES:
                     lease.mark_in_doubt()
                 # A restarted server has forgotten our region: register it again, once.
-                if attempt == 0 and reregister is not None and _region_unknown(e):
+                if attempt == 0 and reregister is not None and region_unknown(error):
                     reregister(lease.pool)
                     continue
-                error = translate_error(e, layout.model)
                 safely(self._observer.error, layout.model, type(error).__name__)
-                raise error from e
+                raise
         seconds = time.perf_counter() - started
-        shapes_out = {}
-        nbytes = sum(math.prod(shapes[spec.name]) * spec.dtype.itemsize for spec in layout.inputs)
-        for name in names:
-            out = response.get_output(name)
-            if out is None:
-                safely(self._observer.error, layout.model, TritonCallError.__name__)
-                raise TritonCallError(f"server returned no output {name!r}", None, layout.model)
-            shapes_out[name] = tuple(int(d) for d in out.shape)
-            nbytes += math.prod(shapes_out[name]) * layout.output(name).dtype.itemsize
+        nbytes = nbytes_in + sum(
+            math.prod(shape) * layout.output(name).dtype.itemsize for name, shape in shapes_out.items()
+        )
         path = "cuda_shm" if lease.pool.memory == "cuda" else "shm"
         safely(self._observer.request, layout.model, path, nbytes, seconds)
         return shapes_out
+
+    def _send_shm(
+        self, model: str, inputs: Sequence[ShmInput], outputs: Sequence[ShmOutput]
+    ) -> dict[str, tuple[int, ...]]:
+        """One request whose tensors all lie in registered regions; returns the output shapes."""
+        if self._http is not None:
+            return self._http.infer(model, inputs, outputs)
+        request_inputs = []
+        for t in inputs:
+            tensor = grpcclient.InferInput(t.name, list(t.shape), t.datatype)
+            tensor.set_shared_memory(t.region, t.byte_size, offset=t.offset)
+            request_inputs.append(tensor)
+        request_outputs = []
+        for t in outputs:
+            tensor = grpcclient.InferRequestedOutput(t.name)
+            tensor.set_shared_memory(t.region, t.byte_size, offset=t.offset)
+            request_outputs.append(tensor)
+        try:
+            response = self._grpc.infer(
+                model, request_inputs, outputs=request_outputs, client_timeout=self.config.request_timeout_s
+            )
+        except InferenceServerException as e:
+            raise translate_error(e, model) from e
+        shapes = {}
+        for t in outputs:
+            out = response.get_output(t.name)
+            if out is None:
+                raise TritonCallError(f"server returned no output {t.name!r}", None, model)
+            shapes[t.name] = tuple(int(d) for d in out.shape)
+        return shapes
 
     def _call_grpc(self, model: str, checked: CheckedInputs, wanted: list[str]) -> dict[str, np.ndarray]:
         layout = self.layout(model)

@@ -625,7 +625,10 @@ class NodeClient:
             device_id=self._device_id,
         )
         client_config = ClientConfig(
-            url=info.grpc_url, default_pool=pool, request_timeout_s=self._request_timeout
+            url=info.grpc_url,
+            http_url=info.http_url,
+            default_pool=pool,
+            request_timeout_s=self._request_timeout,
         )
         observer = metrics.RayMetricsObserver(actor)
         source = _GrantedPools(actor, self._slots, self._lease_timeout, info, self._force_cuda)
@@ -667,7 +670,12 @@ class NodeClient:
         return self._inner
 
     def infer(
-        self, model: str, inputs: Mapping[str, Any], *, outputs: Sequence[str] | None = None
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        outputs: Sequence[str] | None = None,
+        copy: bool = True,
     ) -> InferResult:
         """See :meth:`TritonShmClient.infer`; reconnects for the next call after a Triton restart.
 
@@ -675,19 +683,24 @@ class NodeClient:
             InputError, PoolTimeoutError, TritonCallError, UnavailableError.
         """
         try:
-            return self.client.infer(model, inputs, outputs=outputs)
+            return self.client.infer(model, inputs, outputs=outputs, copy=copy)
         except (UnavailableError, TritonCallError):
             self._reconnect_if_changed()
             raise
 
     async def ainfer(
-        self, model: str, inputs: Mapping[str, Any], *, outputs: Sequence[str] | None = None
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        outputs: Sequence[str] | None = None,
+        copy: bool = True,
     ) -> InferResult:
         """See :meth:`TritonShmClient.ainfer`."""
         import asyncio
 
         try:
-            return await self.client.ainfer(model, inputs, outputs=outputs)
+            return await self.client.ainfer(model, inputs, outputs=outputs, copy=copy)
         except (UnavailableError, TritonCallError):
             await asyncio.to_thread(self._reconnect_if_changed)
             raise

@@ -103,7 +103,9 @@ def run_demo(model_repository: str | None = None, *, quick: bool = False) -> lis
     rows: list[dict[str, object]] = []
     config = ServerConfig(model_repository=model_repository or default_model_repository())
     print(f"starting Triton from {config.model_repository} ...", flush=True)
-    with TritonServer(config) as server, TritonShmClient(url=server.grpc_url, pools=demo_pools()) as client:
+    with TritonServer(config) as server, TritonShmClient(
+        url=server.grpc_url, http_url=server.http_url, pools=demo_pools()
+    ) as client:
         print(f"tritonserver {server.version} ({server.binary_source}) at {server.grpc_url}", flush=True)
         cases = demo_cases(rng)
         for number, case in enumerate(cases, 1):

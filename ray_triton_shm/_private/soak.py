@@ -138,8 +138,10 @@ def soak_client(duration_s: float, callers: int, slots: int, url: str | None = N
         server = TritonServer(ServerConfig(model_repository=str(REPOSITORY), load_models=(MODEL,)))
         server.start()
         url = server.grpc_url
+    http_url = server.http_url if server is not None else None
+    pools = {MODEL: PoolConfig(slots=slots, max_batch_size=1)}
     try:
-        with TritonShmClient(url=url, pools={MODEL: PoolConfig(slots=slots, max_batch_size=1)}) as client:
+        with TritonShmClient(url=url, http_url=http_url, pools=pools) as client:
             client.infer(MODEL, {"INPUT0": _SECOND, "INPUT1": _SECOND})  # pool created before timing
 
             def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

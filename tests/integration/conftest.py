@@ -3,6 +3,8 @@
 * ``triton_server``: one embedded Triton per session serving ``deployments/models``.
 * ``client``: a fresh :class:`TritonShmClient` per test (pools from :func:`default_pools`).
 * ``make_client``: builds clients with other settings.
+* ``shm_transport``: ``"http"`` or ``"grpc"``, how those clients send their shm
+  requests; every test that uses a client runs with both.
 
 Every client these fixtures hand out is closed after its test, and the test
 fails if one of its slots is still busy or one of its segments is still in
@@ -64,13 +66,24 @@ def triton_server() -> Iterator[TritonServer]:
     assert not server.is_alive()
 
 
+@pytest.fixture(params=["http", "grpc"])
+def shm_transport(request: pytest.FixtureRequest) -> str:
+    """How the fixtures' clients send shared-memory requests (``ClientConfig.http_url`` set or not)."""
+    return request.param
+
+
+def transport_overrides(server: TritonServer, transport: str) -> dict[str, Any]:
+    """ClientConfig fields that make a client of ``server`` send its shm requests over ``transport``."""
+    return {"url": server.grpc_url, "http_url": server.http_url if transport == "http" else None}
+
+
 @pytest.fixture
-def make_client(triton_server: TritonServer) -> Iterator[Callable[..., TritonShmClient]]:
+def make_client(triton_server: TritonServer, shm_transport: str) -> Iterator[Callable[..., TritonShmClient]]:
     """``make_client(**overrides)``: a client of ``triton_server`` with ClientConfig overrides."""
     made: list[TritonShmClient] = []
 
     def make(**overrides: Any) -> TritonShmClient:
-        client = TritonShmClient(url=triton_server.grpc_url, **overrides)
+        client = TritonShmClient(**{**transport_overrides(triton_server, shm_transport), **overrides})
         made.append(client)
         return client
 
@@ -85,8 +98,8 @@ def make_client(triton_server: TritonServer) -> Iterator[Callable[..., TritonShm
 
 
 @pytest.fixture
-def client(triton_server: TritonServer) -> Iterator[TritonShmClient]:
+def client(triton_server: TritonServer, shm_transport: str) -> Iterator[TritonShmClient]:
     """A client of ``triton_server`` with :func:`default_pools`, closed (and checked) after the test."""
-    shm_client = TritonShmClient(url=triton_server.grpc_url, pools=default_pools())
+    shm_client = TritonShmClient(**transport_overrides(triton_server, shm_transport), pools=default_pools())
     yield shm_client
     close_and_check(shm_client)

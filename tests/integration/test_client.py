@@ -401,6 +401,35 @@ def test_infer_views_are_read_only_and_a_kept_view_pins_its_slot(client: TritonS
     assert_all_free(client, "identity")
 
 
+def test_infer_without_copy_returns_pinned_views_and_copies_split_batches(client: TritonShmClient) -> None:
+    pool = client.pool("identity")
+    x = np.random.default_rng(13).standard_normal((2, 1000), dtype=np.float32)
+    result = client.infer("identity", {"INPUT0": x}, copy=False)
+    out = result["OUTPUT0"]
+    assert result.path == "shm"
+    np.testing.assert_array_equal(out, x)
+    assert not out.flags.writeable and not out.flags.owndata
+    stats = pool.stats()
+    assert (stats.pinned, stats.busy) == (1, 0), stats  # the lease ended; the view pins the slot
+    # Overwrite what the view shows through another lease? It cannot get that slot.
+    others = [pool.try_acquire() for _ in range(stats.slots)]
+    assert sum(lease is not None for lease in others) == stats.slots - 1
+    for lease in others:
+        if lease is not None:
+            lease.release()
+    np.testing.assert_array_equal(out, x)
+    del result, out
+    gc.collect()
+    assert pool.stats().pinned == 0
+    # A batch larger than a slot is split, so its outputs are assembled copies.
+    big = np.random.default_rng(14).standard_normal((3, 100), dtype=np.float32)
+    joined = client.infer("identity", {"INPUT0": big}, copy=False)["OUTPUT0"]
+    np.testing.assert_array_equal(joined, big)
+    assert joined.flags.writeable  # views of a slot are read-only
+    assert pool.stats().pinned == 0
+    assert_all_free(client, "identity")
+
+
 def test_infer_views_refuses_a_batch_larger_than_a_slot(client: TritonShmClient) -> None:
     x = np.ones((3, 10), np.float32)  # identity slots hold a batch of 2
     with pytest.raises(InputError, match="exceeds a slot's capacity"):

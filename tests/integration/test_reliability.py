@@ -41,7 +41,7 @@ from ray_triton_shm._private.server_env import default_env_dir, embedded_plan
 from ray_triton_shm.client import fetch_layout, translate_error
 from ray_triton_shm.server import SHM_API_GRPC_HEADER, SHM_API_HEADER
 
-from .conftest import MODEL_REPOSITORY, close_and_check
+from .conftest import MODEL_REPOSITORY, close_and_check, transport_overrides
 
 # -- helpers -----------------------------------------------------------------
 
@@ -249,8 +249,10 @@ def test_output_larger_than_its_slot_falls_back_to_grpc_when_asked(make_client) 
 # -- case 4: the server forgot our region ---------------------------------------
 
 
-def test_region_lost_in_a_triton_restart_is_registered_again(own_server: TritonServer) -> None:
-    with TritonShmClient(url=own_server.grpc_url) as client:
+def test_region_lost_in_a_triton_restart_is_registered_again(
+    own_server: TritonServer, shm_transport: str
+) -> None:
+    with TritonShmClient(**transport_overrides(own_server, shm_transport)) as client:
         _add_sub(client, 1)
         region = client.pool("add_sub").region_name
         own_server.restart()
@@ -284,9 +286,11 @@ class _NoReregister:
         self.raw.close()
 
 
-def test_region_unknown_and_not_recoverable_is_reported_once(own_server: TritonServer) -> None:
+def test_region_unknown_and_not_recoverable_is_reported_once(
+    own_server: TritonServer, shm_transport: str
+) -> None:
     source = _NoReregister(own_server.grpc_url)
-    client = TritonShmClient(url=own_server.grpc_url, pool_source=source)
+    client = TritonShmClient(**transport_overrides(own_server, shm_transport), pool_source=source)
     try:
         _add_sub(client, 1)
         source.raw.unregister_system_shared_memory(client.pool("add_sub").region_name)
@@ -360,9 +364,10 @@ def test_two_servers_and_two_pools_on_one_node_do_not_collide(
 # -- case 7: unregistering while requests are in flight ------------------------------
 
 
-def test_unregister_while_requests_are_in_flight(own_server: TritonServer) -> None:
+def test_unregister_while_requests_are_in_flight(own_server: TritonServer, shm_transport: str) -> None:
     results: dict[int, object] = {}
-    with TritonShmClient(url=own_server.grpc_url, pools={"sleep": PoolConfig(slots=4)}) as client:
+    pools = {"sleep": PoolConfig(slots=4)}
+    with TritonShmClient(**transport_overrides(own_server, shm_transport), pools=pools) as client:
         client.infer("sleep", {"INPUT0": np.zeros((1, 1), np.float32)})
         region = client.pool("sleep").region_name
 

@@ -49,7 +49,10 @@ def test_pool_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.max_batch_size is None
     assert config.max_shapes == {}
     assert config.lease_timeout_s == 30.0
-    assert config.min_shm_bytes == 64 * 1024
+    assert config.min_shm_bytes is None
+    assert config.shm_threshold(over_http=True) == 0
+    assert config.shm_threshold(over_http=False) == 64 * 1024
+    assert PoolConfig(min_shm_bytes=100).shm_threshold(over_http=True) == 100
 
 
 def test_client_defaults() -> None:

@@ -197,12 +197,13 @@ def tsc_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
 
 
 # -- ours ----------------------------------------------------------------------
-def _our_client(endpoints: Endpoints, n: int, slots: int, **overrides: object):
+def _our_client(endpoints: Endpoints, n: int, slots: int, *, over_http: bool = True):
     from ray_triton_shm.client import TritonShmClient
     from ray_triton_shm.config import PoolConfig
 
     pool = PoolConfig(slots=slots, max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
-    return TritonShmClient(url=endpoints.grpc_url, pools={MODEL: pool}, **overrides)
+    http_url = endpoints.http_url if over_http else None
+    return TritonShmClient(url=endpoints.grpc_url, http_url=http_url, pools={MODEL: pool})
 
 
 def ours_copy_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
@@ -243,13 +244,14 @@ def ours_views_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
     return cell
 
 
-def ours_inplace_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
+def ours_inplace_cell(endpoints: Endpoints, inputs: list[np.ndarray], *, over_http: bool = True) -> Cell:
     """Our lease API: each caller owns a slot whose input a producer wrote in place once.
 
     A timed call is ``client.run(lease)`` and reading the output views: no input
-    copy (the producer made its data in the slot), no output copy.
+    copy (the producer made its data in the slot), no output copy. Shm requests
+    go over Triton's HTTP endpoint, as they do by default from a node actor.
     """
-    client = _our_client(endpoints, inputs[0].shape[1], len(inputs))
+    client = _our_client(endpoints, inputs[0].shape[1], len(inputs), over_http=over_http)
     cell = Cell([], [client.close], {"shm"})
 
     def caller(x: np.ndarray) -> Caller:
@@ -269,6 +271,11 @@ def ours_inplace_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
     return cell
 
 
+def ours_inplace_grpc_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
+    """``ours-inplace`` with its shm requests sent through ``tritonclient.grpc`` (no ``http_url``)."""
+    return ours_inplace_cell(endpoints, inputs, over_http=False)
+
+
 CORE_METHODS: dict[str, Callable[[Endpoints, list[np.ndarray]], Cell]] = {
     "memcpy": memcpy_cell,
     "grpc": grpc_cell,
@@ -277,5 +284,6 @@ CORE_METHODS: dict[str, Callable[[Endpoints, list[np.ndarray]], Cell]] = {
     "ours-copy": ours_copy_cell,
     "ours-views": ours_views_cell,
     "ours-inplace": ours_inplace_cell,
+    "ours-inplace-grpc": ours_inplace_grpc_cell,
 }
 """Method name -> cell factory, in report order."""
