@@ -200,6 +200,8 @@ def _parse_head(head: bytes) -> tuple[int, int, bool]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
         if name == b"content-length":
+            if not value.strip().isdigit():
+                raise _MalformedAnswer(f"bad Content-Length {value.strip()[:40]!r}")
             length = int(value)
         elif name == b"connection":
             keep = value.strip().lower() == b"keep-alive" or (keep and value.strip().lower() != b"close")

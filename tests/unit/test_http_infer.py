@@ -165,6 +165,8 @@ def test_answer_heads_are_parsed(head: bytes, expected: tuple[int, int, bool]) -
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json",
         b"SSH-2.0-OpenSSH_9.6",
         b"HTTP/1.1 abc OK\r\nContent-Length: 1",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -5",
+        b"HTTP/1.1 200 OK\r\nContent-Length: ten",
     ],
 )
 def test_answers_triton_never_sends_are_refused(head: bytes) -> None:
