@@ -37,6 +37,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from ray_triton_shm._private.bulk_copy import BulkCopier, default_copy_threads
 from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES, call_error, region_unknown
 from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput
 from ray_triton_shm._private.layout import ModelLayout, layout_from_config
@@ -274,6 +275,7 @@ class TritonShmClient:
         self._lock = threading.Lock()
         self._model_locks: dict[str, threading.Lock] = {}
         self._executor: ThreadPoolExecutor | None = None
+        self._copier = BulkCopier(config.copy_threads or default_copy_threads())
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------
@@ -292,6 +294,7 @@ class TritonShmClient:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        self._copier.close()
         self._source.close()
         self._pools.clear()
         if self._http is not None:
@@ -557,8 +560,9 @@ class TritonShmClient:
     ) -> dict[str, np.ndarray]:
         with self._acquire(pool, lease_timeout) as lease:
             shapes = self._write_and_call(lease, checked, chunk, wanted)
-            read = lease.copy_output if copy else lease.output
-            return {name: read(name, shape) for name, shape in shapes.items()}
+            if copy:
+                return {name: lease.copy_output(name, shape, self._copier) for name, shape in shapes.items()}
+            return {name: lease.output(name, shape) for name, shape in shapes.items()}
 
     def _write_and_call(
         self,
@@ -572,7 +576,7 @@ class TritonShmClient:
         shapes = {}
         for name, array in checked.arrays.items():
             part = array[start:stop] if layout.batched else array
-            shapes[name] = lease.write_input(name, part)
+            shapes[name] = lease.write_input(name, part, self._copier)
         return self._call_shm(lease, shapes, wanted)
 
     def _call_shm(

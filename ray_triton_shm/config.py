@@ -350,6 +350,9 @@ class ClientConfig:
         grpc_fallback: When an output does not fit its slot (a variable-size
             output larger than ``max_shapes`` allows), ``infer`` retries the
             request over plain gRPC instead of raising ``OutputTooLargeError``.
+        copy_threads: Threads that copy one large tensor (4 MB and more per
+            thread) into or out of a system-memory slot; ``None`` uses the
+            usable cores, at most 4; 1 copies on the calling thread only.
     """
 
     url: str = env_field("URL", "127.0.0.1:8001")
@@ -361,8 +364,12 @@ class ClientConfig:
     server_visible_devices: str | None = env_field("SERVER_VISIBLE_DEVICES", None, _parse_optional_str)
     shm_api_key: str | None = env_field("SHM_API_KEY", None, _parse_optional_str)
     grpc_fallback: bool = env_field("GRPC_FALLBACK", False)
+    copy_threads: int | None = env_field("COPY_THREADS", None, lambda s: int(s) if s.strip() else None)
 
     def __post_init__(self) -> None:
+        if self.copy_threads is not None:
+            _require_type(self, "copy_threads", int)
+            _require(self.copy_threads >= 1, "ClientConfig.copy_threads must be >= 1")
         if self.server_visible_devices is not None:
             _require_type(self, "server_visible_devices", str)
         _require(":" in self.url, f"ClientConfig.url must be host:port, got {self.url!r}")

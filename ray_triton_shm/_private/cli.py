@@ -66,6 +66,7 @@ def _bench(args: argparse.Namespace) -> int:
         serve_sizes=runner.parse_sizes(args.serve_sizes) if args.serve_sizes else None,
         data_rows=args.data_rows,
         data_batch=args.data_batch,
+        rounds=args.rounds,
         out_dir=args.out,
         model_repository=args.model_repository,
         progress=not args.no_progress,
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--serve-sizes", help="payload sizes of the Serve cells")
     bench.add_argument("--data-rows", type=int, default=None, help="rows of the Ray Data run")
     bench.add_argument("--data-batch", type=int, default=64, help="rows per map_batches batch")
+    bench.add_argument(
+        "--rounds", type=int, default=None, help="rounds per cell, methods taking turns (quick 1, full 3)"
+    )
     bench.add_argument("--no-ray", action="store_true", help="core methods only, plain Triton server")
     bench.add_argument("--out", default="bench-results", help="output directory")
     bench.add_argument("--model-repository", default=None)

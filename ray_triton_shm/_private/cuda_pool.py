@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_triton_shm._private.bulk_copy import BulkCopier
 from ray_triton_shm._private.cuda import DeviceBuffer, as_cupy, import_cupy, is_device_array
 from ray_triton_shm._private.layout import ModelLayout
 from ray_triton_shm._private.pool import Lease, SlotPool, _check_indices
@@ -136,8 +137,11 @@ class CudaLease(Lease):
         region = self._lease_anchor()[spec.offset : spec.offset + nbytes]
         return region.view(spec.dtype).reshape(tuple(shape))
 
-    def write_input(self, name: str, value: Any) -> tuple[int, ...]:
-        """Copy ``value`` into input ``name``: device to device for CUDA arrays, host to device for numpy."""
+    def write_input(self, name: str, value: Any, copier: BulkCopier | None = None) -> tuple[int, ...]:
+        """Copy ``value`` into input ``name``: device to device for CUDA arrays, host to device for numpy.
+
+        ``copier`` (for host copies) has nothing to do here: the GPU copies.
+        """
         cupy = import_cupy()
         shape = tuple(int(d) for d in value.shape)
         target = self._dtype_view(name, shape)
@@ -152,8 +156,8 @@ class CudaLease(Lease):
         target.data.copy_from_device(source.data, source.nbytes)
         return shape
 
-    def copy_output(self, name: str, shape: Sequence[int]) -> Any:
-        """A cupy copy of output ``name`` on the pool's GPU, independent of the slot."""
+    def copy_output(self, name: str, shape: Sequence[int], copier: BulkCopier | None = None) -> Any:
+        """A cupy copy of output ``name`` on the pool's GPU, independent of the slot (``copier`` unused)."""
         cupy = import_cupy()
         with cupy.cuda.Device(self.pool.device):
             return self._dtype_view(name, shape).copy()

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_triton_shm._private.bulk_copy import BulkCopier
 from ray_triton_shm._private.layout import ModelLayout, TensorSpec
 from ray_triton_shm._private.segment import Segment, new_segment_name
 from ray_triton_shm.errors import InputError, LeaseReleasedError, PoolClosedError, PoolTimeoutError
@@ -413,22 +414,31 @@ class Lease:
             array.flags.writeable = False
         return array
 
-    def write_input(self, name: str, value: Any) -> tuple[int, ...]:
+    def write_input(self, name: str, value: Any, copier: BulkCopier | None = None) -> tuple[int, ...]:
         """Copy ``value`` (validated already) into input ``name``'s region; return its shape.
 
         A CUDA array is copied to the host first: this is system memory.
+        ``copier`` splits a large copy across threads.
         """
         if not isinstance(value, np.ndarray):
             from ray_triton_shm._private.cuda import import_cupy
 
             value = import_cupy().asnumpy(value)
-        flat = self.slot.arrays[name]
-        np.copyto(flat[: value.size].reshape(value.shape), value, casting="no")
+        target = self.slot.arrays[name][: value.size].reshape(value.shape)
+        if copier is None:
+            np.copyto(target, value, casting="no")
+        else:
+            copier.copy(target, value)
         return tuple(value.shape)
 
-    def copy_output(self, name: str, shape: Sequence[int]) -> np.ndarray:
+    def copy_output(self, name: str, shape: Sequence[int], copier: BulkCopier | None = None) -> np.ndarray:
         """A copy of output ``name`` with ``shape``, independent of the slot."""
-        return np.array(self.slot.arrays[name][: math.prod(shape)].reshape(shape))
+        view = self.slot.arrays[name][: math.prod(shape)].reshape(shape)
+        if copier is None:
+            return np.array(view)
+        out = np.empty(view.shape, view.dtype)
+        copier.copy(out, view)
+        return out
 
     def flush(self) -> None:
         """Make written inputs visible to the server before a call (nothing to do for system memory)."""

@@ -181,6 +181,23 @@ def test_batch_larger_than_a_slot_is_split_and_reassembled_in_order(make_client)
     assert_all_free(client, "add_sub")
 
 
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_large_tensors_copied_by_several_threads_arrive_whole(make_client, copy_threads: int) -> None:
+    n = 5 * 1024 * 1024 + 3  # 20 MB and a ragged tail: split into parts of unequal length
+    pool = PoolConfig(slots=1, max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
+    client = make_client(copy_threads=copy_threads, pools={"identity": pool})
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal((1, n), dtype=np.float32)
+        result = client.infer("identity", {"INPUT0": x})
+        assert result.path == "shm"
+        assert_outputs(result, {"OUTPUT0": x})
+        assert result["OUTPUT0"].flags.writeable and result["OUTPUT0"].base is None  # a copy, the slot's free
+    helpers = [t for t in threading.enumerate() if t.name.startswith("rtshm-copy")]
+    assert (len(helpers) > 0) == (copy_threads > 1)
+    client.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("rtshm-copy")]
+
+
 # -- bad inputs --------------------------------------------------------------
 def _good() -> dict[str, np.ndarray]:
     return add_sub_inputs(10, 2)

@@ -128,7 +128,12 @@ def test_client_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAY_TRITON_SHM_REQUEST_TIMEOUT_S", "")
     monkeypatch.setenv("RAY_TRITON_SHM_MAX_PARALLEL_CHUNKS", "3")
     monkeypatch.setenv("RAY_TRITON_SHM_SLOTS", "5")
+    monkeypatch.setenv("RAY_TRITON_SHM_COPY_THREADS", "2")
     config = ClientConfig()
+    assert config.copy_threads == 2
+    assert ClientConfig(copy_threads=1).copy_threads == 1
+    monkeypatch.setenv("RAY_TRITON_SHM_COPY_THREADS", "")
+    assert ClientConfig().copy_threads is None
     assert config.url == "localhost:9999"
     assert config.request_timeout_s is None
     assert config.max_parallel_chunks == 3
@@ -241,6 +246,9 @@ def test_invalid_pool_config(kwargs: dict) -> None:
         {"url": "localhost"},
         {"request_timeout_s": 0},
         {"max_parallel_chunks": 0},
+        {"copy_threads": 0},
+        {"copy_threads": 2.0},
+        {"copy_threads": True},
         {"pools": {"identity": {"slots": 2}}},
     ],
 )

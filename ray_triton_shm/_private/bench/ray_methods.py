@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -189,16 +190,37 @@ def make_source(rows: int, batch_size: int) -> Any:
     return source.materialize()
 
 
+@dataclass(frozen=True)
+class DataTiming:
+    """One streamed run of ``map_batches``.
+
+    Attributes:
+        rows_timed: Rows that arrived after the first batch.
+        span_s: Time from the first batch to the last.
+        gaps_s: Times between consecutive batches.
+        rows_seen: Rows that came out, the first batch included.
+    """
+
+    rows_timed: int
+    span_s: float
+    gaps_s: tuple[float, ...]
+    rows_seen: int
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows_timed / self.span_s
+
+
 def run_data(
     method: str, source: Any, rows: int, batch_size: int, actors: int, node_config: Any, grpc_url: str
-) -> tuple[float, list[float], int]:
+) -> DataTiming:
     """Stream ``rows`` image rows through ``map_batches`` and time the steady state.
 
     The clock starts when the first output batch arrives (actor start-up is
     excluded, the same for both sides).
 
-    Returns:
-        Rows per second after the first batch, the gaps between batches (s), rows seen.
+    Raises:
+        OutputMismatch: Outputs differ from numpy's, or rows went missing.
     """
     import ray
 
@@ -234,6 +256,5 @@ def run_data(
         raise OutputMismatch(f"{method}: {seen} rows came out of {rows}")
     if seen == first_rows:  # a single batch: no steady state to time, count from the start
         span = max(last_t - began, 1e-9)
-        return seen / span, [span], seen
-    span = max(last_t - first_t, 1e-9)
-    return (seen - first_rows) / span, gaps, seen
+        return DataTiming(seen, span, (span,), seen)
+    return DataTiming(seen - first_rows, max(last_t - first_t, 1e-9), tuple(gaps), seen)

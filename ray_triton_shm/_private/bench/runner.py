@@ -18,13 +18,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ray_triton_shm._private.bench import core_methods, report
 from ray_triton_shm._private.bench.core_methods import CORE_METHODS, Endpoints, make_inputs
-from ray_triton_shm._private.bench.timing import Progress, run_callers
+from ray_triton_shm._private.bench.timing import CellTiming, Progress, run_callers
+
+if TYPE_CHECKING:
+    from ray_triton_shm._private.bench.ray_methods import DataTiming
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +54,14 @@ class BenchOptions:
         methods: Core method names to run; None runs all.
         ray: Also run the Serve and Data methods (and use the node actor's Triton).
         serve_sizes / serve_concurrency: Serve cells.
-        data_rows / data_batch / data_actors: Ray Data run.
-        budget_s: Per cell: callers stop after this long once they have ``min_calls``.
-        min_calls: Timed calls per cell at least (spread over the callers).
+        data_rows / data_batch / data_actors: Ray Data run (per round).
+        rounds: Each cell runs in this many rounds, the methods of one payload
+            size and caller count taking turns (in a rotating order), so a
+            slow spell of a shared machine falls on every method alike rather
+            than on whichever ran then. Ray Data alternates its two methods
+            the same way. Ratios between methods are what the run is for.
+        budget_s: Per cell (all rounds): callers stop after this long once they have ``min_calls``.
+        min_calls: Timed calls per cell at least (spread over the callers and rounds).
         warmup: Checked warm-up calls per caller.
         out_dir: Where results.json, plots and report.md go.
         model_repository: Models to serve (the repository's examples by default).
@@ -70,6 +78,7 @@ class BenchOptions:
     data_rows: int | None = None
     data_batch: int = 64
     data_actors: int = 1
+    rounds: int | None = None
     budget_s: float | None = None
     min_calls: int | None = None
     warmup: int = 1
@@ -77,6 +86,10 @@ class BenchOptions:
     model_repository: str | None = None
     progress: bool = True
     plots: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rounds is not None and self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
 
     def resolved(self) -> BenchOptions:
         """A copy with every None replaced by the default of the chosen mode."""
@@ -92,6 +105,7 @@ class BenchOptions:
             data_rows=self.data_rows or (256 if quick else 1024),
             data_batch=self.data_batch,
             data_actors=self.data_actors,
+            rounds=self.rounds or (1 if quick else 3),
             budget_s=self.budget_s if self.budget_s is not None else (0.4 if quick else 1.5),
             min_calls=self.min_calls or (3 if quick else 6),
             warmup=self.warmup,
@@ -228,31 +242,66 @@ def _failed(method: str, size: int, concurrency: int, error: BaseException, grou
     )
 
 
-def _run_cell(
-    method: str,
-    open_cell: Callable[[], Any],
-    size: int,
-    concurrency: int,
-    options: BenchOptions,
-    group: str,
-) -> Record:
+def _time_cell(
+    open_cell: Callable[[], Any], calls: int, budget_s: float, warmup: int
+) -> tuple[CellTiming, set[str]]:
     cell = None
     try:
         cell = open_cell()
-        per_caller = max(2, -(-(options.min_calls or 1) // concurrency))
-        # A lone caller gets one more warm-up call: the first large request grows
-        # the server's Python-backend arena, which is not what we want to time.
-        warmup = options.warmup + (1 if concurrency == 1 else 0)
-        timing = run_callers(
-            cell.callers, warmup=warmup, min_calls=per_caller, budget_s=options.budget_s or 1.0
-        )
-        return _record_from(method, size, concurrency, timing, cell.paths, group)
-    except Exception as e:
-        return _failed(method, size, concurrency, e, group)
+        timing = run_callers(cell.callers, warmup=warmup, min_calls=calls, budget_s=budget_s)
+        return timing, cell.paths
     finally:
         if cell is not None:
             cell.close()
         gc.collect()
+
+
+def _run_group(
+    openers: Sequence[tuple[str, Callable[[], Any]]],
+    size: int,
+    concurrency: int,
+    options: BenchOptions,
+    group: str,
+    progress: Progress,
+) -> list[Record]:
+    """The cells of one payload size and caller count, every method, in ``options.rounds`` rounds.
+
+    Returns:
+        One record per method, in the order of ``openers``; a method that failed
+        in any round gets a failed record.
+    """
+    rounds = options.rounds or 1
+    per_caller = max(2, -(-(options.min_calls or 1) // concurrency))
+    calls = max(1, -(-per_caller // rounds))
+    budget_s = (options.budget_s or 1.0) / rounds
+    # A lone caller gets one more warm-up call: the first large request grows
+    # the server's Python-backend arena, which is not what we want to time.
+    warmup = options.warmup + (1 if concurrency == 1 else 0)
+    timings: dict[str, list[CellTiming]] = {method: [] for method, _ in openers}
+    paths: dict[str, set[str]] = {method: set() for method, _ in openers}
+    errors: dict[str, BaseException] = {}
+    for index in range(rounds):
+        shift = index % len(openers)
+        for method, open_cell in [*openers[shift:], *openers[:shift]]:
+            progress.step(
+                f"{method} {_label(size)} x{concurrency}" + (f" ({index + 1}/{rounds})" if rounds > 1 else "")
+            )
+            if method not in errors:
+                try:
+                    timing, cell_paths = _time_cell(open_cell, calls, budget_s, warmup)
+                    timings[method].append(timing)
+                    paths[method] |= cell_paths
+                except Exception as e:
+                    errors[method] = e
+            progress.advance()
+    records = []
+    for method, _ in openers:
+        if method in errors:
+            records.append(_failed(method, size, concurrency, errors[method], group))
+        else:
+            merged = CellTiming.merged(timings[method])
+            records.append(_record_from(method, size, concurrency, merged, paths[method], group))
+    return records
 
 
 def core_plan(options: BenchOptions) -> list[tuple[str, int, int]]:
@@ -285,27 +334,22 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
         methods.remove("triton-shm-client")
         options = BenchOptions(**{**asdict(options), "methods": tuple(methods)})
     plan = core_plan(options)
+    rounds = options.rounds or 1
     ray_cells = 0
     if options.ray:
         ray_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ()) + 2
-    progress = Progress(len(plan) + ray_cells, enabled=options.progress)
+    progress = Progress((len(plan) + ray_cells) * rounds, enabled=options.progress)
     with _triton(options) as (endpoints, info, node_config):
-        inputs_cache: dict[tuple[int, int], list[np.ndarray]] = {}
+        groups: dict[tuple[int, int], list[str]] = {}
         for method, size, concurrency in plan:
-            progress.step(f"{method} {_label(size)} x{concurrency}")
-            key = (size, concurrency)
-            if key not in inputs_cache:
-                inputs_cache.clear()
-                inputs_cache[key] = make_inputs(size, concurrency)
-            inputs = inputs_cache[key]
-            factory = CORE_METHODS[method]
-            records.append(
-                _run_cell(
-                    method, lambda f=factory, i=inputs: f(endpoints, i), size, concurrency, options, "core"
-                )
-            )
-            progress.advance()
-        inputs_cache.clear()
+            groups.setdefault((size, concurrency), []).append(method)
+        for (size, concurrency), group_methods in groups.items():
+            inputs = make_inputs(size, concurrency)
+            openers = [
+                (method, lambda f=CORE_METHODS[method], i=inputs: f(endpoints, i)) for method in group_methods
+            ]
+            records.extend(_run_group(openers, size, concurrency, options, "core", progress))
+            del inputs, openers
         if options.ray:
             records.extend(_run_ray(options, endpoints, node_config, progress))
     progress.close()
@@ -338,44 +382,55 @@ def _run_ray(
     for size in options.serve_sizes or ():
         for concurrency in options.serve_concurrency or ():
             inputs = make_inputs(size, concurrency, seed=1)
-            for method, handle in handles.items():
-                progress.step(f"{method} {_label(size)} x{concurrency}")
-                records.append(
-                    _run_cell(
-                        method,
-                        lambda m=method, h=handle, i=inputs: ray_methods.serve_cell(m, h, i),
-                        size,
-                        concurrency,
-                        options,
-                        "serve",
-                    )
-                )
-                progress.advance()
+            openers = [
+                (method, lambda m=method, h=handle, i=inputs: ray_methods.serve_cell(m, h, i))
+                for method, handle in handles.items()
+            ]
+            records.extend(_run_group(openers, size, concurrency, options, "serve", progress))
     from ray import serve
 
     serve.shutdown()
     progress.step(f"making {options.data_rows} image rows")
     source = ray_methods.make_source(options.data_rows or 256, options.data_batch)
-    for method in ("data-ours", "data-grpc"):
-        progress.step(f"{method} {options.data_rows} rows")
-        records.append(_data_record(method, options, node_config, endpoints, source))
-        progress.advance()
+    runs: dict[str, list[DataTiming]] = {"data-ours": [], "data-grpc": []}
+    errors: dict[str, BaseException] = {}
+    for index in range(options.rounds or 1):
+        # ours, gRPC, gRPC, ours, ...: a drift in the machine's speed weighs on both alike.
+        order = list(runs) if index % 2 == 0 else list(reversed(runs))
+        for method in order:
+            progress.step(f"{method} {options.data_rows} rows ({index + 1}/{options.rounds or 1})")
+            if method not in errors:
+                try:
+                    runs[method].append(
+                        ray_methods.run_data(
+                            method,
+                            source,
+                            options.data_rows or 256,
+                            options.data_batch,
+                            options.data_actors,
+                            node_config,
+                            endpoints.grpc_url,
+                        )
+                    )
+                except Exception as e:
+                    errors[method] = e
+            progress.advance()
+    for method, timings in runs.items():
+        if method in errors:
+            records.append(
+                _failed(method, ray_methods.ROW_BYTES, options.data_actors, errors[method], "data")
+            )
+        else:
+            records.append(_data_record(method, options, timings))
     return records
 
 
-def _data_record(
-    method: str, options: BenchOptions, node_config: Any, endpoints: Endpoints, source: Any
-) -> Record:
+def _data_record(method: str, options: BenchOptions, runs: Sequence[DataTiming]) -> Record:
+    """Rows per second over every round's steady state; percentiles of the gaps between batches."""
     from ray_triton_shm._private.bench import ray_methods
 
-    rows = options.data_rows or 256
-    try:
-        rows_per_s, gaps, seen = ray_methods.run_data(
-            method, source, rows, options.data_batch, options.data_actors, node_config, endpoints.grpc_url
-        )
-    except Exception as e:
-        return _failed(method, ray_methods.ROW_BYTES, options.data_actors, e, "data")
-    ordered = sorted(gaps)
+    rows_per_s = sum(r.rows_timed for r in runs) / sum(r.span_s for r in runs)
+    ordered = sorted(gap for r in runs for gap in r.gaps_s)
 
     def pct(q: float) -> float:
         return ordered[min(len(ordered) - 1, max(0, -(-int(q * len(ordered)) // 100) - 1))] * 1e3
@@ -387,12 +442,17 @@ def _data_record(
         throughput_mb_s=rows_per_s * ray_methods.ROW_BYTES / 1e6,
         p50_ms=pct(50),
         p99_ms=pct(99),
-        calls=seen,
+        calls=sum(r.rows_seen for r in runs),
         ok=True,
         group="data",
         path="batch gaps",
         rows_per_s=rows_per_s,
-        extra={"rows": rows, "batch_size": options.data_batch},
+        extra={
+            "rows": options.data_rows,
+            "batch_size": options.data_batch,
+            "rounds": len(runs),
+            "rows_per_s_by_round": [round(r.rows_per_s, 1) for r in runs],
+        },
     )
 
 

@@ -30,6 +30,15 @@ class CellTiming:
         rank = max(1, math.ceil(q / 100 * len(ordered)))
         return ordered[min(rank, len(ordered)) - 1] * 1e3
 
+    @classmethod
+    def merged(cls, parts: Sequence[CellTiming]) -> CellTiming:
+        """One timing of several rounds of a cell: their calls and wall times added up."""
+        return cls(
+            tuple(x for part in parts for x in part.latencies_s),
+            sum(part.elapsed_s for part in parts),
+            sum(part.calls for part in parts),
+        )
+
 
 def run_callers(
     callers: Sequence[Callable[[bool], object]],

@@ -33,6 +33,7 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
         data_batch=16,
         budget_s=0.05,
         min_calls=2,
+        rounds=2,  # the methods of each cell take turns twice
         warmup=1,
         out_dir=str(tmp_path),
         progress=False,
@@ -64,6 +65,9 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
         if row["group"] != "data":
             assert row["calls"] >= 2 * row["concurrency"], row
     assert all(r.rows_per_s and r.rows_per_s > 0 for r in records if r.group == "data")
+    for record in records:
+        if record.group == "data":
+            assert record.extra["rounds"] == 2 and record.calls == 2 * 48, record
     # The shm methods really took the shm path (tests pin min_shm_bytes=0).
     assert {r.path for r in records if r.method.startswith("ours-")} == {"shm"}
 

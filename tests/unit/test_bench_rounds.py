@@ -1,0 +1,75 @@
+"""The benchmark's rounds: methods take turns, timings add up, a failure stays with its method."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_triton_shm._private.bench.core_methods import Cell
+from ray_triton_shm._private.bench.runner import BenchOptions, _run_group
+from ray_triton_shm._private.bench.timing import CellTiming, Progress
+
+
+def test_merged_timing_adds_calls_and_wall_time() -> None:
+    merged = CellTiming.merged([CellTiming((0.1, 0.3), 1.0, 2), CellTiming((0.2,), 0.5, 1)])
+    assert merged == CellTiming((0.1, 0.3, 0.2), 1.5, 3)
+    assert merged.percentile_ms(50) == pytest.approx(200.0)
+
+
+def _options(rounds: int) -> BenchOptions:
+    return BenchOptions(rounds=rounds, budget_s=1e-6, min_calls=1, warmup=1, progress=False)
+
+
+def test_every_method_runs_once_per_round_in_a_rotating_order() -> None:
+    opened: list[str] = []
+    closed: list[str] = []
+
+    def opener(name: str):
+        def open_cell() -> Cell:
+            opened.append(name)
+            return Cell([lambda check: None, lambda check: None], [lambda: closed.append(name)], {name})
+
+        return open_cell
+
+    openers = [(name, opener(name)) for name in ("a", "b", "c")]
+    progress = Progress(9, enabled=False)
+    records = _run_group(openers, 4096, 2, _options(3), "core", progress)
+
+    assert opened == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert sorted(closed) == sorted(opened)
+    assert progress.done == 9
+    assert [r.method for r in records] == ["a", "b", "c"]
+    for record in records:
+        assert record.ok and record.path == record.method
+        # Two callers, each at least 2 timed calls (min_calls spread over rounds: 1 per round), 3 rounds.
+        assert record.calls == 2 * 3
+        assert record.throughput_mb_s > 0
+
+
+def test_a_method_that_fails_is_recorded_failed_and_skipped_afterwards() -> None:
+    attempts = {"good": 0, "bad": 0}
+
+    def good() -> Cell:
+        attempts["good"] += 1
+        return Cell([lambda check: None])
+
+    def bad() -> Cell:
+        attempts["bad"] += 1
+
+        def call(check: bool) -> None:
+            raise RuntimeError("wrong output")
+
+        return Cell([call])
+
+    progress = Progress(4, enabled=False)
+    records = _run_group([("good", good), ("bad", bad)], 1024, 1, _options(2), "core", progress)
+    assert attempts == {"good": 2, "bad": 1}
+    good_record, bad_record = records
+    assert good_record.ok and good_record.calls >= 2
+    assert not bad_record.ok and "wrong output" in (bad_record.error or "")
+
+
+def test_rounds_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="rounds"):
+        BenchOptions(rounds=0)
+    assert BenchOptions(quick=True).resolved().rounds == 1
+    assert BenchOptions().resolved().rounds == 3
