@@ -57,7 +57,7 @@ $(BENCH_STAMP): $(STAMP)
 
 bench-env: setup $(BENCH_STAMP)
 
-# Full run (about 10 minutes on 2 cores); results in bench-results/.
+# Full run (about 8 minutes on 2 cores, 3 rounds per cell); results in bench-results/.
 bench: bench-env
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench
 
