@@ -43,6 +43,7 @@ def test_every_method_runs_once_per_round_in_a_rotating_order() -> None:
         # Two callers, each at least 2 timed calls (min_calls spread over rounds: 1 per round), 3 rounds.
         assert record.calls == 2 * 3
         assert record.throughput_mb_s > 0
+        assert len(record.extra["mb_s_by_round"]) == 3 and all(r > 0 for r in record.extra["mb_s_by_round"])
 
 
 def test_a_method_that_fails_is_recorded_failed_and_skipped_afterwards() -> None:

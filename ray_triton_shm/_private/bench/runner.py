@@ -300,7 +300,13 @@ def _run_group(
             records.append(_failed(method, size, concurrency, errors[method], group))
         else:
             merged = CellTiming.merged(timings[method])
-            records.append(_record_from(method, size, concurrency, merged, paths[method], group))
+            record = _record_from(method, size, concurrency, merged, paths[method], group)
+            if rounds > 1:  # the spread between rounds says how far one cell can be trusted
+                record.extra["mb_s_by_round"] = [
+                    round(_record_from(method, size, concurrency, t, set(), group).throughput_mb_s, 2)
+                    for t in timings[method]
+                ]
+            records.append(record)
     return records
 
 
