@@ -295,13 +295,17 @@ class TritonServer:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(
                 [*plan.library_paths, *filter(None, [env.get("LD_LIBRARY_PATH")])]
             )
+        tunables = self.config.glibc_tunables(env.get("GLIBC_TUNABLES", ""))
+        if tunables:
+            env["GLIBC_TUNABLES"] = tunables
         if self.config.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.config.gpus)
         return env
 
     def _launch(self) -> None:
         plan, resolved = self._plan, self._resolved
-        assert plan is not None and resolved is not None
+        if plan is None or resolved is None:  # start() resolves both first
+            raise ServerStartError("tritonserver launched before its binary and ports were resolved")
         self._backend_prefix = f"{segment.new_segment_name('pyb')}_"
         command = self._command(plan, resolved)
         shown = " ".join(command)
@@ -323,7 +327,8 @@ class TritonServer:
         self._reader.start()
 
     def _pump_log(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
+        if proc.stdout is None:  # started without a pipe: nothing to read
+            return
         for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             if self.shm_api_key:  # Triton echoes a flag it cannot parse; the tail ends up in errors

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ray_triton_shm import ServerConfig, ServerNotFoundError, ServerStartError, TritonServer
@@ -233,6 +234,64 @@ def test_explicit_binary_overrides_env_var(
             assert environ[b"PATH"].decode().split(os.pathsep)[0] == os.path.join(env_dir, "bin")
         pid = server.pid
     assert not _running(pid)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = f.read().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in items if b"=" in item)
+
+
+def _minor_faults(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        total += int(stat[stat.rfind(b")") + 2 :].split()[7])  # minflt, field 10
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threshold", [256 * 1024 * 1024, 0], ids=["tuned", "glibc-default"])
+def test_stubs_reuse_the_memory_of_large_input_copies(threshold: int) -> None:
+    """The stub copies each input into a fresh numpy array; tuned, a 48 MB one reuses old pages.
+
+    With glibc's defaults an allocation above 32 MiB is always a new mapping whose
+    pages fault in (and are zeroed) on every request: that run must show it, or
+    the tuned run proves nothing.
+    """
+    from ray_triton_shm import PoolConfig, TritonShmClient
+
+    config = ServerConfig(
+        model_repository=str(MODEL_REPOSITORY),
+        load_models=("identity",),
+        malloc_mmap_threshold_bytes=threshold,
+    )
+    n = 12 * 1024 * 1024  # 48 MB of float32
+    pool = PoolConfig(slots=1, max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
+    x = np.arange(n, dtype=np.float32).reshape(1, n)
+    with TritonServer(config) as server:
+        stubs = [pid for pid in _pids_mentioning(_backend_prefix(server.pid)) if pid != server.pid]
+        assert len(stubs) == 2, f"identity has 2 instances, found stubs {stubs}"
+        # /proc/<pid>/environ shows the start-up copy, in which glibc's loader cuts
+        # GLIBC_TUNABLES after the first tunable; the faults below show the rest.
+        for pid in stubs:
+            tunables = _environ(pid).get("GLIBC_TUNABLES", "")
+            assert (f"glibc.malloc.mmap_threshold={threshold}" in tunables) == bool(threshold), tunables
+        pools = {"identity": pool}
+        with TritonShmClient(url=server.grpc_url, http_url=server.http_url, pools=pools) as client:
+            for _ in range(4):  # each instance's first large copy faults its memory in
+                np.testing.assert_array_equal(client.infer("identity", {"INPUT0": x})["OUTPUT0"], x)
+            before = _minor_faults(stubs)
+            calls = 6
+            for _ in range(calls):
+                np.testing.assert_array_equal(client.infer("identity", {"INPUT0": x})["OUTPUT0"], x)
+            per_call = (_minor_faults(stubs) - before) / calls
+    if threshold:
+        assert per_call < 4, f"stubs page-faulted {per_call:.1f} times per 48 MB request"
+    else:
+        # 24 faults of 2 MB huge pages, or 12288 of 4 KB pages, per request.
+        assert per_call >= 20, f"glibc's default run faulted only {per_call:.1f} times per request"
 
 
 def test_server_survives_the_thread_that_started_it(empty_repository: str) -> None:

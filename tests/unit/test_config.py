@@ -33,6 +33,7 @@ def test_server_defaults() -> None:
     assert config.exit_timeout_s == 5
     assert config.python_shm_default_bytes == 16 * 1024 * 1024
     assert config.python_shm_growth_bytes == 64 * 1024 * 1024
+    assert config.malloc_mmap_threshold_bytes == 256 * 1024 * 1024
     assert config.load_models == ()
     assert config.gpus is None
     assert config.startup_timeout_s == 120.0
@@ -213,6 +214,10 @@ def test_out_of_range_env_raises_config_error(
         {"log_tail_lines": 0},
         {"python_shm_default_bytes": 0},
         {"python_shm_growth_bytes": -1},
+        {"malloc_mmap_threshold_bytes": -1},
+        {"malloc_mmap_threshold_bytes": 1 << 41},
+        {"malloc_mmap_threshold_bytes": 1.5e6},
+        {"malloc_mmap_threshold_bytes": True},
         {"host": ""},
         {"gpus": (0, -1)},
     ],
@@ -320,6 +325,37 @@ def test_pickle_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     assert client2.pool_for("m").slots == 3
     assert client2.pool_for("other").slots == 1
     assert client2.request_timeout_s is None
+
+
+# -- server environment -------------------------------------------------------------
+
+
+def test_glibc_tunables_set_both_malloc_thresholds() -> None:
+    config = ServerConfig(model_repository="m", malloc_mmap_threshold_bytes=1000)
+    assert config.glibc_tunables() == "glibc.malloc.mmap_threshold=1000:glibc.malloc.trim_threshold=2000"
+
+
+def test_glibc_tunables_keep_what_the_environment_sets() -> None:
+    config = ServerConfig(model_repository="m", malloc_mmap_threshold_bytes=1000)
+    inherited = "glibc.malloc.trim_threshold=7:glibc.cpu.hwcaps=-AVX512F"
+    assert config.glibc_tunables(inherited) == (
+        "glibc.malloc.trim_threshold=7:glibc.cpu.hwcaps=-AVX512F:glibc.malloc.mmap_threshold=1000"
+    )
+    both = "glibc.malloc.mmap_threshold=5:glibc.malloc.trim_threshold=6"
+    assert config.glibc_tunables(both) == both
+
+
+def test_glibc_tunables_untouched_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_TRITON_SHM_MALLOC_MMAP_THRESHOLD_BYTES", "0")
+    config = ServerConfig(model_repository="m")
+    assert config.malloc_mmap_threshold_bytes == 0
+    assert config.glibc_tunables() == ""
+    assert config.glibc_tunables("glibc.cpu.hwcaps=-AVX2") == "glibc.cpu.hwcaps=-AVX2"
+
+
+def test_malloc_threshold_is_no_server_flag() -> None:
+    flags = ServerConfig(model_repository="m", malloc_mmap_threshold_bytes=12345).server_flags()
+    assert not any("12345" in flag for flag in flags)
 
 
 # -- server flags ------------------------------------------------------------------
