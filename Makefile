@@ -24,7 +24,7 @@ demo: setup
 	$(PY) -m ray_triton_shm demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check ray_triton_shm tests notebooks
+	$(PY) -m ruff check ray_triton_shm tests notebooks tools
 
 # Each Ray test module gets its own process: a Ray started, shut down and started
 # again (a multi-node Cluster, then a local Ray) in one process can hang.
