@@ -181,6 +181,22 @@ class GrpcPredictor:
         return out
 
 
+class LocalPredictor:
+    """The reference without Triton: ``multi_io``'s sums computed by numpy in the map worker.
+
+    What Ray Data's own per-batch handling allows on this machine, as
+    ``serve-echo`` is for Serve.
+    """
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        images, ints = batch["INPUT0"], batch["INPUT1"]
+        rows = len(images)
+        out = _without_inputs(batch)
+        out["OUTPUT0"] = images.reshape(rows, 512, 294).sum(axis=-1, dtype=np.float32)
+        out["OUTPUT1"] = ints.reshape(rows, 5, 2).sum(axis=-1, dtype=np.int32)
+        return out
+
+
 def make_source(rows: int, batch_size: int) -> Any:
     """The image rows both Data methods read, materialised once in the object store."""
     import ray
@@ -227,6 +243,8 @@ def run_data(
     if method == "data-ours":
         fn: Callable[..., Any] | type = OurPredictor
         kwargs: dict[str, Any] = {"model": DATA_MODEL, "node_config": node_config}
+    elif method == "data-local":
+        fn, kwargs = LocalPredictor, {}
     else:
         fn, kwargs = GrpcPredictor, {"model": DATA_MODEL, "grpc_url": grpc_url}
     mapped = source.map_batches(

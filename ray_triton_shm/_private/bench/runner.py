@@ -343,7 +343,7 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
     rounds = options.rounds or 1
     ray_cells = 0
     if options.ray:
-        ray_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ()) + 2
+        ray_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ()) + 3
     progress = Progress((len(plan) + ray_cells) * rounds, enabled=options.progress)
     with _triton(options) as (endpoints, info, node_config):
         groups: dict[tuple[int, int], list[str]] = {}
@@ -398,10 +398,12 @@ def _run_ray(
     serve.shutdown()
     progress.step(f"making {options.data_rows} image rows")
     source = ray_methods.make_source(options.data_rows or 256, options.data_batch)
-    runs: dict[str, list[DataTiming]] = {"data-ours": [], "data-grpc": []}
+    # data-local (no Triton) is the reference: Ray Data's own cost per batch.
+    runs: dict[str, list[DataTiming]] = {"data-ours": [], "data-grpc": [], "data-local": []}
     errors: dict[str, BaseException] = {}
     for index in range(options.rounds or 1):
-        # ours, gRPC, gRPC, ours, ...: a drift in the machine's speed weighs on both alike.
+        # ours, gRPC, local, then local, gRPC, ours, ...: a drift in the machine's
+        # speed weighs on ours and gRPC alike.
         order = list(runs) if index % 2 == 0 else list(reversed(runs))
         for method in order:
             progress.step(f"{method} {options.data_rows} rows ({index + 1}/{options.rounds or 1})")

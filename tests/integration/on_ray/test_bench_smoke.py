@@ -50,7 +50,7 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
     expected |= {(m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo")}
     got = {(r.method, r.payload_bytes, r.concurrency) for r in records if r.group != "data"}
     assert got == expected
-    assert {r.method for r in records if r.group == "data"} == {"data-ours", "data-grpc"}
+    assert {r.method for r in records if r.group == "data"} == {"data-ours", "data-grpc", "data-local"}
     failed = [(r.method, r.payload_bytes, r.concurrency, r.error) for r in records if not r.ok]
     assert not failed, failed
 
