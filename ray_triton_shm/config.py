@@ -156,9 +156,10 @@ class ServerConfig:
             fresh numpy array; with glibc's default, one above 32 MiB is a new
             mapping each request, and the kernel zeroes every page of it
             (~14 ms of ~99 ms per 128 MB request here). Blocks below this
-            size are kept and reused instead, so each stub holds on to its
-            largest request's memory. 0 leaves glibc's defaults; a tunable
-            already in the server's ``GLIBC_TUNABLES`` is kept.
+            size are kept and reused instead, so the server and each stub
+            hold on to the memory of their largest request. 0 leaves glibc's
+            defaults; a tunable already in the server's ``GLIBC_TUNABLES`` is
+            kept.
         load_models: When set, only these models are loaded (explicit mode).
         gpus: ``CUDA_VISIBLE_DEVICES`` for the server; ``None`` inherits.
         startup_timeout_s: How long to wait for readiness.
