@@ -37,20 +37,29 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _stat_fields(pid: int) -> list[bytes]:
+    """Fields of /proc/<pid>/stat after the command name (state first); raises if gone."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = f.read().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in items if b"=" in item)
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        return _stat_fields(pid)[0] not in (b"Z", b"X")
     except FileNotFoundError:
         return False
-    return stat[stat.rfind(b")") + 2 :].split()[0] not in (b"Z", b"X")
 
 
 def _parent_pid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return int(stat[stat.rfind(b")") + 2 :].split()[1])
+    return int(_stat_fields(pid)[1])
 
 
 def _backend_prefix(pid: int) -> str:
@@ -229,26 +238,14 @@ def test_explicit_binary_overrides_env_var(
         assert re.fullmatch(r"2\.51\.\d+", server.version)
         assert os.path.realpath(f"/proc/{server.pid}/exe") == os.path.realpath(binary)
         if env_dir is not None:
-            with open(f"/proc/{server.pid}/environ", "rb") as f:
-                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            assert environ[b"PATH"].decode().split(os.pathsep)[0] == os.path.join(env_dir, "bin")
+            path = _environ(server.pid)["PATH"]
+            assert path.split(os.pathsep)[0] == os.path.join(env_dir, "bin")
         pid = server.pid
     assert not _running(pid)
 
 
-def _environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        items = f.read().split(b"\0")
-    return dict(item.decode().split("=", 1) for item in items if b"=" in item)
-
-
 def _minor_faults(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        total += int(stat[stat.rfind(b")") + 2 :].split()[7])  # minflt, field 10
-    return total
+    return sum(int(_stat_fields(pid)[7]) for pid in pids)  # minflt, field 10
 
 
 @pytest.fixture

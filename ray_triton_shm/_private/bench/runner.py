@@ -41,6 +41,8 @@ QUICK_SIZES = (4 * KB, MB, 16 * MB)
 # several serialised copies per request. That is 8-20 GB per method on a 24 GB
 # machine shared with the Ray object store, and minutes of gRPC time.
 MAX_BYTES_IN_FLIGHT = 16 * 128 * MB - 1
+# data-local (no Triton) is the reference: Ray Data's own cost per batch.
+DATA_METHODS = ("data-ours", "data-grpc", "data-local")
 
 
 @dataclass(frozen=True)
@@ -343,7 +345,8 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
     rounds = options.rounds or 1
     ray_cells = 0
     if options.ray:
-        ray_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ()) + 3
+        serve_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ())
+        ray_cells = serve_cells + len(DATA_METHODS)
     progress = Progress((len(plan) + ray_cells) * rounds, enabled=options.progress)
     with _triton(options) as (endpoints, info, node_config):
         groups: dict[tuple[int, int], list[str]] = {}
@@ -398,8 +401,7 @@ def _run_ray(
     serve.shutdown()
     progress.step(f"making {options.data_rows} image rows")
     source = ray_methods.make_source(options.data_rows or 256, options.data_batch)
-    # data-local (no Triton) is the reference: Ray Data's own cost per batch.
-    runs: dict[str, list[DataTiming]] = {"data-ours": [], "data-grpc": [], "data-local": []}
+    runs: dict[str, list[DataTiming]] = {method: [] for method in DATA_METHODS}
     errors: dict[str, BaseException] = {}
     for index in range(options.rounds or 1):
         # ours, gRPC, local, then local, gRPC, ours, ...: a drift in the machine's
