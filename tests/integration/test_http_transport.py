@@ -15,6 +15,7 @@ from ray_triton_shm import ServerConfig, TritonServer, TritonShmClient
 from ray_triton_shm.errors import UnavailableError
 
 from .conftest import MODEL_REPOSITORY, close_and_check, transport_overrides
+from .footprint import ESTABLISHED, fd_targets, socket_inode, tcp_peers
 
 
 def _add_sub(client: TritonShmClient, value: int) -> None:
@@ -32,24 +33,10 @@ def _all_free(client: TritonShmClient, model: str) -> bool:
 
 
 def _established_to(port: int) -> int:
-    """How many of this process's TCP sockets are connected to 127.0.0.1:``port``."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    count = 0
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            fields = line.split()
-            remote, state, inode = fields[2], fields[3], fields[9]
-            if state == "01" and inode in inodes and int(remote.split(":")[1], 16) == port:
-                count += 1
-    return count
+    """How many of this process's TCP sockets are connected to ``port``."""
+    peers = tcp_peers(os.getpid())
+    inodes = (socket_inode(target) for target in fd_targets(os.getpid()))
+    return sum(peers.get(inode) == (port, ESTABLISHED) for inode in inodes if inode is not None)
 
 
 @pytest.fixture(scope="module")

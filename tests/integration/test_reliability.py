@@ -42,6 +42,7 @@ from ray_triton_shm.client import fetch_layout, translate_error
 from ray_triton_shm.server import SHM_API_GRPC_HEADER, SHM_API_HEADER
 
 from .conftest import MODEL_REPOSITORY, close_and_check, transport_overrides
+from .footprint import assert_flat, process_footprint
 
 # -- helpers -----------------------------------------------------------------
 
@@ -509,20 +510,6 @@ def _regions_with(server: TritonServer) -> set[str]:
 LEAK_CYCLES = int(os.environ.get("RAY_TRITON_SHM_LEAK_CYCLES", "4000"))
 
 
-def process_footprint(pid: int) -> tuple[int, int]:
-    """(VmRSS in kB, open file descriptors) of ``pid``."""
-    with open(f"/proc/{pid}/status") as f:
-        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def assert_flat(label: str, before: tuple[int, int], after: tuple[int, int]) -> None:
-    """RSS within 2% and not one more file descriptor."""
-    (rss0, fds0), (rss1, fds1) = before, after
-    assert rss1 <= rss0 * 1.02, f"{label}: RSS grew from {rss0} kB to {rss1} kB"
-    assert fds1 <= fds0, f"{label}: open fds grew from {fds0} to {fds1}"
-
-
 def test_lease_release_cycles_keep_memory_and_fds_flat(
     triton_server: TritonServer, make_client, record_property
 ) -> None:
@@ -544,8 +531,8 @@ def test_lease_release_cycles_keep_memory_and_fds_flat(
     cycles(LEAK_CYCLES)
     after = {"client": process_footprint(os.getpid()), "server": process_footprint(triton_server.pid)}
     for name in before:
-        record_property(f"{name}_before", before[name])
-        record_property(f"{name}_after", after[name])
+        record_property(f"{name}_before", (before[name].rss_kb, len(before[name].fds)))
+        record_property(f"{name}_after", (after[name].rss_kb, len(after[name].fds)))
         assert_flat(f"{name} after {LEAK_CYCLES} cycles", before[name], after[name])
     assert _free_slots(client, "add_sub") == 2
 

@@ -32,7 +32,7 @@ def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
 
     from ray_triton_shm.node import NodeClient, NodeConfig, ensure_node_actors, get_node_actor
 
-    from ..test_reliability import assert_flat, process_footprint
+    from ..footprint import Footprint, assert_flat, process_footprint, triton_ports
 
     config = NodeConfig.for_repository(REPO_MODELS, quarantine_s=1.0)
     ensure_node_actors(config)
@@ -58,16 +58,23 @@ def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
                 out = client.infer("add_sub", {"INPUT0": a + i, "INPUT1": a})
                 assert out["OUTPUT0"][0, 0] == i
 
-        # Warm-up as long as the measured run: Ray's own per-call buffers fill up first.
-        grant_cycles(max(cycles, 1500))
+        # Warm-up longer than the measured run: the actor's RSS climbs for the first few
+        # thousand Ray calls (Ray's own buffers and allocator arenas), then levels off.
+        grant_cycles(max(cycles * 2, 3000))
         lease_cycles(cycles * 4)
         triton_pid = client.info.triton_pid
-        settle()
-        before = {"actor": process_footprint(actor_pid), "server": process_footprint(triton_pid)}
+        ports = triton_ports(client.info.grpc_url, client.info.http_url)
+
+        def footprints() -> dict[str, Footprint]:
+            settle()
+            actor_side = process_footprint(actor_pid, sockets_to=ports)
+            return {"actor": actor_side, "server": process_footprint(triton_pid)}
+
+        before = footprints()
         grant_cycles(cycles)
         lease_cycles(cycles * 4)
-        settle()
-        after = {"actor": process_footprint(actor_pid), "server": process_footprint(triton_pid)}
+        after = footprints()
     for name in before:
-        print(f"{name}: {before[name]} -> {after[name]}")
+        was, now = before[name], after[name]
+        print(f"{name}: RSS {was.rss_kb} -> {now.rss_kb} kB, counted fds {len(was.fds)} -> {len(now.fds)}")
         assert_flat(name, before[name], after[name])
