@@ -1,4 +1,4 @@
-"""What a process holds (RSS and open file descriptors), for the leak checks of case 10.
+"""What a process holds (RSS, open fds, TCP peers), for the leak checks of case 10 and connection counts.
 
 A Ray worker opens connections of its own on Ray's schedule, not ours: the core
 worker connects to the node's metrics agent once that agent is up, seconds after
