@@ -29,7 +29,7 @@ def collect(timeout_s: float = 30.0) -> list[dict[str, Any]]:
     """
     import ray
 
-    from ray_triton_shm.node import _NAME_PREFIX, NAMESPACE
+    from ray_triton_shm._private.node_config import _NAME_PREFIX, NAMESPACE
 
     ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
     names = sorted(

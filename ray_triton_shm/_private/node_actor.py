@@ -1,0 +1,301 @@
+"""The node actor: starts and pins a node's Triton, owns its pools, grants slots to client processes.
+
+Example:
+    >>> from ray_triton_shm.node import TritonNodeActor, NodeConfig
+    >>> actor = TritonNodeActor.options(name="n").remote(NodeConfig.for_repository("m"))  # doctest: +SKIP
+    >>> ray.get(actor.info.remote()).grpc_url                                            # doctest: +SKIP
+
+Data never goes through the actor: clients write into their slots and call
+Triton themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from ray_triton_shm._private import metrics
+from ray_triton_shm._private.layout import layout_from_config
+from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
+from ray_triton_shm._private.node_pools import CudaRegion, Grant, NodePools, pool_key
+from ray_triton_shm._private.segment import check_span, new_segment_name, redact
+from ray_triton_shm.client import translate_error
+from ray_triton_shm.config import PoolConfig
+from ray_triton_shm.errors import CudaError, CudaUnavailableError, DeviceMappingError
+
+logger = logging.getLogger(__name__)
+
+
+class _NodeActor:
+    """Body of :data:`TritonNodeActor` (see the module docstring)."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        from ray_triton_shm.server import TritonServer
+
+        self.config = config
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.instance_id = uuid.uuid4().hex
+        self._lock = threading.RLock()
+        # Only this actor registers regions, so the shm endpoints can always be keyed.
+        protect = config.server.protect_shm_api is not False
+        self._server = TritonServer(config.server, protect_shm_api=protect)
+        # Triton inherits this actor's CUDA_VISIBLE_DEVICES unless ServerConfig.gpus is set. The actor
+        # asks Ray for no GPU, so Ray leaves the variable as the raylet had it: all of the node's GPUs.
+        gpus = config.server.gpus
+        self._gpu_visible = ",".join(map(str, gpus)) if gpus is not None else os.environ.get(_CVD)
+        self._gpu_count = _local_gpu_count()
+        self._server.start()  # sweeps segments of a previous incarnation first
+        self._epoch = 1
+        self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
+        self._pools = NodePools(self._register, self._unregister, quarantine_s=config.quarantine_s)
+        # (model, path) -> [requests, bytes], summed from the clients' reports.
+        self._traffic: dict[tuple[str, str], list[int]] = {}
+        for model in config.preload:
+            self._ensure_pool(model)
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="triton-node-health", daemon=True)
+        self._watcher.start()
+        logger.info(
+            "node actor %s up: Triton %s at %s", self.node_id, self._server.version, self._server.grpc_url
+        )
+
+    # -- Triton ------------------------------------------------------------
+    def _register(self, region: Any) -> None:
+        check_span(region.name, region.size, 0, region.size)
+        headers = self._server.shm_api_headers
+        try:
+            if isinstance(region, CudaRegion):
+                buffer = region.buffer
+                self._grpc.register_cuda_shared_memory(
+                    region.name, buffer.handle_b64, region.server_device, region.size, headers=headers
+                )
+            else:
+                self._grpc.register_system_shared_memory(
+                    region.name, region.key, region.size, headers=headers
+                )
+        except InferenceServerException as e:
+            if isinstance(region, CudaRegion):
+                message = redact(str(e.message() or e))
+                raise CudaError(f"Triton refused CUDA region {region.name!r}: {message}") from e
+            raise translate_error(e) from e
+
+    def _unregister(self, region: Any) -> None:
+        headers = self._server.shm_api_headers
+        if isinstance(region, CudaRegion):
+            self._grpc.unregister_cuda_shared_memory(region.name, headers=headers)
+        else:
+            self._grpc.unregister_system_shared_memory(region.name, headers=headers)
+
+    def _ensure_pool(self, model: str, device: int | None = None, force_cuda: bool = False) -> str:
+        """Create ``model``'s pool (a CUDA one on Triton's GPU ``device`` if allowed); return its key."""
+        pool_config = self.config.pool_for(model)
+        model_config = self._model_config(model)
+        layout = layout_from_config(model_config, pool_config)
+        if device is None or not self._cuda_allowed(model_config, pool_config, force_cuda):
+            self._pools.ensure_pool(model, layout, pool_config)
+            return model
+        key = pool_key(model, "cuda", device)
+        local = self._local_device(device)
+
+        def make_region(size: int) -> CudaRegion:
+            from ray_triton_shm._private.cuda import DeviceBuffer
+
+            return CudaRegion(DeviceBuffer.allocate(size, local), new_segment_name("ncuda"), device)
+
+        self._pools.ensure_pool(model, layout, pool_config, key=key, make_region=make_region)
+        return key
+
+    def _model_config(self, model: str) -> dict[str, Any]:
+        try:
+            return self._grpc.get_model_config(model, as_json=True)["config"]
+        except InferenceServerException as e:
+            raise translate_error(e, model) from e
+
+    def _cuda_allowed(self, model_config: Mapping[str, Any], pool: PoolConfig, force: bool) -> bool:
+        if self._gpu_count == 0 or self.config.cuda_pools == "never":
+            return False
+        return (
+            self.config.cuda_pools == "always" or force or pool.memory == "cuda" or runs_on_gpu(model_config)
+        )
+
+    def _local_device(self, server_device: int) -> int:
+        """This actor's index of the GPU Triton calls ``server_device``."""
+        from ray_triton_shm._private.cuda import server_device_id
+
+        mine = os.environ.get(_CVD)
+        for index in range(self._gpu_count):
+            if server_device_id(index, mine, self._gpu_visible) == server_device:
+                return index
+        raise DeviceMappingError(
+            f"Triton's GPU {server_device} is not visible to the node actor "
+            f"(actor {_CVD}={mine!r}, Triton's {self._gpu_visible!r})"
+        )
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.config.health_interval_s):
+            try:
+                self.check()
+            except Exception:
+                logger.exception("node health check failed")
+            try:
+                metrics.record_pool_gauges(self.node_id, self._pools.stats())
+            except Exception:
+                logger.debug("pool gauges failed", exc_info=True)
+
+    def check(self) -> dict[str, int]:
+        """Restart Triton if it died (re-registering every region); reclaim slots of dead clients.
+
+        Returns:
+            ``{"restarted": 0|1, "reclaimed": n}``.
+        """
+        restarted = 0
+        with self._lock:
+            if not self._stopping.is_set() and not self._server.is_alive():
+                logger.warning("Triton on node %s died; restarting", self.node_id)
+                self._server.restart()
+                self._grpc.close()
+                self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
+                self._pools.register_all()
+                self._epoch += 1
+                restarted = 1
+                try:
+                    metrics.record_restart(self.node_id)
+                except Exception:
+                    logger.debug("restart metric failed", exc_info=True)
+        return {"restarted": restarted, "reclaimed": self._pools.reclaim()}
+
+    # -- API ---------------------------------------------------------------
+    def info(self) -> NodeInfo:
+        """Endpoints and identity of this node's Triton."""
+        with self._lock:
+            server = self._server
+            return NodeInfo(
+                node_id=self.node_id,
+                instance_id=self.instance_id,
+                epoch=self._epoch,
+                grpc_url=server.grpc_url,
+                http_url=server.http_url,
+                metrics_url=server.metrics_url,
+                triton_pid=server.pid or -1,
+                version=server.version,
+                restarts=server.restarts,
+                gpus=self._gpu_count,
+                gpu_visible_devices=self._gpu_visible,
+            )
+
+    def acquire(
+        self,
+        model: str,
+        want: int,
+        owner_pid: int,
+        timeout: float,
+        device: int | None = None,
+        force_cuda: bool = False,
+    ) -> Grant:
+        """Grant up to ``want`` slots of ``model`` to process ``owner_pid`` on this node.
+
+        Args:
+            model: Model name.
+            want: Slots wanted (at least one is granted).
+            owner_pid: The client process; its slots come back when it dies.
+            timeout: Seconds to wait for free slots.
+            device: The client's GPU in Triton's numbering, if it wants GPU memory;
+                it gets a CUDA pool there when :attr:`NodeConfig.cuda_pools` allows.
+            force_cuda: The client insists on GPU memory (any model, if the node has GPUs).
+
+        Raises:
+            PoolTimeoutError: No slot became free in time.
+            TritonCallError / LayoutError: The model is unknown or cannot use slots.
+            CudaError: The GPU region could not be made or registered.
+        """
+        with self._lock:
+            key = self._ensure_pool(model, device, force_cuda)
+        return self._pools.acquire(model, want, owner_pid, timeout, key=key)
+
+    def release(self, grant_id: str) -> bool:
+        """Return a grant's slots."""
+        return self._pools.release(grant_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Triton identity plus per-model slot counts."""
+        return {"info": dataclasses.asdict(self.info()), "pools": self._pools.stats()}
+
+    def report(self, traffic: Sequence[tuple[str, str, int, int]]) -> None:
+        """Add a client's traffic sums, ``(model, path, requests, bytes)`` rows (see ``_private.metrics``)."""
+        with self._lock:
+            for model, path, requests, nbytes in traffic:
+                entry = self._traffic.setdefault((str(model), str(path)), [0, 0])
+                entry[0] += int(requests)
+                entry[1] += int(nbytes)
+
+    def status(self) -> dict[str, Any]:
+        """What ``ray-triton-shm status`` shows: Triton, its models, pools, traffic by path."""
+        with self._lock:
+            traffic = [
+                {"model": model, "path": path, "requests": v[0], "bytes": v[1]}
+                for (model, path), v in sorted(self._traffic.items())
+            ]
+            grpc = self._grpc
+        try:
+            index = grpc.get_model_repository_index(as_json=True).get("models", [])
+            models = [
+                {"name": m.get("name", ""), "version": m.get("version", ""), "state": m.get("state", "")}
+                for m in index
+            ]
+        except InferenceServerException as e:
+            models = [{"name": "?", "version": "", "state": f"unavailable: {e.message()}"}]
+        return {
+            "info": dataclasses.asdict(self.info()),
+            "pools": self._pools.stats(),
+            "models": models,
+            "traffic": traffic,
+        }
+
+    def kill_triton(self) -> int:
+        """SIGKILL this node's Triton (for fault tests); the health check restarts it.
+
+        Returns:
+            The killed process id.
+        """
+        pid = self._server.pid or -1
+        if pid > 0:
+            os.kill(pid, 9)
+        return pid
+
+    def shutdown(self) -> None:
+        """Unregister and unlink every segment, stop Triton. Idempotent."""
+        self._stopping.set()
+        with self._lock:
+            self._pools.close()
+            self._server.stop()
+            self._grpc.close()
+
+
+
+def _local_gpu_count() -> int:
+    """GPUs this process sees through cupy; 0 without cupy or GPUs."""
+    from ray_triton_shm._private.cuda import device_count
+
+    try:
+        return device_count()
+    except CudaUnavailableError:
+        return 0
+
+
+def runs_on_gpu(model_config: Mapping[str, Any]) -> bool:
+    """Whether Triton runs some instance of the model on a GPU (instance_group kind GPU)."""
+    groups = model_config.get("instance_group") or []
+    return any(str(group.get("kind", "")).endswith("GPU") for group in groups)
+
+
+TritonNodeActor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=32)(_NodeActor)
+"""The node actor class: ``TritonNodeActor.options(...).remote(NodeConfig)``."""

@@ -1,0 +1,286 @@
+"""NodeClient: zero-copy inference against the Triton of the calling process's node.
+
+Example:
+    >>> from ray_triton_shm.node import NodeClient
+    >>> with NodeClient() as client:                                        # doctest: +SKIP
+    ...     client.infer("add_sub", {"INPUT0": a, "INPUT1": b})
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from ray_triton_shm._private import metrics
+from ray_triton_shm._private.node_actor import _local_gpu_count
+from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
+from ray_triton_shm._private.node_lifecycle import get_node_actor
+from ray_triton_shm._private.node_pools import Grant
+from ray_triton_shm._private.pool import SlotPool
+from ray_triton_shm._private.segment import Segment
+from ray_triton_shm.client import InferResult, TritonShmClient
+from ray_triton_shm.config import ClientConfig, PoolConfig
+from ray_triton_shm.errors import ConfigError, RayTritonShmError, TritonCallError, UnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+class _GrantedPools:
+    """A client's :class:`PoolSource` backed by slots granted by the node actor."""
+
+    def __init__(
+        self,
+        actor: ray.actor.ActorHandle,
+        slots_per_model: int,
+        timeout_s: float,
+        info: NodeInfo | None = None,
+        force_cuda: bool = False,
+    ) -> None:
+        self._actor = actor
+        self._want = slots_per_model
+        self._timeout = timeout_s
+        self._info = info
+        self._force_cuda = force_cuda
+        self._held: list[tuple[Grant, SlotPool]] = []
+
+    def _server_device(self, config: PoolConfig) -> tuple[int, int] | None:
+        """(this process's GPU, Triton's id for it) when the pool should be in GPU memory."""
+        if config.memory != "cuda":
+            return None
+        from ray_triton_shm._private.cuda import require_device, server_device_id
+
+        local = require_device(config.device_id)
+        visible = self._info.gpu_visible_devices if self._info else None
+        return local, server_device_id(local, os.environ.get(_CVD), visible)
+
+    def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
+        devices = self._server_device(config)
+        request = self._actor.acquire.remote(
+            model,
+            self._want,
+            os.getpid(),
+            self._timeout,
+            devices[1] if devices else None,
+            self._force_cuda,
+        )
+        grant: Grant = ray.get(request)
+        try:
+            if grant.memory == "cuda" and devices is not None:
+                from ray_triton_shm._private.cuda import DeviceBuffer
+                from ray_triton_shm._private.cuda_pool import CudaSlotPool
+
+                buffer = DeviceBuffer.open(grant.cuda_handle, grant.segment_size, devices[0])
+                pool: SlotPool = CudaSlotPool(buffer, grant.segment_name, grant.layout, grant.slots)
+            else:
+                if devices is not None:
+                    logger.info("node gave %s a system-memory pool (model not on GPU or no GPUs)", model)
+                segment = Segment.attach(grant.segment_name, grant.segment_size)
+                pool = SlotPool(segment, grant.layout, grant.slots)
+        except BaseException:
+            self._actor.release.remote(grant.grant_id)
+            raise
+        self._held.append((grant, pool))
+        return pool
+
+    def close(self) -> None:
+        held, self._held = self._held, []
+        for grant, pool in held:
+            pool.close()
+            try:
+                ray.get(self._actor.release.remote(grant.grant_id), timeout=10)
+            except ray.exceptions.RayError as e:
+                logger.debug("release of %s failed: %s", grant.grant_id, e)
+
+
+class NodeClient:
+    """Zero-copy inference against the Triton of the calling process's node.
+
+    Has the inference API of :class:`~ray_triton_shm.TritonShmClient`
+    (``infer``, ``ainfer``, ``infer_views``, ``lease``/``run``,
+    ``infer_grpc``). If Triton restarts or the node actor is replaced, the
+    next call reconnects; the call that was in flight fails with
+    :class:`UnavailableError` or :class:`TritonCallError`.
+
+    Args:
+        config: Creates the node actor if the node has none yet.
+        slots_per_model: Slots this process asks for per model.
+        lease_timeout_s: How long to wait for slots (grant and per request).
+        request_timeout_s: Deadline of one inference call.
+        memory: ``"system"`` (default; outputs are numpy), ``"cuda"`` (slots in
+            this process's GPU memory, outputs are cupy arrays; any model) or
+            ``"auto"`` (GPU memory when this process sees a GPU and the model
+            runs on GPU; else system memory). See docs/cuda.md.
+        device_id: For GPU memory: this process's GPU (default cupy's current one).
+
+    Raises:
+        ConfigError: Unknown ``memory``.
+        CudaUnavailableError / NoGpuError: ``memory="cuda"`` without cupy or a GPU.
+    """
+
+    def __init__(
+        self,
+        config: NodeConfig | None = None,
+        *,
+        slots_per_model: int = 2,
+        lease_timeout_s: float = 30.0,
+        request_timeout_s: float | None = 60.0,
+        memory: str = "system",
+        device_id: int | None = None,
+    ) -> None:
+        if memory not in ("system", "cuda", "auto"):
+            raise ConfigError(f"NodeClient memory must be system, cuda or auto, got {memory!r}")
+        # An explicit "cuda" gets GPU memory for any model; "auto" only for models that run on GPU.
+        self._force_cuda = memory == "cuda"
+        if memory == "cuda":
+            from ray_triton_shm._private.cuda import require_device
+
+            require_device(device_id)
+        elif memory == "auto":
+            memory = "cuda" if _local_gpu_count() > 0 else "system"
+        self._memory = memory
+        self._device_id = device_id
+        self._config = config
+        self._slots = slots_per_model
+        self._lease_timeout = lease_timeout_s
+        self._request_timeout = request_timeout_s
+        self._lock = threading.Lock()
+        self._inner: TritonShmClient | None = None
+        self._observer: metrics.RayMetricsObserver | None = None
+        self.info: NodeInfo | None = None
+        self._connect()
+
+    def _connect(self) -> TritonShmClient:
+        actor = get_node_actor(self._config)
+        info: NodeInfo = ray.get(actor.info.remote())
+        pool = PoolConfig(
+            slots=self._slots,
+            lease_timeout_s=self._lease_timeout,
+            memory=self._memory,
+            device_id=self._device_id,
+        )
+        client_config = ClientConfig(
+            url=info.grpc_url,
+            http_url=info.http_url,
+            default_pool=pool,
+            request_timeout_s=self._request_timeout,
+        )
+        observer = metrics.RayMetricsObserver(actor)
+        source = _GrantedPools(actor, self._slots, self._lease_timeout, info, self._force_cuda)
+        inner = TritonShmClient(client_config, pool_source=source, observer=observer)
+        old, self._inner, self.info = self._inner, inner, info
+        old_observer, self._observer = self._observer, observer
+        if old is not None:
+            old.close()
+        if old_observer is not None:
+            old_observer.close()
+        return inner
+
+    def _reconnect_if_changed(self) -> bool:
+        """After a failure: reconnect if Triton or the actor changed. Returns whether it did."""
+        with self._lock:
+            try:
+                actor = get_node_actor(self._config)
+                info: NodeInfo = ray.get(actor.info.remote(), timeout=60)
+            except (RayTritonShmError, ray.exceptions.RayError):
+                return False
+            current = self.info
+            if current and (info.instance_id, info.epoch, info.grpc_url) == (
+                current.instance_id,
+                current.epoch,
+                current.grpc_url,
+            ):
+                return False
+            logger.info(
+                "node Triton changed (epoch %s -> %s); reconnecting", current and current.epoch, info.epoch
+            )
+            self._connect()
+            return True
+
+    @property
+    def client(self) -> TritonShmClient:
+        """The underlying client for the current connection."""
+        if self._inner is None:
+            raise RayTritonShmError("NodeClient is closed")
+        return self._inner
+
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        outputs: Sequence[str] | None = None,
+        copy: bool = True,
+    ) -> InferResult:
+        """See :meth:`TritonShmClient.infer`; reconnects for the next call after a Triton restart.
+
+        Raises:
+            InputError, PoolTimeoutError, TritonCallError, UnavailableError.
+        """
+        try:
+            return self.client.infer(model, inputs, outputs=outputs, copy=copy)
+        except (UnavailableError, TritonCallError):
+            self._reconnect_if_changed()
+            raise
+
+    async def ainfer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        outputs: Sequence[str] | None = None,
+        copy: bool = True,
+    ) -> InferResult:
+        """See :meth:`TritonShmClient.ainfer`."""
+        import asyncio
+
+        try:
+            return await self.client.ainfer(model, inputs, outputs=outputs, copy=copy)
+        except (UnavailableError, TritonCallError):
+            await asyncio.to_thread(self._reconnect_if_changed)
+            raise
+
+    def infer_grpc(self, model: str, inputs: Mapping[str, Any]) -> InferResult:
+        """See :meth:`TritonShmClient.infer_grpc` (plain gRPC, for comparison)."""
+        return self.client.infer_grpc(model, inputs)
+
+    def infer_views(self, model: str, inputs: Mapping[str, Any]):
+        """See :meth:`TritonShmClient.infer_views`."""
+        return self.client.infer_views(model, inputs)
+
+    def model_config(self, model: str) -> dict[str, Any]:
+        """The model's configuration as Triton reports it."""
+        return self.client._grpc.get_model_config(model, as_json=True)["config"]
+
+    def model_metadata(self, model: str) -> dict[str, Any]:
+        """The model's KServe v2 metadata."""
+        return self.client._grpc.get_model_metadata(model, as_json=True)
+
+    def flush_reports(self) -> None:
+        """Send the traffic counted so far to the node actor now (fire-and-forget).
+
+        For short-lived workers (Ray Data actors are killed when their job ends,
+        without a ``close``) whose whole run can fit in one reporting interval.
+        """
+        observer = self._observer
+        if observer is not None:
+            observer.flush()
+
+    def close(self) -> None:
+        """Give the slots back to the node actor. Idempotent."""
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.close()
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.close()
+
+    def __enter__(self) -> NodeClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
