@@ -47,7 +47,8 @@ class TritonPredictor:
         node_config: Creates the node actor if this node has none yet.
         model_repository / pools: Shortcut for ``node_config`` (see
             :func:`ray_triton_shm.serve.build_node_config`).
-        slots_per_model: Slots this worker asks its node actor for.
+        slots_per_model: At most this many slots used by this worker at once
+            (``None``: no cap; slots are shared with every process on the node).
         grpc: Send tensors over plain gRPC instead (for comparison).
         memory: Slot memory, ``"system"``, ``"cuda"`` or ``"auto"`` (see
             :class:`~ray_triton_shm.node.NodeClient`). GPU outputs are copied to
@@ -65,7 +66,7 @@ class TritonPredictor:
         node_config: NodeConfig | None = None,
         model_repository: str | None = None,
         pools: Mapping[str, Mapping[str, Any]] | None = None,
-        slots_per_model: int = 2,
+        slots_per_model: int | None = None,
         grpc: bool = False,
         memory: str = "system",
     ) -> None:
@@ -74,7 +75,7 @@ class TritonPredictor:
 
             node_config = build_node_config(model_repository, pools)
         self.model = model
-        self._client = NodeClient(node_config, slots_per_model=slots_per_model, memory=memory)
+        self._client = NodeClient(node_config, slots_per_model=slots_per_model, memory=memory, kind="data")
         layout = self._client.client.layout(model)
         self._inputs = dict(input_columns or {s.name: s.name for s in layout.inputs})
         self._outputs = dict(output_columns or {s.name: s.name for s in layout.outputs})

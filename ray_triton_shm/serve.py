@@ -20,6 +20,7 @@ against Serve unchanged, and Python code can call the deployment handle::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ from ray_triton_shm._private.cuda import to_host
 from ray_triton_shm._private.segment import redact
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.errors import (
+    ConfigError,
     InputError,
     LayoutError,
     PoolTimeoutError,
@@ -75,22 +77,41 @@ def build_node_config(
     model_repository: str | None = None,
     pools: Mapping[str, Mapping[str, Any]] | None = None,
     default_pool: Mapping[str, Any] | None = None,
-    quarantine_s: float = 30.0,
     server: Mapping[str, Any] | None = None,
+    **node_fields: Any,
 ) -> NodeConfig:
     """A :class:`NodeConfig` from plain values, as found in a Serve config file.
 
+    Args:
+        model_repository: Path (or ``examples``).
+        pools: Model name -> :class:`PoolConfig` fields.
+        default_pool: :class:`PoolConfig` fields for other models.
+        server: :class:`ServerConfig` fields.
+        **node_fields: Other :class:`NodeConfig` fields (``idle_shutdown_s``,
+            ``health_interval_s``, ``quarantine_s``, ``preload``,
+            ``request_timeout_s``, ``cuda_pools``); unset ones come from the
+            environment, then the defaults.
+
     Raises:
-        ConfigError: A value is invalid.
+        ConfigError: A value is invalid or unknown.
     """
     server_fields = dict(server or {})
     server_fields["model_repository"] = resolve_model_repository(model_repository)
-    return NodeConfig(
-        server=ServerConfig(**server_fields),
-        pools={name: PoolConfig(**dict(fields)) for name, fields in (pools or {}).items()},
-        default_pool=PoolConfig(**dict(default_pool or {})),
-        quarantine_s=quarantine_s,
-    )
+    known = {f.name for f in dataclasses.fields(NodeConfig)} - {"server", "pools", "default_pool"}
+    unknown = sorted(set(node_fields) - known)
+    if unknown:
+        raise ConfigError(f"unknown node settings {unknown}; known: {sorted(known)}")
+    if "preload" in node_fields:
+        node_fields["preload"] = tuple(node_fields["preload"])
+    try:
+        return NodeConfig(
+            server=ServerConfig(**server_fields),
+            pools={name: PoolConfig(**dict(fields)) for name, fields in (pools or {}).items()},
+            default_pool=PoolConfig(**dict(default_pool or {})),
+            **node_fields,
+        )
+    except TypeError as e:
+        raise ConfigError(f"invalid node settings: {e}") from e
 
 
 def _status_for(error: Exception) -> int:
@@ -111,7 +132,8 @@ class TritonDeployment:
 
     Args:
         node_config: What the node actor runs (created if the node has none).
-        slots_per_model: Slots this replica asks its node actor for, per model.
+        slots_per_model: At most this many slots of a model used by this replica
+            at once (``None``: no cap; slots are shared with every process on the node).
         memory: Slot memory of this replica's pools, ``"system"``, ``"cuda"`` or
             ``"auto"`` (see :class:`NodeClient`). With GPU memory, handle calls
             return cupy arrays (Ray pickles them through host memory and
@@ -119,8 +141,10 @@ class TritonDeployment:
             from host copies.
     """
 
-    def __init__(self, node_config: NodeConfig, slots_per_model: int = 2, memory: str = "system") -> None:
-        self._client = NodeClient(node_config, slots_per_model=slots_per_model, memory=memory)
+    def __init__(
+        self, node_config: NodeConfig, slots_per_model: int | None = None, memory: str = "system"
+    ) -> None:
+        self._client = NodeClient(node_config, slots_per_model=slots_per_model, memory=memory, kind="serve")
         logger.info(
             "replica on node %s uses Triton %s", self._client.info.node_id, self._client.info.grpc_url
         )
@@ -153,12 +177,16 @@ class TritonDeployment:
         return dict(result), {"path": result.path, **(await self.whereami())}
 
     async def whereami(self) -> dict[str, Any]:
-        """This replica's pid, node and Triton (for tests and ``status``)."""
+        """This replica's pid and node (as Ray runs it), and the node and Triton it uses."""
+        import ray
+
         info = self._client.info
         return {
             "pid": os.getpid(),
-            "node_id": info.node_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "triton_node_id": info.node_id,
             "triton_pid": info.triton_pid,
+            "actor_pid": info.actor_pid,
             "grpc_url": info.grpc_url,
         }
 
@@ -213,7 +241,8 @@ class TritonDeployment:
 
 def _build(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:
     args = dict(args or {})
-    slots = int(args.pop("slots_per_model", 2))
+    slots = args.pop("slots_per_model", None)
+    slots = None if slots is None else int(slots)
     memory = str(args.pop("memory", "system"))
     node_config = build_node_config(**args)
     deployment = TritonDeployment.options(**dict(options)) if options else TritonDeployment
@@ -261,8 +290,11 @@ def app(args: Mapping[str, Any]) -> serve.Application:
     Args:
         args: ``model_repository`` (path or ``examples``), ``pools`` (model ->
             PoolConfig fields), ``default_pool``, ``server`` (ServerConfig
-            fields), ``quarantine_s``, ``slots_per_model``, ``memory`` (slot
-            memory of the replicas: system, cuda or auto).
+            fields), ``slots_per_model``, ``memory`` (slot memory of the
+            replicas: system, cuda or auto), and the node settings
+            ``idle_shutdown_s``, ``health_interval_s``, ``quarantine_s``,
+            ``preload``, ``request_timeout_s``, ``cuda_pools`` (see
+            :class:`NodeConfig`; lease timeouts are pool fields).
 
     Returns:
         The bound application.

@@ -40,6 +40,24 @@ def _status(args: argparse.Namespace) -> int:
         return 2
 
 
+def _shutdown(args: argparse.Namespace) -> int:
+    import ray
+
+    from ray_triton_shm.node import shutdown_node_actors
+
+    try:
+        ray.init(address=args.address, logging_level=logging.WARNING, log_to_driver=False)
+    except ConnectionError as e:
+        print(f"no Ray cluster at {args.address!r}: {e}", file=sys.stderr)
+        return 2
+    try:
+        count = shutdown_node_actors(timeout_s=args.timeout)
+    finally:
+        ray.shutdown()
+    print(f"stopped {count} node actor(s) (their Tritons and segments are gone)")
+    return 0
+
+
 def _cleanup(args: argparse.Namespace) -> int:
     stale = segment.stale_segments()
     if not stale:
@@ -112,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model-repository", default=None)
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
+    shutdown = sub.add_parser("shutdown", help="stop every node actor now: Tritons, pools, segments")
+    shutdown.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    shutdown.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each actor")
+    shutdown.set_defaults(func=_shutdown)
     cleanup = sub.add_parser("cleanup", help="remove segments left by dead processes")
     cleanup.add_argument("--yes", action="store_true", help="remove, not just list")
     cleanup.set_defaults(func=_cleanup)

@@ -171,7 +171,7 @@ def record_pool_gauges(node: str, pools: dict[str, dict[str, int]]) -> None:
     """Set the pool gauges of ``node`` from ``NodePools.stats()``."""
     metrics = _get()
     for model, stats in pools.items():
-        for state in ("free", "granted", "quarantined"):
+        for state in ("free", "in_use", "quarantined"):
             metrics["pool_slots"].set(stats[state], tags={"node": node, "model": model, "state": state})
         used = 1.0 - stats["free"] / stats["slots"] if stats["slots"] else 0.0
         metrics["pool_utilization"].set(used, tags={"node": node, "model": model})

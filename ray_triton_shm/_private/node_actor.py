@@ -27,10 +27,11 @@ from ray_triton_shm._private import metrics
 from ray_triton_shm._private.layout import layout_from_config
 from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node_pools import CudaRegion, Grant, NodePools, pool_key
+from ray_triton_shm._private.node_registry import Reaper, Users
 from ray_triton_shm._private.segment import check_span, new_segment_name, redact
 from ray_triton_shm.client import translate_error
 from ray_triton_shm.config import PoolConfig
-from ray_triton_shm.errors import CudaError, CudaUnavailableError, DeviceMappingError
+from ray_triton_shm.errors import CudaError, CudaUnavailableError, DeviceMappingError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,11 @@ class _NodeActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.RLock()
+        self._fingerprint = config.fingerprint()
+        self._users = Users()
+        self._retiring = False
+        # Cleans up if this process dies without shutdown(): kills Triton, unlinks our segments.
+        self._reaper = Reaper()
         # Only this actor registers regions, so the shm endpoints can always be keyed.
         protect = config.server.protect_shm_api is not False
         self._server = TritonServer(config.server, protect_shm_api=protect)
@@ -53,7 +59,12 @@ class _NodeActor:
         gpus = config.server.gpus
         self._gpu_visible = ",".join(map(str, gpus)) if gpus is not None else os.environ.get(_CVD)
         self._gpu_count = _local_gpu_count()
-        self._server.start()  # sweeps segments of a previous incarnation first
+        try:
+            self._server.start()  # sweeps segments of a previous incarnation first
+        except BaseException:
+            self._reaper.close()
+            raise
+        self._reaper.watch_triton(self._server.pid)
         self._epoch = 1
         self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
         self._pools = NodePools(self._register, self._unregister, quarantine_s=config.quarantine_s)
@@ -147,21 +158,26 @@ class _NodeActor:
             except Exception:
                 logger.exception("node health check failed")
             try:
+                self._check_users()
+            except Exception:
+                logger.exception("node user check failed")
+            try:
                 metrics.record_pool_gauges(self.node_id, self._pools.stats())
             except Exception:
                 logger.debug("pool gauges failed", exc_info=True)
 
     def check(self) -> dict[str, int]:
-        """Restart Triton if it died (re-registering every region); reclaim slots of dead clients.
+        """Restart Triton if it died (re-registering every region).
 
         Returns:
-            ``{"restarted": 0|1, "reclaimed": n}``.
+            ``{"restarted": 0|1}``.
         """
         restarted = 0
         with self._lock:
             if not self._stopping.is_set() and not self._server.is_alive():
                 logger.warning("Triton on node %s died; restarting", self.node_id)
                 self._server.restart()
+                self._reaper.watch_triton(self._server.pid)
                 self._grpc.close()
                 self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
                 self._pools.register_all()
@@ -171,7 +187,7 @@ class _NodeActor:
                     metrics.record_restart(self.node_id)
                 except Exception:
                     logger.debug("restart metric failed", exc_info=True)
-        return {"restarted": restarted, "reclaimed": self._pools.reclaim()}
+        return {"restarted": restarted}
 
     # -- API ---------------------------------------------------------------
     def info(self) -> NodeInfo:
@@ -190,44 +206,77 @@ class _NodeActor:
                 restarts=server.restarts,
                 gpus=self._gpu_count,
                 gpu_visible_devices=self._gpu_visible,
+                fingerprint=self._fingerprint,
+                model_repository=self.config.server.model_repository,
+                actor_pid=os.getpid(),
             )
 
-    def acquire(
-        self,
-        model: str,
-        want: int,
-        owner_pid: int,
-        timeout: float,
-        device: int | None = None,
-        force_cuda: bool = False,
-    ) -> Grant:
-        """Grant up to ``want`` slots of ``model`` to process ``owner_pid`` on this node.
+    def acquire(self, model: str, device: int | None = None, force_cuda: bool = False) -> Grant:
+        """What a client process needs to share ``model``'s pool (created on first use).
 
         Args:
             model: Model name.
-            want: Slots wanted (at least one is granted).
-            owner_pid: The client process; its slots come back when it dies.
-            timeout: Seconds to wait for free slots.
             device: The client's GPU in Triton's numbering, if it wants GPU memory;
                 it gets a CUDA pool there when :attr:`NodeConfig.cuda_pools` allows.
             force_cuda: The client insists on GPU memory (any model, if the node has GPUs).
 
         Raises:
-            PoolTimeoutError: No slot became free in time.
+            UnavailableError: The actor is shutting down.
             TritonCallError / LayoutError: The model is unknown or cannot use slots.
             CudaError: The GPU region could not be made or registered.
         """
         with self._lock:
+            self._refuse_if_retiring()
             key = self._ensure_pool(model, device, force_cuda)
-        return self._pools.acquire(model, want, owner_pid, timeout, key=key)
+        return self._pools.grant(model, key=key)
 
-    def release(self, grant_id: str) -> bool:
-        """Return a grant's slots."""
-        return self._pools.release(grant_id)
+    # -- users and lifetime ---------------------------------------------------
+    def attach(self, user_id: str, pid: int, kind: str = "client") -> NodeInfo:
+        """Register a user (a process on this node) of this Triton; returns how to reach it.
+
+        Raises:
+            UnavailableError: The actor is shutting down (its last user left);
+                ask again once it is gone and a new one starts.
+        """
+        with self._lock:
+            self._refuse_if_retiring()
+            self._users.attach(user_id, pid, kind)
+            return self.info()
+
+    def detach(self, user_id: str) -> bool:
+        """Unregister a user (its ``NodeClient`` closed). Returns whether it was registered."""
+        return self._users.detach(user_id)
+
+    def _refuse_if_retiring(self) -> None:
+        if self._retiring:
+            raise UnavailableError(f"the node actor of {self.node_id} is shutting down (no users left)")
+
+    def _check_users(self) -> None:
+        """Forget dead users; retire once the last one has been gone for ``idle_shutdown_s``."""
+        self._pools.sweep()
+        for user in self._users.reap():
+            logger.info(
+                "user %s (pid %d, %s) of node %s is gone", user.user_id, user.pid, user.kind, self.node_id
+            )
+        grace = self.config.idle_shutdown_s
+        if grace is None or self._users.idle_for() < grace:
+            return
+        with self._lock:
+            if self._retiring or len(self._users):
+                return
+            self._retiring = True
+        logger.info("node %s: no users for %gs; stopping Triton and exiting", self.node_id, grace)
+        self.shutdown()
+        # Detached, restartable actors must be killed with no_restart to stay gone.
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def stats(self) -> dict[str, Any]:
-        """Triton identity plus per-model slot counts."""
-        return {"info": dataclasses.asdict(self.info()), "pools": self._pools.stats()}
+        """Triton identity plus per-model slot counts and the users."""
+        return {
+            "info": dataclasses.asdict(self.info()),
+            "pools": self._pools.stats(),
+            "users": self._users.snapshot(),
+        }
 
     def report(self, traffic: Sequence[tuple[str, str, int, int]]) -> None:
         """Add a client's traffic sums, ``(model, path, requests, bytes)`` rows (see ``_private.metrics``)."""
@@ -256,6 +305,8 @@ class _NodeActor:
         return {
             "info": dataclasses.asdict(self.info()),
             "pools": self._pools.stats(),
+            "users": self._users.snapshot(),
+            "idle_shutdown_s": self.config.idle_shutdown_s,
             "models": models,
             "traffic": traffic,
         }
@@ -272,13 +323,14 @@ class _NodeActor:
         return pid
 
     def shutdown(self) -> None:
-        """Unregister and unlink every segment, stop Triton. Idempotent."""
+        """Stop Triton, then unlink every segment (no request can run on them any more). Idempotent."""
         self._stopping.set()
         with self._lock:
-            self._pools.close()
+            self._retiring = True
             self._server.stop()
+            self._pools.close()
             self._grpc.close()
-
+            self._reaper.close()
 
 
 def _local_gpu_count() -> int:

@@ -8,9 +8,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,10 +21,11 @@ import ray
 from ray_triton_shm._private import metrics
 from ray_triton_shm._private.node_actor import _local_gpu_count
 from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
-from ray_triton_shm._private.node_lifecycle import get_node_actor
+from ray_triton_shm._private.node_lifecycle import attach, get_node_actor
 from ray_triton_shm._private.node_pools import Grant
 from ray_triton_shm._private.pool import SlotPool
 from ray_triton_shm._private.segment import Segment
+from ray_triton_shm._private.slot_table import SlotTable
 from ray_triton_shm.client import InferResult, TritonShmClient
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import ConfigError, RayTritonShmError, TritonCallError, UnavailableError
@@ -31,22 +34,20 @@ logger = logging.getLogger(__name__)
 
 
 class _GrantedPools:
-    """A client's :class:`PoolSource` backed by slots granted by the node actor."""
+    """A client's :class:`PoolSource`: the node's pools, shared with every process on the node."""
 
     def __init__(
         self,
         actor: ray.actor.ActorHandle,
-        slots_per_model: int,
-        timeout_s: float,
+        max_in_use: int | None,
         info: NodeInfo | None = None,
         force_cuda: bool = False,
     ) -> None:
         self._actor = actor
-        self._want = slots_per_model
-        self._timeout = timeout_s
+        self._max_in_use = max_in_use
         self._info = info
         self._force_cuda = force_cuda
-        self._held: list[tuple[Grant, SlotPool]] = []
+        self._held: list[SlotPool] = []
 
     def _server_device(self, config: PoolConfig) -> tuple[int, int] | None:
         """(this process's GPU, Triton's id for it) when the pool should be in GPU memory."""
@@ -60,41 +61,42 @@ class _GrantedPools:
 
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
         devices = self._server_device(config)
-        request = self._actor.acquire.remote(
-            model,
-            self._want,
-            os.getpid(),
-            self._timeout,
-            devices[1] if devices else None,
-            self._force_cuda,
-        )
+        request = self._actor.acquire.remote(model, devices[1] if devices else None, self._force_cuda)
         grant: Grant = ray.get(request)
+        table = SlotTable.attach(grant.table_name)
         try:
+            quarantine_s = table.quarantine_ns / 1e9
             if grant.memory == "cuda" and devices is not None:
                 from ray_triton_shm._private.cuda import DeviceBuffer
                 from ray_triton_shm._private.cuda_pool import CudaSlotPool
 
                 buffer = DeviceBuffer.open(grant.cuda_handle, grant.segment_size, devices[0])
-                pool: SlotPool = CudaSlotPool(buffer, grant.segment_name, grant.layout, grant.slots)
+                pool: SlotPool = CudaSlotPool(
+                    buffer, grant.segment_name, grant.layout, grant.slots, quarantine_s=quarantine_s
+                )
             else:
                 if devices is not None:
                     logger.info("node gave %s a system-memory pool (model not on GPU or no GPUs)", model)
                 segment = Segment.attach(grant.segment_name, grant.segment_size)
-                pool = SlotPool(segment, grant.layout, grant.slots)
+                pool = SlotPool(segment, grant.layout, grant.slots, quarantine_s=quarantine_s)
         except BaseException:
-            self._actor.release.remote(grant.grant_id)
+            table.close()
             raise
-        self._held.append((grant, pool))
+        pool.share(table, self._max_in_use)
+        self._held.append(pool)
         return pool
 
     def close(self) -> None:
         held, self._held = self._held, []
-        for grant, pool in held:
+        for pool in held:
             pool.close()
-            try:
-                ray.get(self._actor.release.remote(grant.grant_id), timeout=10)
-            except ray.exceptions.RayError as e:
-                logger.debug("release of %s failed: %s", grant.grant_id, e)
+
+
+class _Unset:
+    """The default of arguments whose ``None`` means something else (no deadline)."""
+
+
+_UNSET = _Unset()
 
 
 class NodeClient:
@@ -106,16 +108,28 @@ class NodeClient:
     next call reconnects; the call that was in flight fails with
     :class:`UnavailableError` or :class:`TritonCallError`.
 
+    The client registers its process as a user of the node actor (which
+    stops its Triton once its last user is gone, see ``idle_shutdown_s``);
+    :meth:`close` unregisters it, and so does the process's death.
+
+    Timeouts left as ``None`` come from ``config`` (its pool settings and
+    ``request_timeout_s``), which reads ``RAY_TRITON_SHM_*`` variables for
+    fields not given explicitly (explicit > environment > default).
+
     Args:
-        config: Creates the node actor if the node has none yet.
-        slots_per_model: Slots this process asks for per model.
-        lease_timeout_s: How long to wait for slots (grant and per request).
+        config: What the node's Triton runs: the node actor for it is created
+            if the node has none yet. ``None``: the node's only node actor.
+        slots_per_model: At most this many slots of a model used by this
+            process at once (``None``: no cap). Slots are shared on demand
+            with every process on the node.
+        lease_timeout_s: How long a request waits for a free slot.
         request_timeout_s: Deadline of one inference call.
         memory: ``"system"`` (default; outputs are numpy), ``"cuda"`` (slots in
             this process's GPU memory, outputs are cupy arrays; any model) or
             ``"auto"`` (GPU memory when this process sees a GPU and the model
             runs on GPU; else system memory). See docs/cuda.md.
         device_id: For GPU memory: this process's GPU (default cupy's current one).
+        kind: What this user is (``serve``, ``data``, ``client``), shown by ``status``.
 
     Raises:
         ConfigError: Unknown ``memory``.
@@ -126,11 +140,12 @@ class NodeClient:
         self,
         config: NodeConfig | None = None,
         *,
-        slots_per_model: int = 2,
-        lease_timeout_s: float = 30.0,
-        request_timeout_s: float | None = 60.0,
+        slots_per_model: int | None = None,
+        lease_timeout_s: float | None = None,
+        request_timeout_s: float | _Unset | None = _UNSET,
         memory: str = "system",
         device_id: int | None = None,
+        kind: str = "client",
     ) -> None:
         if memory not in ("system", "cuda", "auto"):
             raise ConfigError(f"NodeClient memory must be system, cuda or auto, got {memory!r}")
@@ -144,33 +159,45 @@ class NodeClient:
             memory = "cuda" if _local_gpu_count() > 0 else "system"
         self._memory = memory
         self._device_id = device_id
+        self._kind = kind
+        if slots_per_model is not None and slots_per_model < 1:
+            raise ConfigError(f"NodeClient slots_per_model must be >= 1 or None, got {slots_per_model!r}")
         self._config = config
         self._slots = slots_per_model
         self._lease_timeout = lease_timeout_s
-        self._request_timeout = request_timeout_s
+        if isinstance(request_timeout_s, _Unset) and config is not None:
+            request_timeout_s = config.request_timeout_s
+        self._request_timeout = request_timeout_s  # still unset: ClientConfig's (environment or default)
+        self._user_id = uuid.uuid4().hex
+        self._actor: ray.actor.ActorHandle | None = None
         self._lock = threading.Lock()
         self._inner: TritonShmClient | None = None
         self._observer: metrics.RayMetricsObserver | None = None
         self.info: NodeInfo | None = None
         self._connect()
 
+    def _pool_config(self, base: PoolConfig) -> PoolConfig:
+        fields = {"memory": self._memory, "device_id": self._device_id}
+        if self._lease_timeout is not None:
+            fields["lease_timeout_s"] = self._lease_timeout
+        return dataclasses.replace(base, **fields)
+
     def _connect(self) -> TritonShmClient:
-        actor = get_node_actor(self._config)
-        info: NodeInfo = ray.get(actor.info.remote())
-        pool = PoolConfig(
-            slots=self._slots,
-            lease_timeout_s=self._lease_timeout,
-            memory=self._memory,
-            device_id=self._device_id,
+        actor, info = attach(self._config, self._user_id, os.getpid(), self._kind)
+        self._actor = actor
+        config = self._config
+        timeout = (
+            {} if isinstance(self._request_timeout, _Unset) else {"request_timeout_s": self._request_timeout}
         )
         client_config = ClientConfig(
             url=info.grpc_url,
             http_url=info.http_url,
-            default_pool=pool,
-            request_timeout_s=self._request_timeout,
+            pools={m: self._pool_config(p) for m, p in (config.pools if config else {}).items()},
+            default_pool=self._pool_config(config.default_pool if config else PoolConfig()),
+            **timeout,
         )
         observer = metrics.RayMetricsObserver(actor)
-        source = _GrantedPools(actor, self._slots, self._lease_timeout, info, self._force_cuda)
+        source = _GrantedPools(actor, self._slots, info, self._force_cuda)
         inner = TritonShmClient(client_config, pool_source=source, observer=observer)
         old, self._inner, self.info = self._inner, inner, info
         old_observer, self._observer = self._observer, observer
@@ -187,7 +214,14 @@ class NodeClient:
                 actor = get_node_actor(self._config)
                 info: NodeInfo = ray.get(actor.info.remote(), timeout=60)
             except (RayTritonShmError, ray.exceptions.RayError):
-                return False
+                info = None
+            if info is None:
+                # The actor is gone (or going): attach to its successor, if one can start.
+                try:
+                    self._connect()
+                except (RayTritonShmError, ray.exceptions.RayError):
+                    return False
+                return True
             current = self.info
             if current and (info.instance_id, info.epoch, info.grpc_url) == (
                 current.instance_id,
@@ -271,13 +305,19 @@ class NodeClient:
             observer.flush()
 
     def close(self) -> None:
-        """Give the slots back to the node actor. Idempotent."""
+        """Let go of the node's pools and unregister as a user of its Triton. Idempotent."""
         inner, self._inner = self._inner, None
         if inner is not None:
             inner.close()
         observer, self._observer = self._observer, None
         if observer is not None:
             observer.close()
+        actor, self._actor = self._actor, None
+        if actor is not None:
+            try:
+                ray.get(actor.detach.remote(self._user_id), timeout=10)
+            except ray.exceptions.RayError as e:  # gone already: nothing to unregister from
+                logger.debug("detach from the node actor failed: %s", e)
 
     def __enter__(self) -> NodeClient:
         return self

@@ -7,17 +7,32 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_triton_shm.config import PoolConfig, ServerConfig
+from ray_triton_shm.config import PoolConfig, ServerConfig, env_field
 from ray_triton_shm.errors import ConfigError
 
 NAMESPACE = "ray_triton_shm"
 _NAME_PREFIX = "triton-node-"
 _CVD = "CUDA_VISIBLE_DEVICES"
+
+
+def _optional_float(text: str) -> float | None:
+    return None if text.strip().lower() in ("", "none", "off") else float(text)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+# Settings that only the clients use: they do not change what a node's Triton runs.
+_CLIENT_ONLY = ("request_timeout_s",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,8 +44,15 @@ class NodeConfig:
         pools: Pool settings by model; other models use ``default_pool``.
         default_pool: Pool settings for models not in ``pools``.
         preload: Models whose pools are created when the actor starts.
-        quarantine_s: How long slots of a dead client are held back.
+        quarantine_s: How long a slot is held back when a request on it may
+            still run on the server (its client timed out, or died mid-request).
         health_interval_s: How often Triton's health and client liveness are checked.
+        idle_shutdown_s: Once the last user (a ``NodeClient``: Serve replica,
+            Data worker, task) is gone for this long, the node actor stops its
+            Triton, removes its segments and exits. ``None`` keeps it until
+            :func:`~ray_triton_shm.node.shutdown_node_actors`.
+        request_timeout_s: Deadline of one inference call of the clients
+            (``None``: no deadline); client-side only.
         cuda_pools: When clients that ask for GPU memory get CUDA pools:
             ``"auto"`` for models whose instances run on GPU (or whose pool
             config says ``memory="cuda"``) on nodes with GPUs, ``"always"``
@@ -41,20 +63,50 @@ class NodeConfig:
     server: ServerConfig
     pools: Mapping[str, PoolConfig] = field(default_factory=dict)
     default_pool: PoolConfig = field(default_factory=PoolConfig)
-    preload: tuple[str, ...] = ()
-    quarantine_s: float = 30.0
-    health_interval_s: float = 0.5
-    cuda_pools: str = "auto"
+    preload: tuple[str, ...] = env_field("PRELOAD", (), _names)
+    quarantine_s: float = env_field("QUARANTINE_S", 30.0)
+    health_interval_s: float = env_field("HEALTH_INTERVAL_S", 0.5)
+    cuda_pools: str = env_field("CUDA_POOLS", "auto")
+    idle_shutdown_s: float | None = env_field("IDLE_SHUTDOWN_S", 30.0, _optional_float)
+    request_timeout_s: float | None = env_field("REQUEST_TIMEOUT_S", 60.0, _optional_float)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.server, ServerConfig):
+            raise ConfigError(f"NodeConfig.server must be a ServerConfig, got {type(self.server).__name__}")
         if self.cuda_pools not in ("auto", "always", "never"):
             raise ConfigError(f"NodeConfig.cuda_pools must be auto, always or never, got {self.cuda_pools!r}")
+        for name in ("quarantine_s", "health_interval_s", "idle_shutdown_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"NodeConfig.{name} must be a number, got {value!r}")
         if self.quarantine_s < 0:
             raise ConfigError("NodeConfig.quarantine_s must be >= 0")
         if self.health_interval_s <= 0:
             raise ConfigError("NodeConfig.health_interval_s must be > 0")
-        object.__setattr__(self, "pools", dict(self.pools))
+        if self.idle_shutdown_s is not None and self.idle_shutdown_s < 0:
+            raise ConfigError("NodeConfig.idle_shutdown_s must be >= 0 or None")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ConfigError("NodeConfig.request_timeout_s must be > 0 or None")
+        pools = dict(self.pools)
+        if not all(isinstance(k, str) and isinstance(v, PoolConfig) for k, v in pools.items()):
+            raise ConfigError("NodeConfig.pools must map model names to PoolConfig")
+        if isinstance(self.preload, str) or not all(isinstance(m, str) for m in self.preload):
+            raise ConfigError(f"NodeConfig.preload must be a sequence of model names, got {self.preload!r}")
+        object.__setattr__(self, "pools", pools)
         object.__setattr__(self, "preload", tuple(self.preload))
+
+    def fingerprint(self) -> str:
+        """A short hash of everything the node's Triton and pools run with.
+
+        Node actors are named by node and fingerprint: a config that differs in
+        anything but client-only settings gets a Triton of its own.
+        """
+        fields = dataclasses.asdict(self)
+        for name in _CLIENT_ONLY:
+            fields.pop(name)
+        fields["pools"] = dict(sorted(fields["pools"].items()))
+        text = json.dumps(fields, sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
     def for_repository(cls, model_repository: str, **kwargs: Any) -> NodeConfig:
@@ -81,6 +133,9 @@ class NodeInfo:
         gpus: GPUs the node actor (and Triton) see; 0 without cupy or GPUs.
         gpu_visible_devices: Triton's ``CUDA_VISIBLE_DEVICES`` (``None``: unset),
             to name a client's GPU in Triton's numbering.
+        fingerprint: :meth:`NodeConfig.fingerprint` of what this Triton runs.
+        model_repository: Its model repository.
+        actor_pid: The node actor's process id.
     """
 
     node_id: str
@@ -94,8 +149,16 @@ class NodeInfo:
     restarts: int
     gpus: int = 0
     gpu_visible_devices: str | None = None
+    fingerprint: str = ""
+    model_repository: str = ""
+    actor_pid: int = -1
 
 
-def actor_name(node_id: str) -> str:
-    """The node actor's name for ``node_id`` (in namespace :data:`NAMESPACE`)."""
-    return _NAME_PREFIX + node_id
+def actor_name(node_id: str, config: NodeConfig) -> str:
+    """The name of the node actor that runs ``config`` on ``node_id`` (in namespace :data:`NAMESPACE`)."""
+    return f"{node_prefix(node_id)}{config.fingerprint()}"
+
+
+def node_prefix(node_id: str) -> str:
+    """The common start of the names of ``node_id``'s node actors."""
+    return f"{_NAME_PREFIX}{node_id}-"

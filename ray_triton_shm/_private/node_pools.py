@@ -1,10 +1,13 @@
-"""Pools owned by a node actor and granted, slot by slot, to client processes.
+"""Pools owned by a node actor and shared, slot by slot, by every client process on the node.
 
-Pure Python (no Ray): the node actor wraps one :class:`NodePools`. A grant
-gives a client process a few slots of a model's segment for as long as that
-process lives; slots of processes that died come back after a quarantine
-long enough for any request they left running on the server to finish, so a
-reused slot never delivers a stale result.
+Pure Python (no Ray): the node actor wraps one :class:`NodePools`. Each pool
+is a region registered with Triton plus a slot table (see
+``_private/slot_table.py``): a client process attaches both and takes a slot
+only for as long as one request (or lease) needs it, so any number of
+processes share a pool on demand. Slots whose user died mid-request, or whose
+request timed out, are protected long enough for any request they left
+running on the server to finish, so a reused slot never delivers a stale
+result.
 """
 
 from __future__ import annotations
@@ -12,41 +15,41 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray_triton_shm._private.layout import ModelLayout
-from ray_triton_shm._private.segment import Segment, new_segment_name, process_start_time
+from ray_triton_shm._private.segment import Segment, new_segment_name
+from ray_triton_shm._private.slot_table import SlotTable
 from ray_triton_shm.config import PoolConfig
-from ray_triton_shm.errors import PoolClosedError, PoolTimeoutError
+from ray_triton_shm.errors import PoolClosedError
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Grant:
-    """Slots of one model lent to one client process.
+    """What a client process needs to use one model's pool.
 
     Attributes:
-        grant_id: Identifies the grant for :meth:`NodePools.release`.
         model: Model name.
         segment_name: Segment to attach (``/dev/shm/<name>``); also the Triton region name.
         segment_size: Its size in bytes.
         layout: Placement of tensors in a slot.
-        slots: Slot indices the client may use.
+        slots: Slot indices of the region (all of them: they are shared through ``table_name``).
+        table_name: The pool's slot table segment.
         memory: ``"system"``, or ``"cuda"`` for a region in GPU memory.
         device_id: For CUDA: the region's GPU in the server's (and node actor's) numbering.
         cuda_handle: For CUDA: the region's 64-byte IPC handle, to open with ``cudaIpcOpenMemHandle``.
     """
 
-    grant_id: str
     model: str
     segment_name: str
     segment_size: int
     layout: ModelLayout
     slots: tuple[int, ...]
+    table_name: str
     memory: str = "system"
     device_id: int = -1
     cuda_handle: bytes = b""
@@ -74,26 +77,16 @@ class CudaRegion:
 
 
 @dataclass
-class _Owner:
-    pid: int
-    start_time: int | None
-    slots: tuple[int, ...]
-
-
-@dataclass
 class ModelPool:
-    """One model's region (a segment, or a :class:`CudaRegion`) and who holds which slot."""
+    """One model's region (a segment, or a :class:`CudaRegion`) and its slot table."""
 
     segment: Any
     layout: ModelLayout
-    free: list[int]
-    grants: dict[str, _Owner] = field(default_factory=dict)
-    quarantined: list[tuple[int, float]] = field(default_factory=list)
-    bytes_granted: int = 0
+    table: SlotTable
 
 
 class NodePools:
-    """Segments for each model, and grants of their slots to processes on this node.
+    """Regions for each model and their slot tables, shared by the processes on this node.
 
     Pools are kept by key: the model name for its system-memory pool, or
     :func:`pool_key` of model and GPU for a CUDA pool (one per GPU).
@@ -103,7 +96,7 @@ class NodePools:
             to register it with Triton.
         unregister: Called with a region before it is freed; it must not be
             freed before Triton lets go of it.
-        quarantine_s: How long slots of a dead process are held back.
+        quarantine_s: How long slots of a process that died mid-request are held back.
     """
 
     def __init__(
@@ -117,7 +110,7 @@ class NodePools:
         self._unregister = unregister
         self.quarantine_s = quarantine_s
         self._pools: dict[str, ModelPool] = {}
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._closed = False
 
     def ensure_pool(
@@ -137,141 +130,111 @@ class NodePools:
             config: Pool settings (slot count).
             key: Where the pool is kept; see :func:`pool_key`.
             make_region: Makes a region of the given size; default a new POSIX segment.
+
+        Raises:
+            PoolClosedError: Shutting down.
+            SharedMemoryError: The region or its table could not be made.
         """
         key = key or model
-        with self._cond:
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("the node's pools are shut down")
             pool = self._pools.get(key)
             if pool is None:
                 size = config.slots * layout.slot_bytes
-                region = make_region(size) if make_region else Segment.create(new_segment_name("node"), size)
+                table = SlotTable.create(
+                    new_segment_name("slots"), slots=config.slots, quarantine_s=self.quarantine_s
+                )
+                try:
+                    region = (
+                        make_region(size) if make_region else Segment.create(new_segment_name("node"), size)
+                    )
+                except BaseException:
+                    table.close()
+                    raise
                 try:
                     self._register(region)
                 except BaseException:
                     region.close()
+                    table.close()
                     raise
-                pool = ModelPool(region, layout, list(range(config.slots)))
+                pool = ModelPool(region, layout, table)
                 self._pools[key] = pool
                 logger.info("pool %s: %d slots x %d bytes", key, config.slots, layout.slot_bytes)
             return pool
 
     def register_all(self) -> None:
-        """Register every segment again (after Triton restarted)."""
-        with self._cond:
+        """Register every region again (after Triton restarted)."""
+        with self._lock:
             for pool in self._pools.values():
                 self._register(pool.segment)
 
-    def acquire(
-        self, model: str, want: int, owner_pid: int, timeout: float, *, key: str | None = None
-    ) -> Grant:
-        """Grant up to ``want`` (at least one) free slots of ``model`` (pool ``key``) to ``owner_pid``.
+    def grant(self, model: str, *, key: str | None = None) -> Grant:
+        """What a client needs to use ``model``'s pool (kept under ``key``).
 
         Raises:
-            PoolTimeoutError: No slot became free within ``timeout``.
             PoolClosedError: Shutting down.
             KeyError: ``ensure_pool`` was not called for ``model``.
         """
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise PoolClosedError("the node's pools are shut down")
-                pool = self._pools[key or model]
-                self._reclaim_locked(pool)
-                if pool.free:
-                    take = tuple(pool.free[: max(1, want)])
-                    del pool.free[: len(take)]
-                    grant_id = uuid.uuid4().hex
-                    pool.grants[grant_id] = _Owner(owner_pid, process_start_time(owner_pid), take)
-                    region = pool.segment
-                    cuda = getattr(region, "memory", "system") == "cuda"
-                    return Grant(
-                        grant_id,
-                        model,
-                        region.name,
-                        region.size,
-                        pool.layout,
-                        take,
-                        memory="cuda" if cuda else "system",
-                        device_id=region.server_device if cuda else -1,
-                        cuda_handle=region.buffer.handle if cuda else b"",
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PoolTimeoutError(model, timeout)
-                self._cond.wait(min(remaining, 0.2))
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("the node's pools are shut down")
+            pool = self._pools[key or model]
+        region = pool.segment
+        cuda = getattr(region, "memory", "system") == "cuda"
+        return Grant(
+            model,
+            region.name,
+            region.size,
+            pool.layout,
+            tuple(range(pool.table.slots)),
+            pool.table.name,
+            memory="cuda" if cuda else "system",
+            device_id=region.server_device if cuda else -1,
+            cuda_handle=region.buffer.handle if cuda else b"",
+        )
 
-    def release(self, grant_id: str) -> bool:
-        """Return a grant's slots at once (its owner says it is done with them)."""
-        with self._cond:
-            for pool in self._pools.values():
-                owner = pool.grants.pop(grant_id, None)
-                if owner is not None:
-                    pool.free.extend(owner.slots)
-                    self._cond.notify_all()
-                    return True
-        return False
-
-    def reclaim(self) -> int:
-        """Quarantine slots of dead owners and free those whose quarantine ended.
-
-        Returns:
-            Slots of dead owners found in this pass.
-        """
-        with self._cond:
-            found = sum(self._reclaim_locked(pool) for pool in self._pools.values())
-            self._cond.notify_all()
-            return found
-
-    def _reclaim_locked(self, pool: ModelPool) -> int:
-        found = 0
-        for grant_id, owner in list(pool.grants.items()):
-            if process_start_time(owner.pid) != owner.start_time:
-                del pool.grants[grant_id]
-                until = time.monotonic() + self.quarantine_s
-                pool.quarantined.extend((slot, until) for slot in owner.slots)
-                found += len(owner.slots)
-                logger.warning(
-                    "process %d died holding %d slot(s) of %s; reclaimed after %gs",
-                    owner.pid,
-                    len(owner.slots),
-                    pool.layout.model,
-                    self.quarantine_s,
-                )
-        now = time.monotonic()
-        pool.free.extend(slot for slot, until in pool.quarantined if until <= now)
-        pool.quarantined = [(slot, until) for slot, until in pool.quarantined if until > now]
+    def sweep(self) -> int:
+        """Quarantine slots whose user died mid-lease (see :meth:`SlotTable.sweep`). Returns how many."""
+        with self._lock:
+            pools = list(self._pools.values())
+        found = sum(pool.table.sweep() for pool in pools)
+        if found:
+            logger.warning("%d slot(s) of dead processes held back %gs", found, self.quarantine_s)
         return found
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per model: slots, free, granted, quarantined, owners, slot bytes."""
-        with self._cond:
-            return {
-                key: {
-                    "slots": pool.segment.size // pool.layout.slot_bytes,
-                    "free": len(pool.free),
-                    "granted": sum(len(o.slots) for o in pool.grants.values()),
-                    "quarantined": len(pool.quarantined),
-                    "owners": len(pool.grants),
-                    "slot_bytes": pool.layout.slot_bytes,
-                }
-                for key, pool in self._pools.items()
+        """Per pool: slots, free, in use (by any process), quarantined, slot bytes."""
+        with self._lock:
+            pools = dict(self._pools)
+        out = {}
+        for key, pool in pools.items():
+            state = pool.table.state()
+            out[key] = {
+                "slots": pool.table.slots,
+                "free": state["free"],
+                "in_use": state["in_use"],
+                "quarantined": state["protected"],
+                "slot_bytes": pool.layout.slot_bytes,
             }
+        return out
 
     def close(self) -> None:
-        """Unregister, then unlink every segment (free every GPU region). Idempotent.
+        """Unregister, then unlink every region and table (free every GPU region). Idempotent.
 
-        A GPU region with slots still in quarantine (their owner died, a request
-        may still run on the server) is freed only when the quarantine ends.
+        Call it after Triton stopped, or when no request can be running: a GPU
+        region with slots still protected (a request may still run on the
+        server) is freed only when their protection ends.
         """
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
             pools, self._pools = self._pools, {}
         for pool in pools.values():
-            if isinstance(pool.segment, CudaRegion) and pool.quarantined:
-                wait = max(until for _, until in pool.quarantined) - time.monotonic()
+            if isinstance(pool.segment, CudaRegion):
+                wait = max((pool.table.protected_until(i) for i in range(pool.table.slots)), default=0.0)
+                wait -= time.monotonic()
                 if wait > 0:
                     logger.warning(
                         "waiting %.1fs before freeing %s: requests may be in flight", wait, pool.segment.name
@@ -282,6 +245,7 @@ class NodePools:
             except Exception as e:  # the server may already be gone
                 logger.debug("unregister %s failed: %s", pool.segment.name, e)
             pool.segment.close()
+            pool.table.close()
 
 
 def pool_key(model: str, memory: str = "system", device_id: int = -1) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -30,6 +31,7 @@ import numpy as np
 from ray_triton_shm._private.bulk_copy import BulkCopier
 from ray_triton_shm._private.layout import ModelLayout, TensorSpec
 from ray_triton_shm._private.segment import Segment, new_segment_name
+from ray_triton_shm._private.slot_table import SlotTable
 from ray_triton_shm.errors import InputError, LeaseReleasedError, PoolClosedError, PoolTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -106,6 +108,23 @@ class SlotPool:
         # can take each freed slot before a woken waiter runs, starving it until timeout.
         self._waiters: deque[object] = deque()
         self._closed = False
+        # Shared with other processes (see share()): a slot is ours only while we hold its table lock.
+        self._table: SlotTable | None = None
+        self._max_in_use: int | None = None
+
+    def share(self, table: SlotTable, max_in_use: int | None = None) -> None:
+        """Use the slots only while holding them in ``table``, shared with other processes.
+
+        Every slot of the region is then a candidate: a lease takes one that no
+        other process uses, and a slot goes back to the table when its lease
+        ends (or, held back, when its quarantine or its last view does).
+
+        Args:
+            table: The pool's slot table (attached; this pool closes it).
+            max_in_use: At most this many slots held by this process at once (None: no cap).
+        """
+        with self._cond:
+            self._table, self._max_in_use = table, max_in_use
 
     @classmethod
     def create(cls, layout: ModelLayout, slots: int, *, quarantine_s: float = 30.0) -> SlotPool:
@@ -132,9 +151,14 @@ class SlotPool:
         return sorted(self._slots)
 
     # -- leasing -----------------------------------------------------------
+    def _to_free_locked(self, index: int) -> None:
+        if self._table is not None:
+            self._table.release(index)
+        self._free.append(index)
+
     def _free_or_pin_locked(self, index: int, anchor: weakref.ref[np.ndarray] | None) -> None:
         if anchor is None or anchor() is None:
-            self._free.append(index)
+            self._to_free_locked(index)
         else:
             logger.debug("slot %d of %s pinned by live views", index, self.layout.model)
             self._pinned.append((index, anchor))
@@ -157,16 +181,30 @@ class SlotPool:
             for index, anchor in expired:
                 self._free_or_pin_locked(index, anchor)
         if self._pinned:
-            self._free.extend(i for i, anchor in self._pinned if anchor() is None)
+            for index, anchor in self._pinned:
+                if anchor() is None:
+                    self._to_free_locked(index)
             self._pinned = [(i, anchor) for i, anchor in self._pinned if anchor() is not None]
 
     def _take_locked(self) -> Lease | None:
         if self._closed:
             raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
-        if not self._free:
+        if not self._free or self._table is not None:
             self._reclaim_locked()
+        if self._table is not None:
+            return self._take_shared_locked(self._table)
         if self._free:
             return self._new_lease(self._slots[self._free.popleft()])
+        return None
+
+    def _take_shared_locked(self, table: SlotTable) -> Lease | None:
+        if self._max_in_use is not None and len(self._slots) - len(self._free) >= self._max_in_use:
+            return None
+        for _ in range(len(self._free)):
+            index = self._free.popleft()
+            if table.try_claim(index):
+                return self._new_lease(self._slots[index])
+            self._free.append(index)  # in use elsewhere: try it again last
         return None
 
     def try_acquire(self) -> Lease | None:
@@ -210,8 +248,11 @@ class SlotPool:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise PoolTimeoutError(self.layout.model, timeout)
-                    # Pinned and quarantined slots free themselves without a notify.
+                    # Pinned and quarantined slots, and slots other processes use, free
+                    # themselves without a notify.
                     poll = 0.05 if (self._pinned or self._quarantined) else remaining
+                    if self._table is not None:
+                        poll = min(poll, _SHARED_POLL_S)
                     self._cond.wait(min(remaining, poll))
             finally:
                 self._waiters.remove(me)
@@ -288,7 +329,12 @@ class SlotPool:
             )
 
     def close(self) -> None:
-        """Close the pool and its segment. Idempotent; waiting callers get PoolClosedError."""
+        """Close the pool and its segment. Idempotent; waiting callers get PoolClosedError.
+
+        In a shared pool, held-back slots stay protected in the slot table until
+        their quarantine ends, and slots with live views stay locked until the
+        views are gone, so no other process reuses them early.
+        """
         with self._cond:
             if self._closed:
                 return
@@ -296,13 +342,43 @@ class SlotPool:
             self._cond.notify_all()
             for slot in self._slots.values():
                 slot.arrays.clear()
+            if self._table is not None:
+                self._close_table(self._table)
             self._pinned.clear()
             self._quarantined.clear()
         self._release_memory()
 
+    def _close_table(self, table: SlotTable) -> None:
+        for index, until, _ in self._quarantined:
+            table.release(index, int(until * 1e9))
+        live = [(index, anchor()) for index, anchor in self._pinned]
+        live = [(index, view) for index, view in live if view is not None]
+        fd = table.close(keep=[index for index, _ in live])
+        if fd is not None:
+            holder = _LockHolder(fd, len(live))
+            for _, view in live:
+                weakref.finalize(view, holder.drop)
+
     def _release_memory(self) -> None:
         self._base.release()
         self.segment.close()
+
+
+_SHARED_POLL_S = 0.002
+
+
+class _LockHolder:
+    """Keeps a closed pool's slot-table descriptor (its locks) until the last kept view dies."""
+
+    def __init__(self, fd: int, views: int) -> None:
+        self._fd, self._views = fd, views
+        self._lock = threading.Lock()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._views -= 1
+            if self._views == 0:
+                os.close(self._fd)
 
 
 def _check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, name: str) -> list[int]:

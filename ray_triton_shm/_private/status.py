@@ -30,16 +30,12 @@ def collect(timeout_s: float = 30.0) -> list[dict[str, Any]]:
     import ray
 
     from ray_triton_shm._private.node_config import _NAME_PREFIX, NAMESPACE
+    from ray_triton_shm._private.node_lifecycle import node_actor_names
 
     ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
-    names = sorted(
-        entry["name"]
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry.get("namespace") == NAMESPACE and entry["name"].startswith(_NAME_PREFIX)
-    )
     pending = []
-    for name in names:
-        node_id = name[len(_NAME_PREFIX) :]
+    for name in node_actor_names():
+        node_id = name[len(_NAME_PREFIX) :].rsplit("-", 1)[0]
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
             pending.append((node_id, actor.status.remote()))
@@ -65,6 +61,7 @@ def _size(n: int) -> str:
 
 def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+
     # First column left-aligned (names), the rest right-aligned (numbers).
     def line(cells: list[str]) -> str:
         parts = [str(cells[0]).ljust(widths[0])]
@@ -103,6 +100,17 @@ def render(nodes: list[dict[str, Any]]) -> str:
         out.append(f"  models ready: {', '.join(ready) or '-'}")
         if other:
             out.append(f"  models not ready: {', '.join(other)}")
+        users = node.get("users") or []
+        kinds: dict[str, int] = {}
+        for user in users:
+            kinds[str(user.get("kind", "?"))] = kinds.get(str(user.get("kind", "?")), 0) + 1
+        shown = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+        idle = node.get("idle_shutdown_s")
+        out.append(
+            f"  users: {len(users)}"
+            + (f" ({shown})" if shown else "")
+            + ("" if idle is None else f"; stops {idle:g} s after the last one")
+        )
         pools = node["pools"]
         if pools:
             rows = [
@@ -110,14 +118,13 @@ def render(nodes: list[dict[str, Any]]) -> str:
                     model,
                     str(p["slots"]),
                     str(p["free"]),
-                    str(p["granted"]),
+                    str(p["in_use"]),
                     str(p["quarantined"]),
-                    str(p["owners"]),
                     _size(p["slot_bytes"]),
                 ]
                 for model, p in sorted(pools.items())
             ]
-            out += _table(["pool", "slots", "free", "busy", "quarantined", "clients", "slot size"], rows)
+            out += _table(["pool", "slots", "free", "in use", "quarantined", "slot size"], rows)
         else:
             out.append("  pools: none yet (created on a model's first request)")
         traffic = node["traffic"]

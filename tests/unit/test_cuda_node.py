@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 from dataclasses import dataclass, field
@@ -66,15 +65,15 @@ def test_cuda_region_grant_and_unregister_before_free() -> None:
 
     key = pool_key("add_sub", "cuda", 5)
     pools.ensure_pool("add_sub", layout, PoolConfig(slots=3), key=key, make_region=make_region)
-    grant = pools.acquire("add_sub", 2, os.getpid(), 1.0, key=key)
+    grant = pools.grant("add_sub", key=key)
     assert (grant.memory, grant.device_id, grant.cuda_handle) == ("cuda", 5, b"\x07" * 64)
     assert grant.segment_name == "rtshm-ncuda-test" and grant.segment_size == 3 * layout.slot_bytes
-    assert grant.slots == (0, 1)
+    assert grant.slots == (0, 1, 2) and grant.table_name.startswith("rtshm_")
     assert pickle.loads(pickle.dumps(grant)) == grant
     assert registered == ["rtshm-ncuda-test"]
     # A system pool of the same model lives beside it under its own key.
     pools.ensure_pool("add_sub", layout, PoolConfig(slots=1))
-    plain = pools.acquire("add_sub", 1, os.getpid(), 1.0)
+    plain = pools.grant("add_sub")
     assert (plain.memory, plain.device_id, plain.cuda_handle) == ("system", -1, b"")
     assert set(pools.stats()) == {"add_sub", key}
     pools.close()
@@ -134,8 +133,7 @@ def test_gpu_region_of_a_dead_client_is_freed_only_after_its_quarantine() -> Non
         def close(self) -> None:
             freed_at.append(time.monotonic())
 
-    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    pools = NodePools(lambda region: None, lambda region: None, quarantine_s=0.3)
+    pools = NodePools(lambda region: None, lambda region: None, quarantine_s=0.5)
     layout = layout_from_config(CONFIG, PoolConfig())
     buffer = _Timed(size=0, device=0)
 
@@ -144,12 +142,15 @@ def test_gpu_region_of_a_dead_client_is_freed_only_after_its_quarantine() -> Non
         return CudaRegion(buffer, "r", 0)
 
     pools.ensure_pool("add_sub", layout, PoolConfig(slots=1), key="k", make_region=make_region)
-    try:
-        pools.acquire("add_sub", 1, owner.pid, 1.0, key="k")
-    finally:
-        owner.kill()
-        owner.wait()
-    assert pools.reclaim() == 1  # the owner is gone: its slot is quarantined
-    until = time.monotonic() + 0.3 - 0.05  # the quarantine began a moment before this line
+    table = pools.grant("add_sub", key="k").table_name
+    # A client process takes the slot and dies mid-lease.
+    code = (
+        "import os\nfrom ray_triton_shm._private.slot_table import SlotTable\n"
+        f"assert SlotTable.attach({table!r}).try_claim(0)\nos._exit(0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert pools.sweep() == 1  # its slot is quarantined from now
+    until = time.monotonic() + 0.5 - 0.05
+    assert pools.stats()["k"]["quarantined"] == 1
     pools.close()
     assert freed_at and freed_at[0] >= until

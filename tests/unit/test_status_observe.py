@@ -19,9 +19,9 @@ NODE = {
         {"name": "add_sub", "version": "1", "state": "READY"},
         {"name": "broken", "version": "1", "state": "UNAVAILABLE"},
     ],
-    "pools": {
-        "add_sub": {"slots": 8, "free": 6, "granted": 2, "quarantined": 0, "owners": 1, "slot_bytes": 512}
-    },
+    "pools": {"add_sub": {"slots": 8, "free": 5, "in_use": 2, "quarantined": 1, "slot_bytes": 512}},
+    "users": [{"user": "u1", "pid": 41, "kind": "serve", "for_s": 3.0}],
+    "idle_shutdown_s": 30.0,
     "traffic": [{"model": "add_sub", "path": "shm", "requests": 12, "bytes": 3 << 20}],
 }
 
@@ -32,7 +32,8 @@ def test_render_shows_every_part_of_a_node() -> None:
     assert "Triton 2.51.0" in text and "grpc 127.0.0.1:41415" in text and "restarts 2" in text
     assert "models ready: add_sub" in text and "broken (UNAVAILABLE)" in text
     pool_line = next(line for line in text.splitlines() if line.strip().startswith("add_sub") and "B" in line)
-    assert pool_line.split()[:6] == ["add_sub", "8", "6", "2", "0", "1"]
+    assert pool_line.split()[:5] == ["add_sub", "8", "5", "2", "1"]
+    assert "users: 1 (serve 1)" in text
     traffic_line = next(line for line in text.splitlines() if " shm " in line)
     assert traffic_line.split() == ["add_sub", "shm", "12", "3.0", "MB"]
     assert "1 node(s), 3.0 MB moved in all" in text

@@ -33,6 +33,7 @@ def node(tmp_path_factory):
         REPO_MODELS,
         quarantine_s=1.0,
         health_interval_s=0.2,
+        idle_shutdown_s=None,
         pools={"add_sub": PoolConfig(slots=4), "sleep": PoolConfig(slots=2)},
     )
     try:
@@ -67,20 +68,27 @@ def test_killed_client_process_gives_its_slots_back(node):
     @ray.remote(num_cpus=0)
     class Holder:
         def __init__(self):
-            self.client = NodeClient(config, slots_per_model=3)
+            self.client = NodeClient(config)
+            self.leases = []
 
-        def hold(self):
-            _add_sub(self.client, 1)  # the grant is made on first use
+        def hold(self, n):
+            _add_sub(self.client, 1)
+            self.leases = [self.client.client.lease("add_sub") for _ in range(n)]
             return True
 
     holder = Holder.remote()
-    assert ray.get(holder.hold.remote())
-    assert ray.get(actor.stats.remote())["pools"]["add_sub"]["granted"] == 3
+    assert ray.get(holder.hold.remote(3))
+    assert ray.get(actor.stats.remote())["pools"]["add_sub"]["in_use"] == 3
     ray.kill(holder)
-    # Another client keeps working while the dead one's slots are quarantined, then freed.
-    with NodeClient(config, slots_per_model=1) as other:
+    # Another client keeps working on the free slot while the dead one's slots are
+    # quarantined (a request of theirs might still run), then gets them all.
+    with NodeClient(config) as other:
         _add_sub(other, 2)
-        _wait_for(lambda: ray.get(actor.stats.remote())["pools"]["add_sub"]["free"] == 3)
+        _wait_for(lambda: ray.get(actor.stats.remote())["pools"]["add_sub"]["quarantined"] == 3)
+        _wait_for(lambda: ray.get(actor.stats.remote())["pools"]["add_sub"]["free"] == 4)
+        leases = [other.client.lease("add_sub", timeout=5) for _ in range(4)]
+        for lease in leases:
+            lease.release()
         _add_sub(other, 3)
     _wait_for(lambda: ray.get(actor.stats.remote())["pools"]["add_sub"]["free"] == 4)
 

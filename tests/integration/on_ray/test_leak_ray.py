@@ -27,14 +27,14 @@ def setup_module(module):
 
 
 def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
-    """Case 10 for the node actor: acquire/release grants, then NodeClient leases; RSS and fds flat."""
+    """Case 10 for the node actor: user attach/grant/detach cycles, then NodeClient leases; RSS and fds flat."""
     import ray
 
     from ray_triton_shm.node import NodeClient, NodeConfig, ensure_node_actors, get_node_actor
 
     from ..footprint import Footprint, assert_flat, process_footprint, triton_ports
 
-    config = NodeConfig.for_repository(REPO_MODELS, quarantine_s=1.0)
+    config = NodeConfig.for_repository(REPO_MODELS, quarantine_s=1.0, idle_shutdown_s=None)
     ensure_node_actors(config)
     actor = get_node_actor()
     actor_pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
@@ -43,13 +43,16 @@ def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
         # Collect garbage and hand the allocator's cached free pages back to the kernel in
         # the actor, so that RSS shows live memory rather than how glibc keeps free lists.
         ray.get(actor.__ray_call__.remote(lambda self: (gc.collect(), ctypes.CDLL(None).malloc_trim(0))))
+
     cycles = max(500, int(os.environ.get("RAY_TRITON_SHM_LEAK_CYCLES", "4000")) // 10)
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
 
     def grant_cycles(n: int) -> None:
-        for _ in range(n):
-            grant = ray.get(actor.acquire.remote("add_sub", 1, os.getpid(), 10.0))
-            assert ray.get(actor.release.remote(grant.grant_id))
+        for i in range(n):
+            user = f"leak-{i}"
+            assert ray.get(actor.attach.remote(user, os.getpid(), "test")).triton_pid > 0
+            assert ray.get(actor.acquire.remote("add_sub")).model == "add_sub"
+            assert ray.get(actor.detach.remote(user))
 
     with NodeClient(config, slots_per_model=1) as client:
 

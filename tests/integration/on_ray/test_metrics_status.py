@@ -53,7 +53,7 @@ def cluster():
     )
     try:
         config = NodeConfig.for_repository(
-            REPO_MODELS, health_interval_s=0.2, pools={"add_sub": PoolConfig(slots=3)}
+            REPO_MODELS, health_interval_s=0.2, idle_shutdown_s=None, pools={"add_sub": PoolConfig(slots=3)}
         )
         ensure_node_actors(config)
         yield info.address_info["gcs_address"], port

@@ -38,12 +38,12 @@ def _wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None
         time.sleep(0.25)
 
 
-def _pool_stats(model: str) -> dict[str, int]:
+def _pool_stats(model: str, config) -> dict[str, int]:
     import ray
 
     from ray_triton_shm.node import get_node_actor
 
-    return ray.get(get_node_actor().stats.remote())["pools"][model]
+    return ray.get(get_node_actor(config).stats.remote())["pools"][model]
 
 
 def test_short_soak_through_serve_every_response_matches(ray_local):
@@ -61,7 +61,7 @@ def test_short_soak_through_serve_every_response_matches(ray_local):
 def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ray_local):
     from ray import serve
 
-    from ray_triton_shm.serve import _build
+    from ray_triton_shm.serve import _build, build_node_config
 
     args = {
         "model_repository": REPO_MODELS,
@@ -69,16 +69,17 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
         "quarantine_s": 1.0,
         "pools": {"sleep": {"slots": SLOTS}},
     }
+    config = build_node_config(**{k: v for k, v in args.items() if k != "slots_per_model"})
     handle = serve.run(_build(args, {"num_replicas": 1}), name="victim", route_prefix="/victim")
     try:
         victim = handle.whereami.remote().result()["pid"]
         one = {"INPUT0": np.full((1, 1), 0.01, np.float32)}
         handle.infer.remote("sleep", one).result()
-        assert _pool_stats("sleep")["granted"] == PER_REPLICA
+        assert _pool_stats("sleep", config)["in_use"] == 0  # nobody keeps idle slots
         # Both of its slots are leased by requests that sleep on the server when it dies.
         slow = {"INPUT0": np.full((1, 1), 3.0, np.float32)}
         in_flight = [handle.infer.remote("sleep", slow) for _ in range(PER_REPLICA)]
-        time.sleep(1.0)
+        _wait_for(lambda: _pool_stats("sleep", config)["in_use"] == PER_REPLICA, 30, "both requests running")
         os.kill(victim, signal.SIGKILL)
         outcomes = []
         for response in in_flight:
@@ -93,25 +94,23 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
         _wait_for(lambda: handle.whereami.remote().result(timeout_s=10)["pid"] != victim, 90, "new replica")
         out = handle.infer.remote("sleep", one).result(timeout_s=60)
         np.testing.assert_allclose(out["OUTPUT0"], [[0.01]])
-        # The dead replica's grant was reclaimed: only the new replica's slots are out.
-        def only_the_new_grant() -> bool:
-            stats = _pool_stats("sleep")
-            return stats["granted"] == PER_REPLICA and stats["free"] == SLOTS - PER_REPLICA
-
-        _wait_for(only_the_new_grant, 30, "slots of the dead replica reclaimed")
+        # The dead replica's slots were quarantined, then came back.
+        _wait_for(lambda: _pool_stats("sleep", config)["free"] == SLOTS, 30, "slots of the dead replica back")
     finally:
         serve.delete("victim")
-    _wait_for(lambda: _pool_stats("sleep")["free"] == SLOTS, 30, "all slots back after the app is gone")
+    _wait_for(
+        lambda: _pool_stats("sleep", config)["free"] == SLOTS, 30, "all slots back after the app is gone"
+    )
 
 
 class _DiesOnce:
     """A TritonPredictor whose worker process dies (os._exit) the first time it sees row 777."""
 
-    def __init__(self, marker: str) -> None:
+    def __init__(self, marker: str, config) -> None:
         from ray_triton_shm.data import TritonPredictor
 
         self._marker = marker
-        self._predict = TritonPredictor(model="add_sub", slots_per_model=1)
+        self._predict = TritonPredictor(model="add_sub", node_config=config, slots_per_model=1)
 
     def __call__(self, batch):
         if (batch["INPUT0"][:, 0] == 777).any():
@@ -130,7 +129,8 @@ def test_ray_data_worker_dying_mid_batch_every_row_once_and_correct(ray_local, t
 
     from ray_triton_shm.node import NodeConfig, ensure_node_actors
 
-    ensure_node_actors(NodeConfig.for_repository(REPO_MODELS, quarantine_s=1.0))
+    config = NodeConfig.for_repository(REPO_MODELS, quarantine_s=1.0)
+    ensure_node_actors(config)
     marker = str(tmp_path / "died")
     rows = 2_000
     ids = np.arange(rows, dtype=np.int32)
@@ -139,7 +139,7 @@ def test_ray_data_worker_dying_mid_batch_every_row_once_and_correct(ray_local, t
     )
     out = ds.map_batches(
         _DiesOnce,
-        fn_constructor_kwargs={"marker": marker},
+        fn_constructor_kwargs={"marker": marker, "config": config},
         compute=ray.data.ActorPoolStrategy(size=1),
         num_cpus=0.25,
         batch_size=200,
@@ -155,5 +155,4 @@ def test_ray_data_worker_dying_mid_batch_every_row_once_and_correct(ray_local, t
         np.testing.assert_array_equal(row["OUTPUT0"], row["INPUT0"] + 5)
         np.testing.assert_array_equal(row["OUTPUT1"], row["INPUT0"] - 5)
     # The dead worker's slot comes back after the quarantine.
-    _wait_for(lambda: _pool_stats("add_sub")["granted"] == 0, 60, "grants of finished workers released")
-
+    _wait_for(lambda: _pool_stats("add_sub", config)["free"] == 4, 60, "slots of finished workers back")
