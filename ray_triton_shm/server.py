@@ -406,7 +406,7 @@ class TritonServer:
         self._release_backend_segments()
 
     def _release_backend_segments(self) -> None:
-        """Remove the Python backend's files (ours alone: the prefix has 128 random bits), then their guard."""
+        """Remove the Python backend's files (the prefix has 128 random bits), then their guard."""
         if self._backend_prefix:
             removed = segment.unlink_with_prefix(self._backend_prefix)
             if removed:

@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model-repository", default=None)
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
-    cleanup = sub.add_parser("cleanup", help="remove segments whose owner is gone (owner locks hold across containers)")
+    cleanup = sub.add_parser("cleanup", help="remove segments whose owner is gone, in any container")
     cleanup.add_argument("--yes", action="store_true", help="remove, not just list")
     cleanup.set_defaults(func=_cleanup)
     return parser

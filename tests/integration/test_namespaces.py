@@ -23,7 +23,6 @@ import select
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -70,8 +69,8 @@ own = Segment.create(new_segment_name("nsa"), 4096)
 own.mm[:8] = b"liveliv1"
 server = TritonServer(ServerConfig(model_repository=sys.argv[1], load_models=("add_sub",)))
 server.start()
-client = TritonShmClient(url=server.grpc_url, http_url=server.http_url,
-                         pools={"add_sub": PoolConfig(slots=2, max_shapes={"INPUT0": (16,), "INPUT1": (16,)})})
+pools = {"add_sub": PoolConfig(slots=2, max_shapes={"INPUT0": (16,), "INPUT1": (16,)})}
+client = TritonShmClient(url=server.grpc_url, http_url=server.http_url, pools=pools)
 a = np.arange(16, dtype=np.float32)
 out = client.infer("add_sub", {"INPUT0": a, "INPUT1": a})
 assert out.path == "shm", out.path
@@ -175,7 +174,9 @@ def test_second_namespace_keeps_live_segments_and_sweeps_dead_ones(tmp_path: Pat
         assert all(_exists(name) for name in live), "namespace A's segments are not in the shared directory"
         assert _exists(state["dead"]), "the killed owner's segment should be left behind"
 
-        c = subprocess.run(_in_namespace(shm, _NAMESPACE_C), capture_output=True, text=True, timeout=120, check=True)
+        c = subprocess.run(
+            _in_namespace(shm, _NAMESPACE_C), capture_output=True, text=True, timeout=120, check=True
+        )
         dead_elsewhere = c.stdout.strip()
         assert dead_elsewhere.startswith(f"{segment.SEGMENT_PREFIX}_1_") and _exists(dead_elsewhere)
 

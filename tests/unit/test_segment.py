@@ -447,7 +447,7 @@ def test_create_survives_a_sweep_between_open_and_lock(monkeypatch: pytest.Monke
             with monkeypatch.context() as m:
                 # As seen from a pid namespace where our pid names no live process; other
                 # processes' segments are judged as usual (the machine is shared).
-                m.setattr(segment, "_owner_alive", lambda pid, start: pid != os.getpid() and real_alive(pid, start))
+                m.setattr(segment, "_owner_alive", lambda pid, st: pid != os.getpid() and real_alive(pid, st))
                 swept.extend(n for n in segment.sweep_stale_segments() if n == name)
         real_lock(fd, name, timeout_s)
 
