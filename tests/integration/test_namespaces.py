@@ -69,9 +69,9 @@ own = Segment.create(new_segment_name("nsa"), 4096)
 own.mm[:8] = b"liveliv1"
 server = TritonServer(ServerConfig(model_repository=sys.argv[1], load_models=("add_sub",)))
 server.start()
-pools = {"add_sub": PoolConfig(slots=2, max_shapes={"INPUT0": (16,), "INPUT1": (16,)})}
+pools = {"add_sub": PoolConfig(slots=2)}
 client = TritonShmClient(url=server.grpc_url, http_url=server.http_url, pools=pools)
-a = np.arange(16, dtype=np.float32)
+a = np.arange(32, dtype=np.int32).reshape(2, 16)
 out = client.infer("add_sub", {"INPUT0": a, "INPUT1": a})
 assert out.path == "shm", out.path
 holder = subprocess.Popen([sys.executable, "-c", HOLD, "nsahold"], stdout=subprocess.PIPE, text=True)
