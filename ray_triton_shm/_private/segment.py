@@ -175,9 +175,9 @@ def _path(name: str) -> str:
 class Segment:
     """A mapped shared-memory segment.
 
-    Create one with :meth:`create` (owner: unlinks on close) or :meth:`attach`
-    (never unlinks). ``key`` is what Triton's ``register_system_shared_memory``
-    expects.
+    Create one with :meth:`create` (owner: holds the segment's ``flock`` until
+    close, then unlinks and lets go of it) or :meth:`attach` (never locks, never
+    unlinks). ``key`` is what Triton's ``register_system_shared_memory`` expects.
     """
 
     name: str
@@ -195,7 +195,10 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
-        """Create, reserve and map a new segment.
+        """Create, lock, reserve and map a new segment.
+
+        The returned segment holds the exclusive ``flock`` that tells sweepers, in
+        any pid namespace sharing /dev/shm, that its owner is alive.
 
         Args:
             name: Segment name (validated).
@@ -205,8 +208,9 @@ class Segment:
             The owning segment.
 
         Raises:
-            SharedMemoryError: The name exists, /dev/shm is too small, or the
-                system refused.
+            SharedMemoryError: The name exists, /dev/shm is too small, the new
+                file was swept away or its lock held elsewhere every time, or
+                the system refused.
         """
         validate_segment_name(name)
         if size <= 0:
