@@ -513,11 +513,20 @@ def test_forked_child_does_not_keep_the_owner_lock() -> None:
 
 
 def test_children_do_not_inherit_the_owner_lock(owned: Segment) -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = "import sys, time; print('up', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        fds = os.listdir(f"/proc/{child.pid}/fd")
-        targets = {os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in fds}
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        targets = set()
+        for fd in os.listdir(f"/proc/{child.pid}/fd"):
+            try:
+                targets.add(os.readlink(f"/proc/{child.pid}/fd/{fd}"))
+            except FileNotFoundError:
+                pass
         assert shm_path(owned.name) not in targets
+        assert _held(owned.name)
     finally:
         child.kill()
         child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
