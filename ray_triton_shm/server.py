@@ -146,6 +146,9 @@ class TritonServer:
         self._plan: LaunchPlan | None = None
         self._resolved: ServerConfig | None = None
         self._backend_prefix = ""
+        # Locked while Triton runs; guards the Python backend's files (named with it + "_"),
+        # which Triton never locks, from sweepers in other pid namespaces.
+        self._backend_guard: segment.Segment | None = None
         self.version: str = ""
         self.restarts = 0
         protect = config.protect_shm_api
@@ -306,21 +309,29 @@ class TritonServer:
         plan, resolved = self._plan, self._resolved
         if plan is None or resolved is None:  # start() resolves both first
             raise ServerStartError("tritonserver launched before its binary and ports were resolved")
-        self._backend_prefix = f"{segment.new_segment_name('pyb')}_"
-        command = self._command(plan, resolved)
-        shown = " ".join(command)
-        if self.shm_api_key:
-            shown = shown.replace(self.shm_api_key, "***")
-        logger.info("starting tritonserver: %s", shown)
-        self._log.clear()
-        self._proc = _popen_from_launcher(
-            [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=self._environment(plan),
-            start_new_session=True,
-        )
+        self._backend_guard = segment.Segment.create(segment.new_segment_name("pyb"), 1)
+        self._backend_prefix = f"{self._backend_guard.name}_"
+        try:
+            command = self._command(plan, resolved)
+            shown = " ".join(command)
+            if self.shm_api_key:
+                shown = shown.replace(self.shm_api_key, "***")
+            logger.info("starting tritonserver: %s", shown)
+            self._log.clear()
+            # close_fds (the default, said here on purpose) keeps segment lock fds out of
+            # Triton: a lock inherited by the server would outlive its owner.
+            self._proc = _popen_from_launcher(
+                [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=self._environment(plan),
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException:
+            self._release_backend_segments()
+            raise
         self._reader = threading.Thread(
             target=self._pump_log, args=(self._proc,), name="tritonserver-log", daemon=True
         )
@@ -392,8 +403,15 @@ class TritonServer:
             if proc.stdout is not None:
                 proc.stdout.close()
         self._proc = None
+        self._release_backend_segments()
+
+    def _release_backend_segments(self) -> None:
+        """Remove the Python backend's files (the prefix has 128 random bits), then their guard."""
         if self._backend_prefix:
             removed = segment.unlink_with_prefix(self._backend_prefix)
             if removed:
                 logger.debug("removed %d Python-backend segment(s)", len(removed))
             self._backend_prefix = ""
+        if self._backend_guard is not None:
+            self._backend_guard.close()
+            self._backend_guard = None

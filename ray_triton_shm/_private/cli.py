@@ -59,16 +59,23 @@ def _shutdown(args: argparse.Namespace) -> int:
 
 
 def _cleanup(args: argparse.Namespace) -> int:
+    # Segments whose owner holds its lock are live, even when the owner runs in another
+    # pid namespace (a container sharing /dev/shm) and its pid means nothing here.
     stale = segment.stale_segments()
     if not stale:
         print("no stale segments under /dev/shm/" + segment.SEGMENT_PREFIX + "*")
         return 0
-    for name in stale:
-        print(("removing " if args.yes else "would remove ") + name)
-    if args.yes:
-        segment.sweep_stale_segments()
-    else:
+    if not args.yes:
+        for name in stale:
+            print("would remove " + name)
         print("dry run: pass --yes to remove them")
+        return 0
+    removed = segment.sweep_stale_segments()
+    for name in removed:
+        print("removing " + name)
+    kept = sorted(set(stale) - set(removed))
+    if kept:
+        print(f"{len(kept)} segment(s) were no longer stale or already gone when removing: left alone")
     return 0
 
 
@@ -134,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     shutdown.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     shutdown.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each actor")
     shutdown.set_defaults(func=_shutdown)
-    cleanup = sub.add_parser("cleanup", help="remove segments left by dead processes")
+    cleanup = sub.add_parser("cleanup", help="remove segments whose owner is gone, in any container")
     cleanup.add_argument("--yes", action="store_true", help="remove, not just list")
     cleanup.set_defaults(func=_cleanup)
     return parser

@@ -2,8 +2,19 @@
 
 Segments are created exclusively with mode 0600, their space is reserved up
 front (so a full /dev/shm fails here with a clear error instead of a SIGBUS
-later), and their names carry the owner's pid and start time so segments
-left by a killed process can be found and removed by the next one.
+later), and segments left by a killed process are found and removed by the
+next one.
+
+Owner liveness holds across pid namespaces: the owner keeps an exclusive
+``flock`` on its segment for the segment's whole life, and a sweeper removes a
+segment only when it can take that lock itself (no open file description holds
+it: the owner is gone, wherever it ran) *and* the owner's pid and start time,
+carried in the name, do not name a live process in the sweeper's ``/proc``.
+The pid check alone is wrong across containers that share /dev/shm but not a
+pid namespace (the pid means another process there, or none); the lock alone
+cannot protect segments that were never locked (made by an older version, or
+by Triton's Python backend: those are guarded by a lock holder, see
+:func:`stale_segments`).
 
 ``multiprocessing.shared_memory`` is deliberately not used: before Python
 3.13 its resource tracker unlinks segments that a process merely attached to.
@@ -12,12 +23,14 @@ left by a killed process can be found and removed by the next one.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from ray_triton_shm.errors import SharedMemoryError
 
@@ -33,6 +46,27 @@ MAX_NAME_LEN = 200
 # Triton's shm offsets and sizes are uint64 on the wire, but a span past int64 is never a real mapping.
 _MAX_SPAN = (1 << 63) - 1
 _KEY_RE = re.compile(rf"/?{SEGMENT_PREFIX}_[A-Za-z0-9_.-]+")
+# How long create() waits for a sweeper that holds the lock of a file it just made
+# (a sweeper holds it only between its flock and its unlink).
+_LOCK_WAIT_S = 5.0
+_CREATE_ATTEMPTS = 3
+
+# Lock fds of segments this process owns. After a fork the child shares their open
+# file descriptions (and so the locks): it closes its copies, so that the lock
+# follows the owner alone and a segment is not kept alive by a forked child.
+_lock_fds: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _lock_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _lock_fds.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def process_start_time(pid: int) -> int | None:
@@ -141,9 +175,9 @@ def _path(name: str) -> str:
 class Segment:
     """A mapped shared-memory segment.
 
-    Create one with :meth:`create` (owner: unlinks on close) or :meth:`attach`
-    (never unlinks). ``key`` is what Triton's ``register_system_shared_memory``
-    expects.
+    Create one with :meth:`create` (owner: holds the segment's ``flock`` until
+    close, then unlinks and lets go of it) or :meth:`attach` (never locks, never
+    unlinks). ``key`` is what Triton's ``register_system_shared_memory`` expects.
     """
 
     name: str
@@ -151,6 +185,9 @@ class Segment:
     mm: mmap.mmap
     owner: bool
     _closed: bool = False
+    # An owned segment keeps an fd holding its flock until close(); -1 when attached.
+    _lock_fd: int = field(default=-1, repr=False)
+    _lock_pid: int = field(default=0, repr=False)
 
     @property
     def key(self) -> str:
@@ -158,7 +195,10 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
-        """Create, reserve and map a new segment.
+        """Create, lock, reserve and map a new segment.
+
+        The returned segment holds the exclusive ``flock`` that tells sweepers, in
+        any pid namespace sharing /dev/shm, that its owner is alive.
 
         Args:
             name: Segment name (validated).
@@ -168,19 +208,14 @@ class Segment:
             The owning segment.
 
         Raises:
-            SharedMemoryError: The name exists, /dev/shm is too small, or the
-                system refused.
+            SharedMemoryError: The name exists, /dev/shm is too small, the new
+                file was swept away or its lock held elsewhere every time, or
+                the system refused.
         """
         validate_segment_name(name)
         if size <= 0:
             raise SharedMemoryError(f"segment size must be > 0, got {size}")
-        path = _path(name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError as e:
-            raise SharedMemoryError(f"segment {name!r} already exists; refusing to reuse it") from e
-        except OSError as e:
-            raise SharedMemoryError(f"cannot create segment {name!r}: {e.strerror}") from e
+        fd = _create_locked(name)
         try:
             os.fchmod(fd, 0o600)
             try:
@@ -194,14 +229,14 @@ class Segment:
                         f"--ipc=host) or use fewer/smaller slots"
                     ) from e
                 raise SharedMemoryError(f"cannot reserve {size} bytes for {name!r}: {e}") from e
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = _map_apart(fd, name, size)
         except BaseException:
+            _unlink_quietly(name)  # unlink first, then let go of the lock
             os.close(fd)
-            _unlink_quietly(name)
             raise
-        os.close(fd)
+        _lock_fds.add(fd)
         logger.debug("created segment %s (%d bytes)", name, size)
-        return cls(name=name, size=size, mm=mm, owner=True)
+        return cls(name=name, size=size, mm=mm, owner=True, _lock_fd=fd, _lock_pid=os.getpid())
 
     @classmethod
     def attach(cls, name: str, size: int | None = None) -> Segment:
@@ -247,6 +282,77 @@ class Segment:
             logger.warning("segment %s still has arrays pointing into it; unmapped later", self.name)
         if self.owner:
             _unlink_quietly(self.name)
+        # The lock goes only after the name: a sweeper never sees the file linked and unlocked.
+        if self._lock_fd >= 0 and self._lock_pid == os.getpid():  # a forked child closed its copy already
+            _lock_fds.discard(self._lock_fd)
+            os.close(self._lock_fd)
+        self._lock_fd = -1
+
+
+def _create_locked(name: str) -> int:
+    """Create ``name`` exclusively and take its owner lock; the fd holding the lock.
+
+    Between the exclusive open and the flock a sweeper in another pid namespace
+    (where our pid names no live process) can take the lock of the new, still
+    unlocked file and unlink it. We see that as a link count of 0 once we hold
+    the lock, and create the name again.
+    """
+    path = _path(name)
+    for _ in range(_CREATE_ATTEMPTS):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError as e:
+            raise SharedMemoryError(f"segment {name!r} already exists; refusing to reuse it") from e
+        except OSError as e:
+            raise SharedMemoryError(f"cannot create segment {name!r}: {e.strerror}") from e
+        try:
+            _lock_within(fd, name, _LOCK_WAIT_S)
+            swept = os.fstat(fd).st_nlink == 0
+        except BaseException:
+            _unlink_quietly(name)
+            os.close(fd)
+            raise
+        if not swept:
+            return fd
+        os.close(fd)
+        logger.debug("segment %s was swept while being created; creating it again", name)
+    raise SharedMemoryError(f"cannot create segment {name!r}: removed by a sweeper {_CREATE_ATTEMPTS} times")
+
+
+def _map_apart(lock_fd: int, name: str, size: int) -> mmap.mmap:
+    """Map the file of ``lock_fd`` through an open file description of its own.
+
+    ``mmap.mmap`` keeps a dup of the fd it is given, and a dup shares the open file
+    description, so a mapping made from the lock fd would hold the lock too: in a
+    forked child for as long as the child lives, beyond the owner's death.
+    """
+    try:
+        map_fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise SharedMemoryError(f"cannot map segment {name!r}: {e.strerror}") from e
+    try:
+        ours, mapped = os.fstat(lock_fd), os.fstat(map_fd)
+        if (ours.st_dev, ours.st_ino) != (mapped.st_dev, mapped.st_ino):
+            raise SharedMemoryError(f"segment {name!r} was replaced while being created")
+        return mmap.mmap(map_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(map_fd)
+
+
+def _lock_within(fd: int, name: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise SharedMemoryError(
+                    f"cannot lock new segment {name!r}: another process held its lock for {timeout_s:g} s"
+                ) from None
+            time.sleep(0.005)
+        except OSError as e:
+            raise SharedMemoryError(f"cannot lock new segment {name!r}: {e.strerror}") from e
 
 
 def _unlink_quietly(name: str) -> bool:
@@ -267,6 +373,33 @@ def _owner_alive(pid: int, start: int) -> bool:
     return actual is not None and (start == 0 or actual == start)
 
 
+def _try_lock(name: str) -> int | None:
+    """An fd holding the exclusive lock of ``name``, or None if it cannot be had.
+
+    None means "do not touch": the lock is held (a live owner, wherever it runs), or
+    the file is gone or not ours to open (another user's file).
+    """
+    try:
+        fd = os.open(_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: held; anything else: cannot tell, so keep it
+        os.close(fd)
+        return None
+    return fd
+
+
+def _guard_free(name: str) -> bool:
+    """Whether the lock holder ``name`` is gone or unlocked (its owner no longer guards anything)."""
+    fd = _try_lock(name)
+    if fd is None:
+        return not os.path.lexists(_path(name))  # removed between the two looks
+    os.close(fd)
+    return True
+
+
 def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     """Names in /dev/shm that start with ``prefix``."""
     try:
@@ -275,23 +408,73 @@ def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
         return []
 
 
+def _pid_says_gone(name: str) -> bool:
+    m = _OWNED_RE.match(name)
+    return bool(m) and not _owner_alive(int(m.group(1)), int(m.group(2)))
+
+
+def _guards(name: str, names: list[str]) -> list[str]:
+    """Lock holders guarding ``name``: every listed ``L`` such that ``name`` starts with ``L + "_"``.
+
+    Triton's Python backend makes its own files under a prefix we choose and never
+    locks them; a server holds a locked segment named after that prefix (without its
+    last ``_``) for as long as it runs.
+    """
+    return [other for other in names if name.startswith(other + "_")]
+
+
 def stale_segments() -> list[str]:
-    """Our segments whose owning process is gone."""
-    stale = []
-    for name in list_segments():
-        m = _OWNED_RE.match(name)
-        if m and not _owner_alive(int(m.group(1)), int(m.group(2))):
-            stale.append(name)
-    return stale
+    """Our segments whose owner is gone, as far as a look without removing can tell.
+
+    A segment is stale when its owner's pid and start time (from its name) name no
+    live process here, and neither its own lock nor the lock of any segment guarding
+    it (see :func:`_guards`) is held. A held lock means a live owner, in this pid
+    namespace or another that shares /dev/shm. A segment that was never locked (made
+    by an older version) is judged by the pid alone, as before: across pid namespaces
+    such segments of a live owner can be taken for stale, so upgrade every container
+    sharing /dev/shm together.
+    """
+    names = list_segments()
+    return [name for name in names if _looks_stale(name, names)]
+
+
+def _looks_stale(name: str, names: list[str]) -> bool:
+    if not _pid_says_gone(name) or not all(_guard_free(g) for g in _guards(name, names)):
+        return False
+    fd = _try_lock(name)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
 
 
 def sweep_stale_segments() -> list[str]:
-    """Unlink segments left behind by processes that no longer exist.
+    """Unlink segments left behind by owners that are gone (see :func:`stale_segments`).
+
+    Each one is unlinked while this process holds its lock, and only if its name
+    still leads to the file that was locked, so a segment created, closed or swept
+    by someone else meanwhile is left alone.
 
     Returns:
         The names removed.
     """
-    removed = [name for name in stale_segments() if _unlink_quietly(name)]
+    names = list_segments()
+    removed = []
+    for name in names:
+        if not _pid_says_gone(name) or not all(_guard_free(g) for g in _guards(name, names)):
+            continue
+        fd = _try_lock(name)
+        if fd is None:
+            continue
+        try:
+            locked = os.fstat(fd)
+            current = os.stat(_path(name), follow_symlinks=False)
+            if (current.st_dev, current.st_ino) == (locked.st_dev, locked.st_ino) and _unlink_quietly(name):
+                removed.append(name)
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove
+        finally:
+            os.close(fd)
     if removed:
         logger.info("removed %d stale shared-memory segment(s): %s", len(removed), removed)
     return removed

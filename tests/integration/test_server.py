@@ -50,6 +50,17 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in items if b"=" in item)
 
 
+def _fd_targets(pid: int) -> set[str]:
+    """What the open fds of ``pid`` lead to (fds closed while looking are skipped)."""
+    targets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return targets
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
     try:
@@ -182,11 +193,19 @@ def test_stop_removes_backend_segments_and_is_idempotent() -> None:
         segments = segment.list_segments(prefix)
         assert segments, f"no Python-backend segment with prefix {prefix} while running"
         assert _pids_mentioning(prefix), "no Python-backend stub running"
+        # Triton never locks its files: the server holds a locked guard named by their prefix,
+        # and neither Triton nor its stubs got a copy of that lock (it would outlive the owner).
+        guard = prefix[:-1]
+        guard_path = os.path.join(segment.SHM_DIR, guard)
+        assert os.path.exists(guard_path) and not segment._guard_free(guard)
+        for child in (pid, *_pids_mentioning(prefix)):
+            assert guard_path not in _fd_targets(child), f"pid {child} holds the guard"
     finally:
         server.stop()
     assert not server.is_alive() and server.pid is None
     assert not _running(pid)
     assert segment.list_segments(prefix) == []
+    assert not os.path.exists(guard_path), "the guard outlived the server"
     assert _wait_until(lambda: not _pids_mentioning(prefix), 15), "Python-backend stubs outlived the server"
     server.stop()
     assert not server.is_alive() and server.pid is None

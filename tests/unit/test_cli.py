@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -75,3 +76,24 @@ def test_cli_requires_a_command(capsys: pytest.CaptureFixture) -> None:
         cli.main([])
     assert info.value.code == 2
     assert "command" in capsys.readouterr().err
+
+
+def test_cleanup_leaves_segments_locked_by_an_owner_in_another_pid_namespace(stale_segment: str) -> None:
+    """An owner elsewhere (its pid names nothing here) holds its segment's lock: not stale, not removed."""
+    name = f"{segment.owner_tag(_dead_pid())}_pool_{os.urandom(16).hex()}"
+    path = os.path.join(segment.SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        listed = _run_cli("cleanup")
+        assert listed.returncode == 0, listed.stderr
+        assert f"would remove {stale_segment}" in listed.stdout.splitlines()
+        assert name not in listed.stdout
+        removed = _run_cli("cleanup", "--yes")
+        assert removed.returncode == 0, removed.stderr
+        assert f"removing {stale_segment}" in removed.stdout.splitlines()
+        assert name not in removed.stdout
+        assert os.path.exists(path) and not os.path.exists(os.path.join(segment.SHM_DIR, stale_segment))
+    finally:
+        os.close(fd)
+        segment._unlink_quietly(name)

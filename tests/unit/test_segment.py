@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 import stat
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -337,3 +339,194 @@ def test_segment_of_dead_creator_process_is_swept() -> None:
         assert not os.path.exists(shm_path(name))
     finally:
         segment._unlink_quietly(name)
+
+
+# -- owner locks: liveness that holds across pid namespaces --------------------------
+
+
+def _held(name: str) -> bool:
+    """Whether someone holds the exclusive lock of ``name`` (tried from a fresh open file description)."""
+    fd = os.open(shm_path(name), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@pytest.fixture
+def foreign_owner(stray: list[str]) -> Iterator[Callable[[str], int]]:
+    """Plays an owner in another pid namespace: makes ``name`` and holds its lock on an fd it returns."""
+    fds: list[int] = []
+
+    def make(name: str) -> int:
+        fd = os.open(shm_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        stray.append(name)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        fds.append(fd)
+        return fd
+
+    yield make
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def test_owner_holds_lock_for_the_segments_life() -> None:
+    seg = Segment.create(new_segment_name("flocktest"), 4096)
+    try:
+        assert _held(seg.name)
+        attached = Segment.attach(seg.name)  # attaching never locks, and closing an attacher keeps the lock
+        attached.close()
+        assert _held(seg.name)
+    finally:
+        seg.close()
+    assert not os.path.exists(shm_path(seg.name))
+    assert seg._lock_fd == -1
+
+
+def test_sweep_keeps_locked_segment_whatever_its_pid_says(foreign_owner: Callable[[str], int]) -> None:
+    token = os.urandom(8).hex()
+    start = segment.process_start_time(os.getpid())
+    # The owner's pid names nothing here, or another process (ours, with another start time).
+    gone = f"{segment.owner_tag(_dead_pid())}_flocktest_{token}"
+    other = f"rtshm_{os.getpid()}_{start + 1}_flocktest_{token}"
+    fds = [foreign_owner(gone), foreign_owner(other)]
+    assert not {gone, other} & set(segment.stale_segments())
+    assert not {gone, other} & set(segment.sweep_stale_segments())
+    assert os.path.exists(shm_path(gone)) and os.path.exists(shm_path(other))
+    # The owner dies: its lock goes with it, and now both are swept.
+    for fd in fds:
+        os.close(fd)
+    assert {gone, other} <= set(segment.stale_segments())
+    assert {gone, other} <= set(segment.sweep_stale_segments())
+    assert not os.path.exists(shm_path(gone)) and not os.path.exists(shm_path(other))
+
+
+def test_unlocked_segment_of_a_live_pid_is_kept(stray: list[str]) -> None:
+    """Segments never locked (older versions) are stale only if the pid says so too."""
+    name = _touch(f"{segment.owner_tag(os.getppid())}_flocktest_{os.urandom(8).hex()}")
+    stray.append(name)
+    assert not _held(name)
+    assert name not in segment.stale_segments()
+    assert name not in segment.sweep_stale_segments()
+    assert os.path.exists(shm_path(name))
+
+
+def test_lock_holder_guards_the_files_under_its_prefix(
+    foreign_owner: Callable[[str], int], stray: list[str]
+) -> None:
+    """Triton's Python backend never locks its files; the holder named by their prefix does."""
+    holder = f"{segment.owner_tag(_dead_pid())}_pyb_{os.urandom(16).hex()}"
+    fd = foreign_owner(holder)
+    members = [_touch(f"{holder}_{suffix}") for suffix in ("add_sub_0", "x")]
+    stray.extend(members)
+    unguarded = _touch(f"{segment.owner_tag(_dead_pid())}_pyb_{os.urandom(16).hex()}_y")
+    stray.append(unguarded)
+    assert not {holder, *members} & set(segment.sweep_stale_segments())
+    assert all(os.path.exists(shm_path(n)) for n in (holder, *members))
+    assert not os.path.exists(shm_path(unguarded)), "a file without a live holder must be swept"
+    os.close(fd)
+    assert {holder, *members} <= set(segment.sweep_stale_segments())
+    assert not any(os.path.exists(shm_path(n)) for n in (holder, *members))
+
+
+def test_create_survives_a_sweep_between_open_and_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweeper in another pid namespace (where our pid means nothing) may unlink a file
+    between our exclusive open and our flock; create() notices and makes it again."""
+    real_lock = segment._lock_within
+    swept: list[str] = []
+
+    def sweep_first(fd: int, name: str, timeout_s: float) -> None:
+        if not swept:
+            real_alive = segment._owner_alive
+            with monkeypatch.context() as m:
+                # As seen from a pid namespace where our pid names no live process; other
+                # processes' segments are judged as usual (the machine is shared).
+                m.setattr(segment, "_owner_alive", lambda pid, st: pid != os.getpid() and real_alive(pid, st))
+                swept.extend(n for n in segment.sweep_stale_segments() if n == name)
+        real_lock(fd, name, timeout_s)
+
+    monkeypatch.setattr(segment, "_lock_within", sweep_first)
+    seg = Segment.create(new_segment_name("flocktest"), 4096)
+    try:
+        assert swept == [seg.name], "the sweep did not take the unlocked new file"
+        assert os.path.exists(shm_path(seg.name)) and _held(seg.name)
+        assert os.fstat(seg._lock_fd).st_ino == os.stat(shm_path(seg.name)).st_ino
+        seg.mm[:4] = b"abcd"
+        with open(shm_path(seg.name), "rb") as f:
+            assert f.read(4) == b"abcd"
+    finally:
+        seg.close()
+    assert not os.path.exists(shm_path(seg.name))
+
+
+def test_create_gives_up_when_swept_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_lock = segment._lock_within
+
+    def always_swept(fd: int, name: str, timeout_s: float) -> None:
+        os.unlink(shm_path(name))
+        real_lock(fd, name, timeout_s)
+
+    monkeypatch.setattr(segment, "_lock_within", always_swept)
+    name = new_segment_name("flocktest")
+    with pytest.raises(SharedMemoryError, match="removed by a sweeper"):
+        Segment.create(name, 4096)
+    assert not os.path.exists(shm_path(name))
+
+
+def test_forked_child_does_not_keep_the_owner_lock() -> None:
+    """The lock follows the owner: a child forked without exec drops its copy, so the
+    segment is swept once the owner dies even though the child lives on."""
+    code = textwrap.dedent(
+        """
+        import os, time
+        from ray_triton_shm._private.segment import Segment, new_segment_name
+        seg = Segment.create(new_segment_name("flocktest"), 4096)
+        started, running = os.pipe()
+        child = os.fork()
+        if child == 0:  # the fork hooks have run by now
+            devnull = os.open(os.devnull, os.O_RDWR)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.write(running, b"r")
+            time.sleep(60)
+            os._exit(0)
+        os.read(started, 1)
+        print(seg.name, child, flush=True)
+        os._exit(0)  # the owner dies without cleanup; its child lives on
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=60, capture_output=True, text=True)
+    name, child = out.stdout.split()
+    try:
+        assert segment.process_start_time(int(child)) is not None, "the forked child should still run"
+        assert not _held(name)
+        assert name in segment.sweep_stale_segments()
+    finally:
+        os.kill(int(child), signal.SIGKILL)
+        segment._unlink_quietly(name)
+
+
+def test_children_do_not_inherit_the_owner_lock(owned: Segment) -> None:
+    code = "import sys, time; print('up', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        targets = set()
+        for fd in os.listdir(f"/proc/{child.pid}/fd"):
+            try:
+                targets.add(os.readlink(f"/proc/{child.pid}/fd/{fd}"))
+            except FileNotFoundError:
+                pass
+        assert shm_path(owned.name) not in targets
+        assert _held(owned.name)
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
