@@ -35,6 +35,13 @@ logger = logging.getLogger(__name__)
 
 CUDA_EXTRA = "pip install 'ray-triton-shm[cuda]'"
 IPC_HANDLE_BYTES = 64
+REGION_ALIGN = 2 << 20
+"""Device regions are allocated in whole multiples of this (2 MiB).
+
+The driver sub-allocates smaller ``cudaMalloc`` requests from shared 2 MiB
+blocks, and an IPC handle exports the whole block: a region that shares one
+would hand Triton our neighbouring allocations too.
+"""
 ALL_DEVICES = "all"
 """``server_visible_devices`` value meaning the server's ``CUDA_VISIBLE_DEVICES`` is unset."""
 
@@ -191,12 +198,86 @@ def server_device_id(
     candidates = [_canonical(entry, physical_uuids) for entry in server]
     if want in candidates:
         return candidates.index(want)
+    if want.startswith("GPU-"):
+        # CUDA takes any unique UUID prefix, so one side may name the GPU by a prefix of the other's.
+        same = [i for i, c in enumerate(candidates) if c.startswith("GPU-") and (c.startswith(want) or want.startswith(c))]
+        if len(same) == 1:
+            return same[0]
     kinds = {_INT_ENTRY.match(e) is not None for e in (want, *candidates)}
     hint = " (index and UUID forms cannot be compared without the GPU UUIDs)" if len(kinds) > 1 else ""
     raise DeviceMappingError(
         f"the client's GPU {identity!r} is not visible to the server "
         f"(server CUDA_VISIBLE_DEVICES={server_visible!r}){hint}"
     )
+
+
+def local_device_index(
+    server_device: int,
+    local_visible: str | None,
+    server_visible: str | None,
+    local_count: int,
+    *,
+    local_uuids: Sequence[str] | None = None,
+) -> int:
+    """This process's index of the GPU the server calls ``server_device``.
+
+    Every local index is tried in turn: an index the server cannot see (or
+    that cannot be compared) is skipped rather than ending the search, so a
+    server that sees only GPU 1 is still found at local index 1.
+
+    Args:
+        server_device: The GPU in the server's numbering.
+        local_visible: This process's ``CUDA_VISIBLE_DEVICES`` (``None``: unset).
+        server_visible: The server's ``CUDA_VISIBLE_DEVICES`` (``None``: unset).
+        local_count: How many GPUs this process sees.
+        local_uuids: The UUIDs of this process's GPUs by local index, when
+            known (:func:`local_device_uuids`): they let an index on one side
+            be matched with a UUID on the other.
+
+    Returns:
+        The local device index.
+
+    Raises:
+        DeviceMappingError: No local GPU is the server's ``server_device``.
+    """
+    uuids = list(local_uuids) if local_uuids is not None and len(local_uuids) == local_count else None
+    # Unset locally, the local GPUs are all of the node's GPUs in CUDA order.
+    physical = uuids if uuids is not None and parse_visible_devices(local_visible) is None else None
+    server = parse_visible_devices(server_visible)
+    target = None if server is None or not 0 <= server_device < len(server) else server[server_device]
+    reasons: list[str] = []
+    for index in range(local_count):
+        if uuids is not None and target is not None and target.startswith("GPU-"):
+            if _canonical(uuids[index], None).startswith(target):
+                return index
+        try:
+            if server_device_id(index, local_visible, server_visible, physical_uuids=physical) == server_device:
+                return index
+        except DeviceMappingError as e:
+            reasons.append(f"local GPU {index}: {e}")
+    raise DeviceMappingError(
+        f"the server's GPU {server_device} is none of this process's {local_count} GPU(s) "
+        f"(local CUDA_VISIBLE_DEVICES={local_visible!r}, server's {server_visible!r})"
+        + (f"; {'; '.join(reasons)}" if reasons else "")
+    )
+
+
+def local_device_uuids() -> list[str] | None:
+    """UUIDs (``GPU-...``) of this process's GPUs by index, from cupy; ``None`` when unknown."""
+    try:
+        cupy = import_cupy()
+        runtime = cupy.cuda.runtime
+        uuids = []
+        for index in range(int(runtime.getDeviceCount())):
+            raw = bytes(runtime.getDeviceProperties(index)["uuid"])
+            if len(raw) != 16:
+                return None
+            h = raw.hex()
+            uuids.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+        return uuids
+    except Exception as e:  # cupy missing, no GPU, an old cupy without "uuid"
+        logger.debug("GPU UUIDs unknown: %s", e)
+        return None
 
 
 def server_visible_for_local_server(setting: str | None) -> str | None:
@@ -250,7 +331,8 @@ class DeviceBuffer:
 
         A pooled block may be a piece of a larger allocation; its IPC handle
         exports that whole allocation and the server maps it at its base, so
-        every offset would be wrong.
+        every offset would be wrong. The allocation is rounded up to
+        :data:`REGION_ALIGN`; ``size`` stays what was asked for.
 
         Raises:
             CudaUnavailableError / NoGpuError / CudaError.
@@ -258,13 +340,14 @@ class DeviceBuffer:
         cupy = import_cupy()
         device = require_device(device)
         runtime = cupy.cuda.runtime
+        padded = -(-size // REGION_ALIGN) * REGION_ALIGN  # a block of our own (see REGION_ALIGN)
         with cupy.cuda.Device(device):
             try:
-                ptr = int(runtime.malloc(size))
+                ptr = int(runtime.malloc(padded))
             except runtime.CUDARuntimeError as e:
-                raise CudaError(f"cudaMalloc of {size} bytes on GPU {device} failed: {e}") from e
+                raise CudaError(f"cudaMalloc of {padded} bytes on GPU {device} failed: {e}") from e
             try:
-                runtime.memset(ptr, 0, size)
+                runtime.memset(ptr, 0, padded)
                 handle = bytes(runtime.ipcGetMemHandle(ptr))
             except runtime.CUDARuntimeError as e:
                 runtime.free(ptr)
