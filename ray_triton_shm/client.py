@@ -426,10 +426,14 @@ class TritonShmClient:
             OutputTooLargeError: An output does not fit its slot and ``grpc_fallback`` is off.
             TritonCallError / UnavailableError: The server refused or is gone.
         """
-        layout = self.layout(model)
+        pool = self.pool(model)
+        layout = pool.layout
         checked = self._check(layout, inputs)
         wanted = self._wanted_outputs(layout, outputs)
-        if checked.nbytes < self.config.pool_for(model).shm_threshold(over_http=self._http is not None):
+        # GPU data (a CUDA pool, or device inputs) never goes over host gRPC because it is small.
+        on_gpu = pool.memory == "cuda" or checked.on_device
+        threshold = self.config.pool_for(model).shm_threshold(over_http=self._http is not None, cuda=on_gpu)
+        if checked.nbytes < threshold:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
         try:
             return self._infer_shm(model, checked, wanted, self._lease_timeout(model, timeout), copy)
@@ -437,7 +441,10 @@ class TritonShmClient:
             if not self.config.grpc_fallback:
                 raise
             logger.warning("%s; sending it over plain gRPC", e)
-            return InferResult(self._call_grpc(model, checked, wanted), "grpc")
+            result = self._call_grpc(model, checked, wanted)
+            if pool.memory == "cuda":  # outputs of a CUDA pool are cupy arrays, whichever way they came
+                result = _to_device(result, pool)
+            return InferResult(result, "grpc")
 
     def _infer_shm(
         self, model: str, checked: CheckedInputs, wanted: list[str], lease_timeout: float, copy: bool = True
@@ -456,10 +463,11 @@ class TritonShmClient:
         if pool.memory == "cuda":
             from ray_triton_shm._private.cuda import import_cupy
 
-            concatenate = import_cupy().concatenate
-        else:
-            concatenate = np.concatenate
-        return InferResult({name: concatenate([p[name] for p in parts]) for name in wanted}, path)
+            cupy = import_cupy()
+            with cupy.cuda.Device(pool.device):  # type: ignore[attr-defined]
+                joined = {name: cupy.concatenate([p[name] for p in parts]) for name in wanted}
+            return InferResult(joined, path)
+        return InferResult({name: np.concatenate([p[name] for p in parts]) for name in wanted}, path)
 
     async def ainfer(
         self,
@@ -689,6 +697,15 @@ class TritonShmClient:
         nbytes = checked.nbytes + sum(a.nbytes for a in outputs.values())
         safely(self._observer.request, model, "grpc", nbytes, seconds)
         return outputs
+
+
+def _to_device(outputs: dict[str, Any], pool: SlotPool) -> dict[str, Any]:
+    """Host outputs as cupy arrays on a CUDA pool's GPU."""
+    from ray_triton_shm._private.cuda import import_cupy
+
+    cupy = import_cupy()
+    with cupy.cuda.Device(pool.device):  # type: ignore[attr-defined]
+        return {name: cupy.asarray(value) for name, value in outputs.items()}
 
 
 def _chunks(layout: ModelLayout, batch: int) -> list[tuple[int, int]]:

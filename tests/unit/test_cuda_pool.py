@@ -141,3 +141,65 @@ def test_closing_without_views_frees_at_once(gpu: Any) -> None:
         lease.write_input("INPUT0", np.ones((1, 4), np.float32))
     pool.close()
     assert len(_ops(gpu, "free")) == 1 and not gpu.allocations
+
+
+class _OnePool:
+    """A PoolSource that hands out one ready-made pool."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def get_pool(self, model: str, config: PoolConfig) -> Any:
+        return self.pool
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _route(client: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record which way ``infer`` sends a request instead of sending it."""
+    from ray_triton_shm.client import InferResult
+
+    taken: list[str] = []
+    monkeypatch.setattr(client, "_call_grpc", lambda *a, **k: taken.append("grpc") or {})
+    monkeypatch.setattr(
+        client, "_infer_shm", lambda *a, **k: taken.append("shm") or InferResult({}, "cuda_shm")
+    )
+    return taken
+
+
+@pytest.mark.parametrize("min_shm_bytes", [None, 1 << 20])
+def test_small_requests_to_a_cuda_pool_never_go_over_host_grpc(
+    gpu: Any, monkeypatch: pytest.MonkeyPatch, min_shm_bytes: int | None
+) -> None:
+    from ray_triton_shm.client import TritonShmClient
+
+    monkeypatch.delenv("RAY_TRITON_SHM_MIN_SHM_BYTES", raising=False)  # the test session sets 0
+    pool = CudaSlotPool.create(layout_from_config(IDENTITY, PoolConfig()), 1, device=0)
+    config = PoolConfig(memory="cuda", min_shm_bytes=min_shm_bytes)
+    # No http_url: gRPC transport, whose default threshold for system memory is 64 KiB.
+    with TritonShmClient(url="127.0.0.1:1", default_pool=config, pool_source=_OnePool(pool)) as client:
+        taken = _route(client, monkeypatch)
+        client.infer("identity", {"INPUT0": np.ones((1, 4), np.float32)})  # 16 bytes
+        client.infer("identity", {"INPUT0": fake_cupy.asarray(np.ones((1, 4), np.float32))})
+        assert taken == ["shm", "shm"]
+
+
+def test_small_device_inputs_to_a_system_pool_go_through_shm(
+    gpu: Any, monkeypatch: pytest.MonkeyPatch, make_pool: Any
+) -> None:
+    from ray_triton_shm.client import TritonShmClient
+
+    pool = make_pool(layout_from_config(IDENTITY, PoolConfig()), 1)
+    config = PoolConfig(min_shm_bytes=1 << 20)
+    with TritonShmClient(url="127.0.0.1:1", default_pool=config, pool_source=_OnePool(pool)) as client:
+        taken = _route(client, monkeypatch)
+        client.infer("identity", {"INPUT0": np.ones((1, 4), np.float32)})
+        client.infer("identity", {"INPUT0": fake_cupy.asarray(np.ones((1, 4), np.float32))})
+        assert taken == ["grpc", "shm"]  # host inputs keep the measured crossover
+
+
+def test_shm_threshold_is_zero_for_gpu_memory() -> None:
+    assert PoolConfig(min_shm_bytes=1000).shm_threshold(over_http=False, cuda=True) == 0
+    assert PoolConfig(min_shm_bytes=None).shm_threshold(over_http=False, cuda=True) == 0
+    assert PoolConfig(min_shm_bytes=1000).shm_threshold(over_http=False) == 1000
