@@ -200,7 +200,11 @@ def server_device_id(
         return candidates.index(want)
     if want.startswith("GPU-"):
         # CUDA takes any unique UUID prefix, so one side may name the GPU by a prefix of the other's.
-        same = [i for i, c in enumerate(candidates) if c.startswith("GPU-") and (c.startswith(want) or want.startswith(c))]
+        same = [
+            i
+            for i, c in enumerate(candidates)
+            if c.startswith("GPU-") and (c.startswith(want) or want.startswith(c))
+        ]
         if len(same) == 1:
             return same[0]
     kinds = {_INT_ENTRY.match(e) is not None for e in (want, *candidates)}
@@ -251,7 +255,10 @@ def local_device_index(
             if _canonical(uuids[index], None).startswith(target):
                 return index
         try:
-            if server_device_id(index, local_visible, server_visible, physical_uuids=physical) == server_device:
+            if (
+                server_device_id(index, local_visible, server_visible, physical_uuids=physical)
+                == server_device
+            ):
                 return index
         except DeviceMappingError as e:
             reasons.append(f"local GPU {index}: {e}")

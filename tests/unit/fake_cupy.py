@@ -149,10 +149,12 @@ class _Flags:
         self.c_contiguous = bool(a.flags.c_contiguous)
 
 
-class ndarray:  # noqa: N801 - cupy's name
+class ndarray:
     """A host numpy array posing as device memory on ``device``; ``_keep`` holds its memory's owner."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any = np.uint8, memptr: MemoryPointer | None = None) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], dtype: Any = np.uint8, memptr: MemoryPointer | None = None
+    ) -> None:
         if memptr is None:
             self._np = np.zeros(shape, dtype)
             self._device = STATE.device
@@ -233,15 +235,15 @@ class _Runtime:
     CUDARuntimeError = CUDARuntimeError
 
     @staticmethod
-    def getDeviceCount() -> int:  # noqa: N802 - cupy's names
+    def getDeviceCount() -> int:
         return STATE.devices
 
     @staticmethod
-    def getDevice() -> int:  # noqa: N802
+    def getDevice() -> int:
         return STATE.device
 
     @staticmethod
-    def getDeviceProperties(index: int) -> dict[str, Any]:  # noqa: N802
+    def getDeviceProperties(index: int) -> dict[str, Any]:
         return {"uuid": bytes([index + 1] * 16)}
 
     @staticmethod
@@ -264,19 +266,19 @@ class _Runtime:
         del STATE.allocations[ptr]
 
     @staticmethod
-    def ipcGetMemHandle(ptr: int) -> bytes:  # noqa: N802
+    def ipcGetMemHandle(ptr: int) -> bytes:
         return ptr.to_bytes(8, "little") + bytes(56)
 
     @staticmethod
-    def ipcOpenMemHandle(handle: bytes) -> int:  # noqa: N802
+    def ipcOpenMemHandle(handle: bytes) -> int:
         return int.from_bytes(handle[:8], "little")
 
     @staticmethod
-    def ipcCloseMemHandle(ptr: int) -> None:  # noqa: N802
+    def ipcCloseMemHandle(ptr: int) -> None:
         STATE.log.append(("ipc_close", STATE.device, ptr))
 
     @staticmethod
-    def deviceSynchronize() -> None:  # noqa: N802
+    def deviceSynchronize() -> None:
         STATE.log.append(("deviceSynchronize", STATE.device))
 
 
