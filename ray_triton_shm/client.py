@@ -216,9 +216,36 @@ class LocalPools:
                 if "in use" in str(e.message()) and time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
-                # The server may be gone already; the memory is ours to free anyway.
+                # The server may be gone already; whether a CUDA region may be freed is
+                # decided by _cuda_region_gone.
                 logger.debug("unregister %s failed: %s", pool.region_name, e)
                 return
+
+    def _cuda_region_gone(self, pool: SlotPool) -> bool:
+        """Whether Triton has let go of ``pool``'s CUDA region, polling its status until NOT_FOUND.
+
+        Since Triton r24.11 unregistering a region that a request still uses
+        succeeds and the region is closed when the request ends, so success
+        alone does not mean the memory is free to go. A server that cannot be
+        reached (UNAVAILABLE: not listening) holds nothing.
+        """
+        deadline = time.monotonic() + _UNREGISTER_WAIT_S
+        while True:
+            try:
+                status = self._grpc.get_cuda_shared_memory_status(
+                    pool.region_name, headers=self._headers, as_json=True
+                )
+            except InferenceServerException as e:
+                message = str(e.message() or e).lower()
+                if _status_name(e) in ("NOT_FOUND", "UNAVAILABLE") or "unable to find" in message:
+                    return True
+                logger.debug("status of %s: %s", pool.region_name, e)
+            else:
+                if pool.region_name not in ((status or {}).get("regions") or {}):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def close(self) -> None:
         for pool in self._pools:
@@ -230,6 +257,16 @@ class LocalPools:
                 )
                 time.sleep(wait)
             self._unregister(pool)
+            if pool.memory == "cuda" and not self._cuda_region_gone(pool):
+                # Freeing memory Triton may still write to could corrupt whatever reuses it.
+                logger.warning(
+                    "Triton still holds CUDA region %s after unregistering it; leaking its %d bytes "
+                    "rather than freeing memory the server may write to",
+                    pool.region_name,
+                    pool.region_bytes,
+                )
+                pool.abandon()  # type: ignore[attr-defined]
+                continue
             pool.close()
         self._pools.clear()
 

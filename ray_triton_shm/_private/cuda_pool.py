@@ -38,6 +38,9 @@ from ray_triton_shm.errors import InputError
 
 logger = logging.getLogger(__name__)
 
+LEAKED: list[DeviceBuffer] = []
+"""Regions deliberately never freed (their server could not be shown to have let go of them)."""
+
 
 class CudaSlot:
     """One slot of a CUDA pool: its offset in the region (tensors are placed as in the layout)."""
@@ -131,6 +134,17 @@ class CudaSlotPool(SlotPool):
         anchor = _Anchor()
         self._anchors.add(anchor)
         return anchor
+
+    def abandon(self) -> None:
+        """Close the pool but never free its memory: the server may still write to it.
+
+        The buffer is kept in :data:`LEAKED` for the life of the process. Idempotent.
+        """
+        if self._closed:
+            return
+        LEAKED.append(self.buffer)
+        self._release_memory = lambda: None  # type: ignore[method-assign]
+        self.close()
 
     def _release_memory(self) -> None:
         """Free the memory now, or when the last live cupy view of it dies."""

@@ -203,3 +203,61 @@ def test_shm_threshold_is_zero_for_gpu_memory() -> None:
     assert PoolConfig(min_shm_bytes=1000).shm_threshold(over_http=False, cuda=True) == 0
     assert PoolConfig(min_shm_bytes=None).shm_threshold(over_http=False, cuda=True) == 0
     assert PoolConfig(min_shm_bytes=1000).shm_threshold(over_http=False) == 1000
+
+
+class _FakeTriton:
+    """tritonclient's CUDA shm calls, scripted: the region stays listed for ``held`` status polls."""
+
+    def __init__(self, held: int, status_error: str = "NOT_FOUND") -> None:
+        self.held = held
+        self.status_error = status_error
+        self.calls: list[str] = []
+
+    def unregister_cuda_shared_memory(self, name: str, headers: Any = None) -> None:
+        self.calls.append("unregister")
+
+    def get_cuda_shared_memory_status(self, name: str, headers: Any = None, as_json: bool = False) -> Any:
+        from tritonclient.utils import InferenceServerException
+
+        self.calls.append("status")
+        if self.held > 0:
+            self.held -= 1
+            return {"regions": {name: {"name": name, "device_id": 0, "byte_size": "1"}}}
+        raise InferenceServerException(
+            f"Unable to find cuda shared memory region: '{name}'", status=f"StatusCode.{self.status_error}"
+        )
+
+
+def _local_pools(triton: _FakeTriton) -> tuple[Any, CudaSlotPool]:
+    from ray_triton_shm.client import LocalPools
+
+    pools = LocalPools(triton)  # type: ignore[arg-type]
+    pool = CudaSlotPool.create(layout_from_config(IDENTITY, PoolConfig()), 1, device=0)
+    pools._pools.append(pool)
+    return pools, pool
+
+
+@pytest.mark.parametrize("status_error", ["NOT_FOUND", "INVALID_ARGUMENT", "UNAVAILABLE"])
+def test_close_frees_a_cuda_region_only_once_triton_let_go(gpu: Any, status_error: str) -> None:
+    triton = _FakeTriton(held=3, status_error=status_error)  # closed "later", as Triton >= r24.11 does
+    pools, _pool = _local_pools(triton)
+    pools.close()
+    assert triton.calls == ["unregister", "status", "status", "status", "status"]
+    assert len(_ops(gpu, "free")) == 1 and not gpu.allocations
+
+
+def test_close_leaks_a_cuda_region_triton_keeps(gpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray_triton_shm._private import cuda_pool
+
+    monkeypatch.setattr("ray_triton_shm.client._UNREGISTER_WAIT_S", 0.3)
+    monkeypatch.setattr(cuda_pool, "LEAKED", [])
+    triton = _FakeTriton(held=10**6)
+    pools, pool = _local_pools(triton)
+    pools.close()
+    assert triton.calls[0] == "unregister" and triton.calls.count("status") >= 2
+    assert not _ops(gpu, "free") and len(gpu.allocations) == 1  # leaked, not freed
+    assert cuda_pool.LEAKED == [pool.buffer] and pool.buffer.ptr
+    with pytest.raises(Exception, match="closed"):
+        pool.acquire(0.1)
+    pool.abandon()
+    assert cuda_pool.LEAKED == [pool.buffer]
