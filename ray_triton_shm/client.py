@@ -121,10 +121,12 @@ class LocalPools:
         grpc: grpcclient.InferenceServerClient,
         server_visible_devices: str | None = None,
         shm_api_key: str | None = None,
+        url: str = "",
     ) -> None:
         from ray_triton_shm.server import SHM_API_GRPC_HEADER
 
         self._grpc = grpc
+        self._url = url
         self._server_visible = server_visible_devices
         self._headers = {SHM_API_GRPC_HEADER: shm_api_key} if shm_api_key else None
         self._pools: list[SlotPool] = []
@@ -164,14 +166,14 @@ class LocalPools:
             except InferenceServerException as e:
                 raise translate_error(e, model) from e
             return
-        from ray_triton_shm._private.cuda import server_device_id, server_visible_for_local_server
+        from ray_triton_shm._private.cuda import server_device_id, server_visible_devices_of
         from ray_triton_shm.errors import CudaError
 
         buffer = pool.buffer  # type: ignore[attr-defined]
         device = server_device_id(
             buffer.device,
             os.environ.get("CUDA_VISIBLE_DEVICES"),
-            server_visible_for_local_server(self._server_visible),
+            server_visible_devices_of(self._server_visible, self._url),
         )
         check_span(pool.region_name, buffer.size, 0, buffer.size)
         try:
@@ -305,7 +307,7 @@ class TritonShmClient:
         # Shared-memory requests carry only descriptors; HTTP sends them for less CPU than gRPC.
         self._http = HttpShmSender(config.http_url, config.request_timeout_s) if config.http_url else None
         self._source: PoolSource = pool_source or LocalPools(
-            self._grpc, config.server_visible_devices, config.shm_api_key
+            self._grpc, config.server_visible_devices, config.shm_api_key, url=config.url
         )
         self._observer: Observer = observer or NULL_OBSERVER
         self._pools: dict[str, SlotPool] = {}

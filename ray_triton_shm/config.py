@@ -400,9 +400,11 @@ class ClientConfig:
         request_timeout_s: Deadline of one inference call; ``None`` waits forever.
         max_parallel_chunks: Threads used to run the pieces of a split batch.
         server_visible_devices: The server's ``CUDA_VISIBLE_DEVICES``, to name
-            GPUs of CUDA pools in its numbering: ``None`` means the same as
-            this process's (a server started from here inherits it), ``"all"``
-            that the server's is unset.
+            GPUs of CUDA pools in its numbering: ``"all"`` means the server's
+            is unset; ``None`` reads it from the server process (found by its
+            port in ``/proc``), and CUDA pools fail with ``DeviceMappingError``
+            when that is not possible (a server in another container, of
+            another user): then set it. See docs/cuda.md.
         shm_api_key: The key of a server whose shared-memory endpoints are
             protected (``TritonServer.shm_api_key``); sent when registering.
         grpc_fallback: When an output does not fit its slot (a variable-size

@@ -287,18 +287,94 @@ def local_device_uuids() -> list[str] | None:
         return None
 
 
-def server_visible_for_local_server(setting: str | None) -> str | None:
-    """The server's ``CUDA_VISIBLE_DEVICES`` from a client setting.
+_UNKNOWN = object()
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes of TCP sockets listening on ``port`` (any address), from /proc/net."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def detect_server_visible(url: str) -> str | object | None:
+    """The ``CUDA_VISIBLE_DEVICES`` of the local process listening on ``url``'s port.
+
+    Reads the listener's environment from ``/proc`` (possible for a server
+    of the same user, or as root, in the same PID namespace: not for a
+    server in another container).
 
     Args:
-        setting: ``None``: the server has this process's value (it inherited
-            it); :data:`ALL_DEVICES`: the server's is unset; else the value.
+        url: ``host:port`` of the server.
+
+    Returns:
+        The value, ``None`` when the server's variable is unset, or the
+        sentinel ``_UNKNOWN`` when the server process cannot be found or read.
     """
-    if setting is None:
-        return os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        port = int(url.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return _UNKNOWN
+    sockets = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
+    if not sockets:
+        return _UNKNOWN
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            links = {os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir)}
+        except OSError:
+            continue
+        if not links & sockets:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:
+            return _UNKNOWN
+        for entry in entries:
+            name, _, value = entry.partition(b"=")
+            if name == b"CUDA_VISIBLE_DEVICES":
+                return value.decode(errors="replace")
+        return None
+    return _UNKNOWN
+
+
+def server_visible_devices_of(setting: str | None, url: str) -> str | None:
+    """The server's ``CUDA_VISIBLE_DEVICES`` for a direct client (``ClientConfig.server_visible_devices``).
+
+    Args:
+        setting: :data:`ALL_DEVICES`: the server's is unset; another string:
+            its value; ``None``: read it from the server process
+            (:func:`detect_server_visible`).
+        url: The server's ``host:port``.
+
+    Raises:
+        DeviceMappingError: ``setting`` is ``None`` and the server's
+            environment cannot be read. Assuming the client's own would name
+            the wrong GPU whenever the two differ (a Ray worker given GPU 3
+            sees it as its device 0, a server that sees all GPUs calls it 3).
+    """
     if setting == ALL_DEVICES:
         return None
-    return setting
+    if setting is not None:
+        return setting
+    found = detect_server_visible(url)
+    if found is _UNKNOWN:
+        raise DeviceMappingError(
+            f"cannot tell which GPUs the server at {url} sees (its process environment is not "
+            "readable from here): set ClientConfig.server_visible_devices (env "
+            "RAY_TRITON_SHM_SERVER_VISIBLE_DEVICES) to its CUDA_VISIBLE_DEVICES, or 'all' if unset"
+        )
+    return found  # type: ignore[return-value]
 
 
 # -- raw allocations and IPC handles -------------------------------------

@@ -144,13 +144,44 @@ def test_device_mapping_error_is_a_value_error_and_a_cuda_error() -> None:
     assert issubclass(CudaError, RayTritonShmError)
 
 
-def test_server_visible_for_local_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert cuda.server_visible_for_local_server(None) == "2,3"
-    assert cuda.server_visible_for_local_server("all") is None
-    assert cuda.server_visible_for_local_server("1") == "1"
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert cuda.server_visible_for_local_server(None) is None
+def _listener(env_value: str | None) -> tuple[subprocess.Popen[str], str]:
+    """A process listening on a free port, with CUDA_VISIBLE_DEVICES set (or unset): a stand-in server."""
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if env_value is not None:
+        env["CUDA_VISIBLE_DEVICES"] = env_value
+    code = (
+        "import socket, sys\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(s.getsockname()[1], flush=True); sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, f"127.0.0.1:{proc.stdout.readline().strip()}"
+
+
+@pytest.mark.parametrize("value", ["2,3", "", None])
+def test_server_visible_devices_are_read_from_the_server_process(
+    monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the client's own is not the server's
+    proc, url = _listener(value)
+    try:
+        assert cuda.detect_server_visible(url) == value
+        assert cuda.server_visible_devices_of(None, url) == value
+        assert cuda.server_visible_devices_of("all", url) is None  # explicit wins
+        assert cuda.server_visible_devices_of("1", url) == "1"
+        # A Ray worker given GPU 3 (its device 0) against a server that sees every GPU: Triton's 3.
+        if value is None:
+            assert server_device_id(0, "3", cuda.server_visible_devices_of(None, url)) == 3
+    finally:
+        proc.communicate("", timeout=30)
+    assert cuda.detect_server_visible(url) is cuda._UNKNOWN  # nobody listens any more
+    with pytest.raises(DeviceMappingError, match="server_visible_devices"):
+        cuda.server_visible_devices_of(None, url)
+    assert cuda.server_visible_devices_of("all", url) is None
 
 
 # -- IPC handle encoding -------------------------------------------------------------------
