@@ -187,12 +187,29 @@ class CudaLease(Lease):
         self._flat: Any = None
         # Sources of copies queued on the pool's stream, kept alive until flush() saw them done.
         self._pending: list[Any] = []
+        # Whether input views were handed out, which the caller may fill on its own stream.
+        self._filled_in_place = False
 
     def _lease_anchor(self) -> Any:
         if self._flat is None:
             self._anchor = self.pool._new_anchor()  # type: ignore[assignment]
             self._flat = self.pool.buffer.as_cupy(self._anchor, self.slot.offset, self.layout.slot_bytes)
         return self._flat
+
+    def input(self, name: str, shape: Sequence[int]) -> Any:
+        """A writable cupy view of input ``name`` to fill in place (see :meth:`Lease.input`).
+
+        Fill it with the pool's GPU current: :meth:`flush` waits for that GPU's
+        current stream before the request. Work on other streams must be
+        synchronised by the caller.
+
+        Raises:
+            InputError: Unknown name or a shape that does not fit.
+            LeaseReleasedError: The lease has ended.
+        """
+        view = super().input(name, shape)
+        self._filled_in_place = True
+        return view
 
     def _dtype_view(self, spec: TensorSpec, shape: Sequence[int]) -> Any:
         """A contiguous view of ``spec``'s region in the slot with ``shape`` (already validated)."""
@@ -256,19 +273,28 @@ class CudaLease(Lease):
             return self._dtype_view(self._spec(name, "output"), shape).copy()
 
     def flush(self) -> None:
-        """Wait until this lease's queued input copies are done, so Triton reads complete inputs."""
-        if not self._pending:
+        """Wait until the inputs are complete, so Triton reads them whole.
+
+        That is this lease's copies queued on the pool's stream and, if input
+        views were handed out, the work queued so far on the caller's current
+        stream of the pool's GPU (where it filled them). Never the whole device.
+        """
+        if not (self._pending or self._filled_in_place):
             return
         cupy = import_cupy()
         with cupy.cuda.Device(self.pool.device):
-            done = cupy.cuda.Event(disable_timing=True)
-            done.record(self.pool.stream)
-            done.synchronize()
+            streams = [cupy.cuda.get_current_stream()] if self._filled_in_place else []
+            if self._pending:
+                streams.append(self.pool.stream)
+            for stream in streams:
+                done = cupy.cuda.Event(disable_timing=True)
+                done.record(stream)
+                done.synchronize()
         self._pending.clear()
 
     def release(self) -> None:
         """Give the slot back. Idempotent. Live views keep it pinned."""
-        if self._pending and not self.released:
+        if self._pending and not self.released:  # (in-place fills are the caller's to finish)
             try:
                 self.flush()  # copies into the slot must end before anyone else gets it
             except Exception:

@@ -153,3 +153,31 @@ def test_gpu_region_of_a_dead_client_is_freed_only_after_its_quarantine() -> Non
     until = time.monotonic() + 0.3 - 0.05  # the quarantine began a moment before this line
     pools.close()
     assert freed_at and freed_at[0] >= until
+
+
+@pytest.mark.parametrize("force_cuda", [False, True])
+def test_auto_memory_falls_back_to_system_when_triton_cannot_see_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, force_cuda: bool
+) -> None:
+    import types
+
+    import fake_cupy
+
+    from ray_triton_shm._private.node_client import _GrantedPools
+    from ray_triton_shm.errors import DeviceMappingError
+
+    fake_cupy.reset(devices=1)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    # Triton was started with ServerConfig.gpus=(0,): it cannot see this process's GPU 3.
+    info = types.SimpleNamespace(gpu_visible_devices="0")
+    pools = _GrantedPools(None, 1, 1.0, info, force_cuda=force_cuda)  # type: ignore[arg-type]
+    cuda_config = PoolConfig(memory="cuda")
+    if force_cuda:  # memory="cuda": the caller insisted, so it is an error
+        with pytest.raises(DeviceMappingError, match="not visible to the server"):
+            pools._server_device(cuda_config)
+    else:  # memory="auto": a system pool, as for a model that runs on CPU
+        assert pools._server_device(cuda_config) is None
+    info.gpu_visible_devices = "1,3"
+    assert pools._server_device(cuda_config) == (0, 1)
+    assert pools._server_device(PoolConfig(memory="system")) is None

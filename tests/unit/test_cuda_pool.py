@@ -117,6 +117,24 @@ def test_copies_run_on_the_pools_gpu_and_stream_after_the_producer(gpu: Any) -> 
         pool.close()
 
 
+def test_flush_waits_for_the_callers_stream_after_in_place_fills(gpu: Any) -> None:
+    pool = CudaSlotPool.create(layout_from_config(IDENTITY, PoolConfig()), 1, device=1)
+    try:
+        with pool.acquire(1.0) as lease:
+            lease.flush()
+            assert not _ops(gpu, "record", "event_synchronize")  # nothing written: nothing to wait for
+            with fake_cupy.Device(1), fake_cupy.Stream(non_blocking=True) as mine:
+                lease.input("INPUT0", (1, 4))._np[...] = 1.0  # a kernel of the caller's, on its stream
+                lease.flush()
+            assert _ops(gpu, "record", "event_synchronize") == [
+                ("record", mine.name, 1),
+                ("event_synchronize", mine.name),
+            ]
+            assert not _ops(gpu, "deviceSynchronize")
+    finally:
+        pool.close()
+
+
 def test_closing_while_views_live_frees_when_the_last_dies(gpu: Any) -> None:
     layout = layout_from_config(IDENTITY, PoolConfig())
     pool = CudaSlotPool.create(layout, 2, device=0)
