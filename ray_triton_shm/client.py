@@ -166,7 +166,7 @@ class LocalPools:
             except InferenceServerException as e:
                 raise translate_error(e, model) from e
             return
-        from ray_triton_shm._private.cuda import server_device_id, server_visible_devices_of
+        from ray_triton_shm._private.cuda_devices import server_device_id, server_visible_devices_of
         from ray_triton_shm.errors import CudaError
 
         buffer = pool.buffer  # type: ignore[attr-defined]
