@@ -76,7 +76,7 @@ if [ -n "$missing" ]; then
 fi
 [ -z "$missing" ] || die "the Python-backend stub misses libraries: $missing"
 
-step "client packages (tritonclient, rapidjson, grpcio, protobuf, ml_dtypes, packaging) on PYTHONPATH only"
+step "client packages (tritonclient and the wheels it needs, carried) on PYTHONPATH only"
 client_site="$WORK/client-site"
 if [ ! -d "$client_site/tritonclient" ]; then
     # A wheel is a zip of site-packages; its <name>.data/{purelib,platlib} go there too.
