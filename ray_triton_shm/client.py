@@ -121,10 +121,12 @@ class LocalPools:
         grpc: grpcclient.InferenceServerClient,
         server_visible_devices: str | None = None,
         shm_api_key: str | None = None,
+        url: str = "",
     ) -> None:
         from ray_triton_shm.server import SHM_API_GRPC_HEADER
 
         self._grpc = grpc
+        self._url = url
         self._server_visible = server_visible_devices
         self._headers = {SHM_API_GRPC_HEADER: shm_api_key} if shm_api_key else None
         self._pools: list[SlotPool] = []
@@ -164,14 +166,14 @@ class LocalPools:
             except InferenceServerException as e:
                 raise translate_error(e, model) from e
             return
-        from ray_triton_shm._private.cuda import server_device_id, server_visible_for_local_server
+        from ray_triton_shm._private.cuda_devices import server_device_id, server_visible_devices_of
         from ray_triton_shm.errors import CudaError
 
         buffer = pool.buffer  # type: ignore[attr-defined]
         device = server_device_id(
             buffer.device,
             os.environ.get("CUDA_VISIBLE_DEVICES"),
-            server_visible_for_local_server(self._server_visible),
+            server_visible_devices_of(self._server_visible, self._url),
         )
         check_span(pool.region_name, buffer.size, 0, buffer.size)
         try:
@@ -216,9 +218,36 @@ class LocalPools:
                 if "in use" in str(e.message()) and time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
-                # The server may be gone already; the memory is ours to free anyway.
+                # The server may be gone already; whether a CUDA region may be freed is
+                # decided by _cuda_region_gone.
                 logger.debug("unregister %s failed: %s", pool.region_name, e)
                 return
+
+    def _cuda_region_gone(self, pool: SlotPool) -> bool:
+        """Whether Triton has let go of ``pool``'s CUDA region, polling its status until NOT_FOUND.
+
+        Since Triton r24.11 unregistering a region that a request still uses
+        succeeds and the region is closed when the request ends, so success
+        alone does not mean the memory is free to go. A server that cannot be
+        reached (UNAVAILABLE: not listening) holds nothing.
+        """
+        deadline = time.monotonic() + _UNREGISTER_WAIT_S
+        while True:
+            try:
+                status = self._grpc.get_cuda_shared_memory_status(
+                    pool.region_name, headers=self._headers, as_json=True
+                )
+            except InferenceServerException as e:
+                message = str(e.message() or e).lower()
+                if _status_name(e) in ("NOT_FOUND", "UNAVAILABLE") or "unable to find" in message:
+                    return True
+                logger.debug("status of %s: %s", pool.region_name, e)
+            else:
+                if pool.region_name not in ((status or {}).get("regions") or {}):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def close(self) -> None:
         for pool in self._pools:
@@ -230,6 +259,16 @@ class LocalPools:
                 )
                 time.sleep(wait)
             self._unregister(pool)
+            if pool.memory == "cuda" and not self._cuda_region_gone(pool):
+                # Freeing memory Triton may still write to could corrupt whatever reuses it.
+                logger.warning(
+                    "Triton still holds CUDA region %s after unregistering it; leaking its %d bytes "
+                    "rather than freeing memory the server may write to",
+                    pool.region_name,
+                    pool.region_bytes,
+                )
+                pool.abandon()  # type: ignore[attr-defined]
+                continue
             pool.close()
         self._pools.clear()
 
@@ -268,7 +307,7 @@ class TritonShmClient:
         # Shared-memory requests carry only descriptors; HTTP sends them for less CPU than gRPC.
         self._http = HttpShmSender(config.http_url, config.request_timeout_s) if config.http_url else None
         self._source: PoolSource = pool_source or LocalPools(
-            self._grpc, config.server_visible_devices, config.shm_api_key
+            self._grpc, config.server_visible_devices, config.shm_api_key, url=config.url
         )
         self._observer: Observer = observer or NULL_OBSERVER
         self._pools: dict[str, SlotPool] = {}
@@ -426,10 +465,14 @@ class TritonShmClient:
             OutputTooLargeError: An output does not fit its slot and ``grpc_fallback`` is off.
             TritonCallError / UnavailableError: The server refused or is gone.
         """
-        layout = self.layout(model)
+        pool = self.pool(model)
+        layout = pool.layout
         checked = self._check(layout, inputs)
         wanted = self._wanted_outputs(layout, outputs)
-        if checked.nbytes < self.config.pool_for(model).shm_threshold(over_http=self._http is not None):
+        # GPU data (a CUDA pool, or device inputs) never goes over host gRPC because it is small.
+        on_gpu = pool.memory == "cuda" or checked.on_device
+        threshold = self.config.pool_for(model).shm_threshold(over_http=self._http is not None, cuda=on_gpu)
+        if checked.nbytes < threshold:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
         try:
             return self._infer_shm(model, checked, wanted, self._lease_timeout(model, timeout), copy)
@@ -437,7 +480,10 @@ class TritonShmClient:
             if not self.config.grpc_fallback:
                 raise
             logger.warning("%s; sending it over plain gRPC", e)
-            return InferResult(self._call_grpc(model, checked, wanted), "grpc")
+            result = self._call_grpc(model, checked, wanted)
+            if pool.memory == "cuda":  # outputs of a CUDA pool are cupy arrays, whichever way they came
+                result = _to_device(result, pool)
+            return InferResult(result, "grpc")
 
     def _infer_shm(
         self, model: str, checked: CheckedInputs, wanted: list[str], lease_timeout: float, copy: bool = True
@@ -456,10 +502,11 @@ class TritonShmClient:
         if pool.memory == "cuda":
             from ray_triton_shm._private.cuda import import_cupy
 
-            concatenate = import_cupy().concatenate
-        else:
-            concatenate = np.concatenate
-        return InferResult({name: concatenate([p[name] for p in parts]) for name in wanted}, path)
+            cupy = import_cupy()
+            with cupy.cuda.Device(pool.device):  # type: ignore[attr-defined]
+                joined = {name: cupy.concatenate([p[name] for p in parts]) for name in wanted}
+            return InferResult(joined, path)
+        return InferResult({name: np.concatenate([p[name] for p in parts]) for name in wanted}, path)
 
     async def ainfer(
         self,
@@ -689,6 +736,15 @@ class TritonShmClient:
         nbytes = checked.nbytes + sum(a.nbytes for a in outputs.values())
         safely(self._observer.request, model, "grpc", nbytes, seconds)
         return outputs
+
+
+def _to_device(outputs: dict[str, Any], pool: SlotPool) -> dict[str, Any]:
+    """Host outputs as cupy arrays on a CUDA pool's GPU."""
+    from ray_triton_shm._private.cuda import import_cupy
+
+    cupy = import_cupy()
+    with cupy.cuda.Device(pool.device):  # type: ignore[attr-defined]
+        return {name: cupy.asarray(value) for name, value in outputs.items()}
 
 
 def _chunks(layout: ModelLayout, batch: int) -> list[tuple[int, int]]:

@@ -304,6 +304,7 @@ class PoolConfig:
         lease_timeout_s: How long ``infer`` waits for a free slot.
         min_shm_bytes: Requests whose inputs are smaller than this go over
             plain gRPC, where shared memory does not pay; 0 always uses shm.
+            Ignored for CUDA pools and GPU inputs, which always use shm.
             ``None`` (the default) picks the measured crossover for the way
             shm requests are sent (:meth:`shm_threshold`): 0 over HTTP
             (``ClientConfig.http_url``), where shm wins at every size, and
@@ -360,15 +361,22 @@ class PoolConfig:
             shapes[str(name)] = dims
         object.__setattr__(self, "max_shapes", shapes)
 
-    def shm_threshold(self, *, over_http: bool) -> int:
+    def shm_threshold(self, *, over_http: bool, cuda: bool = False) -> int:
         """The input size from which ``infer`` uses shared memory.
 
         Args:
             over_http: Whether shm requests go over HTTP (``ClientConfig.http_url`` set).
+            cuda: Whether the request involves GPU memory (a CUDA pool or a
+                device input). Then it is always 0: plain gRPC would copy the
+                tensors to host and return host arrays, which must not happen
+                just because they are small (``infer_grpc`` does it on request).
 
         Returns:
-            ``min_shm_bytes`` if set, else the crossover measured for that transport.
+            0 for GPU memory; else ``min_shm_bytes`` if set, else the crossover
+            measured for that transport.
         """
+        if cuda:
+            return 0
         if self.min_shm_bytes is not None:
             return self.min_shm_bytes
         return 0 if over_http else GRPC_MIN_SHM_BYTES
@@ -392,9 +400,11 @@ class ClientConfig:
         request_timeout_s: Deadline of one inference call; ``None`` waits forever.
         max_parallel_chunks: Threads used to run the pieces of a split batch.
         server_visible_devices: The server's ``CUDA_VISIBLE_DEVICES``, to name
-            GPUs of CUDA pools in its numbering: ``None`` means the same as
-            this process's (a server started from here inherits it), ``"all"``
-            that the server's is unset.
+            GPUs of CUDA pools in its numbering: ``"all"`` means the server's
+            is unset; ``None`` reads it from the server process (found by its
+            port in ``/proc``), and CUDA pools fail with ``DeviceMappingError``
+            when that is not possible (a server in another container, of
+            another user): then set it. See docs/cuda.md.
         shm_api_key: The key of a server whose shared-memory endpoints are
             protected (``TritonServer.shm_api_key``); sent when registering.
         grpc_fallback: When an output does not fit its slot (a variable-size

@@ -1,21 +1,10 @@
-"""CUDA plumbing for the CUDA slot pools: the lazy cupy import, device ids, raw allocations.
+"""CUDA plumbing for the CUDA slot pools: the lazy cupy import, raw allocations, device arrays.
 
 Nothing here imports cupy at module import time: a CPU-only installation
 never needs it, and asking for CUDA memory without it raises
 :class:`~ray_triton_shm.errors.CudaUnavailableError` naming the pip extra.
-
-Device ids
-----------
-``CUDA_VISIBLE_DEVICES`` renumbers GPUs per process: under Ray a task given
-physical GPU 3 sees it as device 0. Triton must be told the id *it* sees,
-so a client's device index is first turned into the GPU's identity (an entry
-of the client's ``CUDA_VISIBLE_DEVICES``, or the index itself when the
-variable is unset), then looked up in the server's numbering
-(:func:`server_device_id`). Integer entries name GPUs in CUDA's enumeration
-order, which is the same for both processes as long as they share
-``CUDA_DEVICE_ORDER``; UUID (``GPU-...``) and MIG (``MIG-...``) entries are
-compared as identities, and an index can be compared with a UUID only when
-the GPUs' UUIDs are known (``physical_uuids``).
+Device-id mapping lives in :mod:`ray_triton_shm._private.cuda_devices`
+(its functions are re-exported here).
 """
 
 from __future__ import annotations
@@ -23,22 +12,33 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ray_triton_shm.errors import CudaError, CudaUnavailableError, DeviceMappingError, NoGpuError
+from ray_triton_shm._private.cuda_devices import (  # noqa: F401 - re-exported
+    _UNKNOWN,
+    ALL_DEVICES,
+    detect_server_visible,
+    local_device_index,
+    local_device_uuids,
+    parse_visible_devices,
+    server_device_id,
+    server_visible_devices_of,
+)
+from ray_triton_shm.errors import CudaError, CudaUnavailableError, NoGpuError
 
 logger = logging.getLogger(__name__)
 
 CUDA_EXTRA = "pip install 'ray-triton-shm[cuda]'"
 IPC_HANDLE_BYTES = 64
-ALL_DEVICES = "all"
-"""``server_visible_devices`` value meaning the server's ``CUDA_VISIBLE_DEVICES`` is unset."""
+REGION_ALIGN = 2 << 20
+"""Device regions are allocated in whole multiples of this (2 MiB).
 
-_INT_ENTRY = re.compile(r"^\d+$")
+The driver sub-allocates smaller ``cudaMalloc`` requests from shared 2 MiB
+blocks, and an IPC handle exports the whole block: a region that shares one
+would hand Triton our neighbouring allocations too.
+"""
 
 
 def import_cupy() -> ModuleType:
@@ -94,125 +94,6 @@ def require_device(device: int | None) -> int:
     return device
 
 
-# -- device ids -----------------------------------------------------------
-def parse_visible_devices(text: str | None) -> tuple[str, ...] | None:
-    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value exposes, in order.
-
-    Follows CUDA: entries are comma separated, and parsing stops at the first
-    entry that is not a non-negative index, a ``GPU-`` UUID or a ``MIG-``
-    identifier (so ``"0,-1,1"`` exposes only GPU 0, and ``""`` none).
-    Indices are normalised (``"01"`` becomes ``"1"``), UUIDs lower-cased.
-
-    Args:
-        text: The variable's value; ``None`` when it is unset.
-
-    Returns:
-        The entries, or ``None`` when unset (every GPU visible, in CUDA order).
-    """
-    if text is None:
-        return None
-    entries: list[str] = []
-    for raw in text.split(","):
-        entry = raw.strip()
-        if _INT_ENTRY.match(entry):
-            entries.append(str(int(entry)))
-        elif entry[:4].upper() in ("GPU-", "MIG-") and len(entry) > 4:
-            entries.append(entry[:4].upper() + entry[4:].lower())
-        else:
-            break
-    return tuple(entries)
-
-
-def _canonical(entry: str, physical_uuids: Sequence[str] | None) -> str:
-    """An entry as a full UUID when UUIDs are known and it names a whole GPU; else as it is."""
-    if physical_uuids is None or entry.startswith("MIG-"):
-        return entry
-    uuids = [u.strip()[:4].upper() + u.strip()[4:].lower() for u in physical_uuids]
-    if _INT_ENTRY.match(entry):
-        index = int(entry)
-        if index >= len(uuids):
-            raise DeviceMappingError(f"GPU index {index} does not exist (the node has {len(uuids)} GPUs)")
-        return uuids[index]
-    # CUDA accepts any unique prefix of a UUID.
-    matches = [u for u in uuids if u.startswith(entry)]
-    if len(matches) != 1:
-        raise DeviceMappingError(f"{entry!r} matches {len(matches)} of the node's GPUs {uuids}")
-    return matches[0]
-
-
-def server_device_id(
-    client_index: int,
-    client_visible: str | None,
-    server_visible: str | None,
-    *,
-    physical_uuids: Sequence[str] | None = None,
-) -> int:
-    """The id Triton uses for the GPU a client calls ``client_index``.
-
-    Args:
-        client_index: Device index in the client process (after its renumbering).
-        client_visible: The client's ``CUDA_VISIBLE_DEVICES`` (``None``: unset).
-        server_visible: The server's ``CUDA_VISIBLE_DEVICES`` (``None``: unset).
-        physical_uuids: UUIDs of the node's GPUs in CUDA order, when known; needed
-            only to compare an index with a UUID.
-
-    Returns:
-        The device index in the server process.
-
-    Raises:
-        DeviceMappingError: The index is negative or not visible to the client,
-            the server does not see that GPU, or index and UUID forms meet
-            without ``physical_uuids``.
-    """
-    if isinstance(client_index, bool) or not isinstance(client_index, int) or client_index < 0:
-        raise DeviceMappingError(f"client device index must be an int >= 0, got {client_index!r}")
-    client = parse_visible_devices(client_visible)
-    if client is None:
-        identity = str(client_index)
-    elif client_index < len(client):
-        identity = client[client_index]
-    else:
-        raise DeviceMappingError(
-            f"client device {client_index} is not visible: CUDA_VISIBLE_DEVICES={client_visible!r} "
-            f"exposes {len(client)} GPU(s)"
-        )
-    server = parse_visible_devices(server_visible)
-    want = _canonical(identity, physical_uuids)
-    if server is None:
-        if _INT_ENTRY.match(want):
-            return int(want)
-        if physical_uuids is not None and not want.startswith("MIG-"):
-            return [_canonical(u, physical_uuids) for u in physical_uuids].index(want)
-        raise DeviceMappingError(
-            f"the client's GPU is {identity!r} and the server's CUDA_VISIBLE_DEVICES is unset: "
-            "its index cannot be known without the node's GPU UUIDs"
-            + ("" if not want.startswith("MIG-") else " (and a MIG device must be named to the server)")
-        )
-    candidates = [_canonical(entry, physical_uuids) for entry in server]
-    if want in candidates:
-        return candidates.index(want)
-    kinds = {_INT_ENTRY.match(e) is not None for e in (want, *candidates)}
-    hint = " (index and UUID forms cannot be compared without the GPU UUIDs)" if len(kinds) > 1 else ""
-    raise DeviceMappingError(
-        f"the client's GPU {identity!r} is not visible to the server "
-        f"(server CUDA_VISIBLE_DEVICES={server_visible!r}){hint}"
-    )
-
-
-def server_visible_for_local_server(setting: str | None) -> str | None:
-    """The server's ``CUDA_VISIBLE_DEVICES`` from a client setting.
-
-    Args:
-        setting: ``None``: the server has this process's value (it inherited
-            it); :data:`ALL_DEVICES`: the server's is unset; else the value.
-    """
-    if setting is None:
-        return os.environ.get("CUDA_VISIBLE_DEVICES")
-    if setting == ALL_DEVICES:
-        return None
-    return setting
-
-
 # -- raw allocations and IPC handles -------------------------------------
 def encode_handle(raw: bytes) -> bytes:
     """A cudaIpcMemHandle_t as ``register_cuda_shared_memory`` takes it: base64 of its 64 bytes.
@@ -250,7 +131,8 @@ class DeviceBuffer:
 
         A pooled block may be a piece of a larger allocation; its IPC handle
         exports that whole allocation and the server maps it at its base, so
-        every offset would be wrong.
+        every offset would be wrong. The allocation is rounded up to
+        :data:`REGION_ALIGN`; ``size`` stays what was asked for.
 
         Raises:
             CudaUnavailableError / NoGpuError / CudaError.
@@ -258,13 +140,14 @@ class DeviceBuffer:
         cupy = import_cupy()
         device = require_device(device)
         runtime = cupy.cuda.runtime
+        padded = -(-size // REGION_ALIGN) * REGION_ALIGN  # a block of our own (see REGION_ALIGN)
         with cupy.cuda.Device(device):
             try:
-                ptr = int(runtime.malloc(size))
+                ptr = int(runtime.malloc(padded))
             except runtime.CUDARuntimeError as e:
-                raise CudaError(f"cudaMalloc of {size} bytes on GPU {device} failed: {e}") from e
+                raise CudaError(f"cudaMalloc of {padded} bytes on GPU {device} failed: {e}") from e
             try:
-                runtime.memset(ptr, 0, size)
+                runtime.memset(ptr, 0, padded)
                 handle = bytes(runtime.ipcGetMemHandle(ptr))
             except runtime.CUDARuntimeError as e:
                 runtime.free(ptr)

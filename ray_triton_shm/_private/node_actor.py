@@ -31,7 +31,7 @@ from ray_triton_shm._private.node_registry import Reaper, Users
 from ray_triton_shm._private.segment import check_span, new_segment_name, redact
 from ray_triton_shm.client import translate_error
 from ray_triton_shm.config import PoolConfig
-from ray_triton_shm.errors import CudaError, CudaUnavailableError, DeviceMappingError, UnavailableError
+from ray_triton_shm.errors import CudaError, CudaUnavailableError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -139,16 +139,19 @@ class _NodeActor:
         )
 
     def _local_device(self, server_device: int) -> int:
-        """This actor's index of the GPU Triton calls ``server_device``."""
-        from ray_triton_shm._private.cuda import server_device_id
+        """This actor's index of the GPU Triton calls ``server_device``.
 
-        mine = os.environ.get(_CVD)
-        for index in range(self._gpu_count):
-            if server_device_id(index, mine, self._gpu_visible) == server_device:
-                return index
-        raise DeviceMappingError(
-            f"Triton's GPU {server_device} is not visible to the node actor "
-            f"(actor {_CVD}={mine!r}, Triton's {self._gpu_visible!r})"
+        Raises:
+            DeviceMappingError: No GPU of this actor is that GPU of Triton.
+        """
+        from ray_triton_shm._private.cuda import local_device_index, local_device_uuids
+
+        return local_device_index(
+            server_device,
+            os.environ.get(_CVD),
+            self._gpu_visible,
+            self._gpu_count,
+            local_uuids=local_device_uuids(),
         )
 
     def _watch(self) -> None:
@@ -323,7 +326,11 @@ class _NodeActor:
         return pid
 
     def shutdown(self) -> None:
-        """Stop Triton, then unlink every segment (no request can run on them any more). Idempotent."""
+        """Stop Triton, then unregister and unlink every segment (free GPU regions). Idempotent.
+
+        Triton goes first: once its process is gone nothing can still write
+        to a region, so freeing it is safe even if a request was running.
+        """
         self._stopping.set()
         with self._lock:
             self._retiring = True

@@ -50,14 +50,28 @@ class _GrantedPools:
         self._held: list[SlotPool] = []
 
     def _server_device(self, config: PoolConfig) -> tuple[int, int] | None:
-        """(this process's GPU, Triton's id for it) when the pool should be in GPU memory."""
+        """(this process's GPU, Triton's id for it) when the pool should be in GPU memory.
+
+        Under ``memory="auto"`` a GPU that Triton cannot be told about (not
+        visible to it, or not comparable) means system memory, not an error.
+
+        Raises:
+            DeviceMappingError: With ``memory="cuda"``, Triton does not see this process's GPU.
+        """
         if config.memory != "cuda":
             return None
         from ray_triton_shm._private.cuda import require_device, server_device_id
+        from ray_triton_shm.errors import DeviceMappingError
 
         local = require_device(config.device_id)
         visible = self._info.gpu_visible_devices if self._info else None
-        return local, server_device_id(local, os.environ.get(_CVD), visible)
+        try:
+            return local, server_device_id(local, os.environ.get(_CVD), visible)
+        except DeviceMappingError as e:
+            if self._force_cuda:
+                raise
+            logger.warning("memory='auto': system memory, since Triton cannot be given this GPU: %s", e)
+            return None
 
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
         devices = self._server_device(config)

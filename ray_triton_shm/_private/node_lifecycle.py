@@ -34,6 +34,15 @@ from ray_triton_shm.errors import RayTritonShmError, UnavailableError
 logger = logging.getLogger(__name__)
 
 
+ACTOR_ENV = {
+    # The actor asks for no GPU; Ray must leave CUDA_VISIBLE_DEVICES as the raylet had it (all of the
+    # node's GPUs) for the actor and its Triton. Ray 2.49-2.5x blank it for zero-GPU workers unless
+    # told not to; older versions honour only the second variable (see docs/cuda.md).
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+}
+
+
 def _spawn(node_id: str, config: NodeConfig) -> ray.actor.ActorHandle:
     return TritonNodeActor.options(
         name=actor_name(node_id, config),
@@ -41,6 +50,7 @@ def _spawn(node_id: str, config: NodeConfig) -> ray.actor.ActorHandle:
         lifetime="detached",
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        runtime_env={"env_vars": dict(ACTOR_ENV)},
     ).remote(config)
 
 

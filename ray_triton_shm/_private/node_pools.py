@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -222,9 +221,8 @@ class NodePools:
     def close(self) -> None:
         """Unregister, then unlink every region and table (free every GPU region). Idempotent.
 
-        Call it after Triton stopped, or when no request can be running: a GPU
-        region with slots still protected (a request may still run on the
-        server) is freed only when their protection ends.
+        Call it after Triton stopped (the node actor does): then no request
+        can still write to a region, whatever the slot tables say.
         """
         with self._lock:
             if self._closed:
@@ -232,14 +230,6 @@ class NodePools:
             self._closed = True
             pools, self._pools = self._pools, {}
         for pool in pools.values():
-            if isinstance(pool.segment, CudaRegion):
-                wait = max((pool.table.protected_until(i) for i in range(pool.table.slots)), default=0.0)
-                wait -= time.monotonic()
-                if wait > 0:
-                    logger.warning(
-                        "waiting %.1fs before freeing %s: requests may be in flight", wait, pool.segment.name
-                    )
-                    time.sleep(wait)
             try:
                 self._unregister(pool.segment)
             except Exception as e:  # the server may already be gone

@@ -81,6 +81,8 @@ def test_parse_visible_devices(text: str | None, expected: tuple[str, ...] | Non
         (1, "1,2,-1,0", "0,1,2", 2),
         (0, "GPU-bbbbbbbb-1111-2222-3333-444444444444", "GPU-bbbbbbbb-1111-2222-3333-444444444444", 0),
         (0, "MIG-abc/1/0", "MIG-xyz/2/0,MIG-abc/1/0", 1),
+        (0, "GPU-bbbbbbbb", "GPU-aaaaaaaa,GPU-bbbbbbbb-1111-2222-3333-444444444444", 1),  # a prefix
+        (0, "GPU-bbbbbbbb-1111-2222-3333-444444444444", "GPU-bbbb", 0),
     ],
 )
 def test_server_device_id(index: int, client: str | None, server: str | None, expected: int) -> None:
@@ -142,13 +144,44 @@ def test_device_mapping_error_is_a_value_error_and_a_cuda_error() -> None:
     assert issubclass(CudaError, RayTritonShmError)
 
 
-def test_server_visible_for_local_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert cuda.server_visible_for_local_server(None) == "2,3"
-    assert cuda.server_visible_for_local_server("all") is None
-    assert cuda.server_visible_for_local_server("1") == "1"
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert cuda.server_visible_for_local_server(None) is None
+def _listener(env_value: str | None) -> tuple[subprocess.Popen[str], str]:
+    """A process listening on a free port, with CUDA_VISIBLE_DEVICES set (or unset): a stand-in server."""
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if env_value is not None:
+        env["CUDA_VISIBLE_DEVICES"] = env_value
+    code = (
+        "import socket, sys\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(s.getsockname()[1], flush=True); sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, f"127.0.0.1:{proc.stdout.readline().strip()}"
+
+
+@pytest.mark.parametrize("value", ["2,3", "", None])
+def test_server_visible_devices_are_read_from_the_server_process(
+    monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the client's own is not the server's
+    proc, url = _listener(value)
+    try:
+        assert cuda.detect_server_visible(url) == value
+        assert cuda.server_visible_devices_of(None, url) == value
+        assert cuda.server_visible_devices_of("all", url) is None  # explicit wins
+        assert cuda.server_visible_devices_of("1", url) == "1"
+        # A Ray worker given GPU 3 (its device 0) against a server that sees every GPU: Triton's 3.
+        if value is None:
+            assert server_device_id(0, "3", cuda.server_visible_devices_of(None, url)) == 3
+    finally:
+        proc.communicate("", timeout=30)
+    assert cuda.detect_server_visible(url) is cuda._UNKNOWN  # nobody listens any more
+    with pytest.raises(DeviceMappingError, match="server_visible_devices"):
+        cuda.server_visible_devices_of(None, url)
+    assert cuda.server_visible_devices_of("all", url) is None
 
 
 # -- IPC handle encoding -------------------------------------------------------------------
@@ -279,3 +312,39 @@ def test_cuda_configs_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
     assert copy == client and copy.pools["identity"].memory == "cuda"
     with pytest.raises(ConfigError, match="server_visible_devices"):
         ClientConfig(server_visible_devices=3)  # type: ignore[arg-type]
+
+
+# -- the node actor's index of Triton's GPU -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("server_device", "local", "server", "count", "expected"),
+    [
+        (0, None, "1", 2, 1),  # ServerConfig.gpus=(1,): local GPU 0 is not Triton's; keep looking
+        (1, None, "0,2", 3, 2),
+        (0, "2,3", "3", 2, 1),
+        (2, None, None, 3, 2),
+        (0, "GPU-bbbbbbbb", "GPU-bbbbbbbb-1111-2222-3333-444444444444", 1, 0),
+    ],
+)
+def test_local_device_index(
+    server_device: int, local: str | None, server: str | None, count: int, expected: int
+) -> None:
+    assert cuda.local_device_index(server_device, local, server, count) == expected
+
+
+def test_local_device_index_matches_uuids_with_indices() -> None:
+    local_uuids = [UUIDS[1], UUIDS[2]]
+    # The actor sees GPUs 1 and 2 by index, Triton was told a UUID: matched through the local UUIDs.
+    assert cuda.local_device_index(0, "1,2", UUIDS[2][:12], 2, local_uuids=local_uuids) == 1
+    # The actor sees every GPU (unset): its UUIDs are the node's, so an index meets a UUID.
+    assert cuda.local_device_index(0, None, "GPU-cccccccc", 4, local_uuids=list(UUIDS)) == 2
+
+
+def test_local_device_index_errors_say_why() -> None:
+    with pytest.raises(DeviceMappingError, match="none of this process's 2 GPU") as info:
+        cuda.local_device_index(0, None, "5", 2)
+    assert "local GPU 0" in str(info.value) and "local GPU 1" in str(info.value)
+    with pytest.raises(DeviceMappingError, match="cannot be compared"):
+        # The actor names its GPUs by UUID, Triton by index, and the node's UUIDs are unknown.
+        cuda.local_device_index(0, "GPU-aaaaaaaa", "0", 1, local_uuids=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from dataclasses import dataclass, field
@@ -123,34 +124,55 @@ def test_node_client_memory_checked_before_connecting(monkeypatch: pytest.Monkey
         node.NodeClient(memory="cuda")
 
 
-def test_gpu_region_of_a_dead_client_is_freed_only_after_its_quarantine() -> None:
+def test_slots_of_a_dead_client_are_quarantined_by_the_sweep() -> None:
     import subprocess
-    import time
 
-    freed_at: list[float] = []
-
-    class _Timed(_HostBuffer):
-        def close(self) -> None:
-            freed_at.append(time.monotonic())
-
-    pools = NodePools(lambda region: None, lambda region: None, quarantine_s=0.5)
+    pools = NodePools(lambda region: None, lambda region: None, quarantine_s=30.0)
     layout = layout_from_config(CONFIG, PoolConfig())
-    buffer = _Timed(size=0, device=0)
-
-    def make_region(size: int) -> CudaRegion:
-        buffer.size = size
-        return CudaRegion(buffer, "r", 0)
-
-    pools.ensure_pool("add_sub", layout, PoolConfig(slots=1), key="k", make_region=make_region)
-    table = pools.grant("add_sub", key="k").table_name
-    # A client process takes the slot and dies mid-lease.
+    pools.ensure_pool("add_sub", layout, PoolConfig(slots=2))
+    table = pools.grant("add_sub").table_name
+    # A client process takes slot 0 and dies mid-lease.
     code = (
         "import os\nfrom ray_triton_shm._private.slot_table import SlotTable\n"
         f"assert SlotTable.attach({table!r}).try_claim(0)\nos._exit(0)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert pools.sweep() == 1  # its slot is quarantined from now
-    until = time.monotonic() + 0.5 - 0.05
-    assert pools.stats()["k"]["quarantined"] == 1
+    assert pools.stats()["add_sub"]["quarantined"] == 1  # left leased: counted as held back
+    assert pools.sweep() == 1 and pools.sweep() == 0  # its quarantine starts once
+    assert pools.stats()["add_sub"] == {
+        "slots": 2,
+        "free": 1,
+        "in_use": 0,
+        "quarantined": 1,
+        "slot_bytes": layout.slot_bytes,
+    }
     pools.close()
-    assert freed_at and freed_at[0] >= until
+    assert not os.path.exists(f"/dev/shm/{table}")
+
+
+@pytest.mark.parametrize("force_cuda", [False, True])
+def test_auto_memory_falls_back_to_system_when_triton_cannot_see_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, force_cuda: bool
+) -> None:
+    import types
+
+    import fake_cupy
+
+    from ray_triton_shm._private.node_client import _GrantedPools
+    from ray_triton_shm.errors import DeviceMappingError
+
+    fake_cupy.reset(devices=1)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    # Triton was started with ServerConfig.gpus=(0,): it cannot see this process's GPU 3.
+    info = types.SimpleNamespace(gpu_visible_devices="0")
+    pools = _GrantedPools(None, 1, 1.0, info, force_cuda=force_cuda)  # type: ignore[arg-type]
+    cuda_config = PoolConfig(memory="cuda")
+    if force_cuda:  # memory="cuda": the caller insisted, so it is an error
+        with pytest.raises(DeviceMappingError, match="not visible to the server"):
+            pools._server_device(cuda_config)
+    else:  # memory="auto": a system pool, as for a model that runs on CPU
+        assert pools._server_device(cuda_config) is None
+    info.gpu_visible_devices = "1,3"
+    assert pools._server_device(cuda_config) == (0, 1)
+    assert pools._server_device(PoolConfig(memory="system")) is None

@@ -7,9 +7,12 @@
 #                       tritonserver tree with only the Python 3.12 backend stub, its bundled
 #                       libraries, and numpy 1.26.4 (the stub needs numpy < 2; it never reaches
 #                       the client, which keeps the machine's numpy 2 for cupy)
-#   client/*.whl        tritonclient and what its gRPC client imports that may be missing or too
-#                       old there (python-rapidjson, grpcio, protobuf)
-# Needs pip access here (once). Usage: tools/gpu/pack.sh   (from anywhere; writes <repo>/.gpu-carry)
+#   client/*.whl        tritonclient and what it imports that may be missing or too old there
+#                       (python-rapidjson, grpcio, protobuf, and ml_dtypes and packaging, which
+#                       tritonclient 2.73 imports at module level; typing_extensions, which grpc.aio
+#                       imports, and urllib3, a declared dependency: small, so not left to the image)
+# Needs pip access here (once) to download; compression uses Python's lzma (no xz binary).
+# Usage: tools/gpu/pack.sh   (from anywhere; writes <repo>/.gpu-carry)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -17,7 +20,8 @@ CARRY="$REPO/.gpu-carry"
 PY=3.12
 PYTRITON=nvidia-pytriton==0.7.0
 NUMPY=numpy==1.26.4
-CLIENT_WHEELS=(tritonclient==2.73.0 python-rapidjson==1.22 grpcio==1.85.1 protobuf==6.33.6)
+CLIENT_WHEELS=(tritonclient==2.73.0 python-rapidjson==1.22 grpcio==1.85.1 protobuf==6.33.6
+    ml_dtypes==0.5.4 packaging==26.3 typing_extensions==4.16.0 urllib3==2.8.0)
 LIMIT=$((64 * 1024 * 1024))
 
 work="$(mktemp -d)"
@@ -63,13 +67,20 @@ PYEOF
 
 rm -rf "$CARRY"
 mkdir -p "$CARRY/client"
-echo "compressing the server env (xz -9; a few minutes) ..."
-tar -C "$site" -cf - . | xz -9 -T2 > "$CARRY/server-env.tar.xz"
+echo "compressing the server env (lzma preset 9; a few minutes) ..."
+python3 - "$site" "$CARRY/server-env.tar.xz" <<'PYEOF'
+import sys, tarfile
+with tarfile.open(sys.argv[2], "w:xz", preset=9) as tar:
+    tar.add(sys.argv[1], arcname=".")
+PYEOF
 download "$CARRY/client" "${CLIENT_WHEELS[@]}"
 
 total=$(du -cb "$CARRY" | tail -1 | cut -f1)
 repo=$(cd "$REPO" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 ls -la "$CARRY" "$CARRY/client"
+for wheel in tritonclient python_rapidjson grpcio protobuf ml_dtypes packaging typing_extensions urllib3; do
+    compgen -G "$CARRY/client/${wheel}-*.whl" > /dev/null || { echo "no $wheel wheel was downloaded" >&2; exit 1; }
+done
 echo "carry: $((total / 1024)) KiB; tracked repo files: $((repo / 1024)) KiB; limit $((LIMIT / 1024)) KiB"
 if [ $((total + repo)) -gt "$LIMIT" ]; then
     echo "too big for the 64 MiB limit" >&2

@@ -27,7 +27,7 @@ def setup_module(module):
 
 
 def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
-    """Case 10 for the node actor: user attach/grant/detach cycles, then NodeClient leases; RSS and fds flat."""
+    """Case 10 for the node actor: attach/grant/detach cycles, then NodeClient leases; RSS and fds flat."""
     import ray
 
     from ray_triton_shm.node import NodeClient, NodeConfig, ensure_node_actors, get_node_actor
