@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from ray_triton_shm import InputError, PoolConfig, ServerConfig, TritonServer, TritonShmClient
+from ray_triton_shm import (
+    InputError,
+    PoolConfig,
+    ServerConfig,
+    ServerStartError,
+    TritonServer,
+    TritonShmClient,
+)
 from ray_triton_shm._private.native import require_native_models
 
 from .conftest import NATIVE_MODEL_REPOSITORY, close_and_check, transport_overrides
@@ -321,3 +329,16 @@ def test_the_backend_answers_bad_requests_with_errors_and_keeps_serving(native_s
     np.testing.assert_array_equal(
         _grpc_infer(url, "identity", {"INPUT0": x}, {"INPUT0": "FP32"}).as_numpy("OUTPUT0"), x
     )
+
+
+def test_a_model_with_an_unknown_op_fails_to_load_with_the_backends_message(tmp_path) -> None:
+    """The backend refuses a config it cannot serve as a Triton error at load: the server says why."""
+    repository = tmp_path / "models"
+    shutil.copytree(NATIVE_MODEL_REPOSITORY / "identity", repository / "identity")
+    config = repository / "identity" / "config.pbtxt"
+    config.write_text(config.read_text().replace('string_value: "identity"', 'string_value: "nope"'))
+    server = TritonServer(ServerConfig(model_repository=str(repository), startup_timeout_s=120))
+    with pytest.raises(ServerStartError) as failed:
+        server.start()
+    assert not server.is_alive()
+    assert "rts_native knows identity, multi_io, probe" in failed.value.log_tail + str(failed.value)
