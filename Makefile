@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test unit integration lint bench bench-quick bench-env bench-docs soak cleanup clean
+.PHONY: native setup demo test unit integration lint bench bench-quick bench-env bench-docs soak cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,24 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 	$(PY) -m ray_triton_shm setup
 
-demo: setup
+# The native backend (native/rts_native.c) that the models of deployments/native_models
+# run on; Triton loads libtriton_rts_native.so from each model's version directory.
+# It needs only a C compiler: the tritonserver binary provides every symbol it calls.
+NATIVE_SO     := build/native/libtriton_rts_native.so
+NATIVE_MODELS := $(patsubst %/config.pbtxt,%/1/libtriton_rts_native.so,$(wildcard deployments/native_models/*/config.pbtxt))
+
+$(NATIVE_SO): native/rts_native.c
+	@command -v $(CC) >/dev/null 2>&1 || { echo "make: no C compiler '$(CC)' to build the native Triton backend (install gcc, or run make CC=<compiler>)" >&2; exit 1; }
+	@mkdir -p $(dir $@)
+	$(CC) -O2 -fPIC -shared -fvisibility=hidden -Wall -Wextra -Werror -o $@ $<
+
+# A fresh file (mv, not cp over it): a running server may have the old one mapped.
+deployments/native_models/%/1/libtriton_rts_native.so: $(NATIVE_SO)
+	cp $< $@.tmp && mv -f $@.tmp $@
+
+native: $(NATIVE_MODELS)
+
+demo: setup native
 	$(PY) -m ray_triton_shm demo
 
 lint: $(STAMP)
@@ -31,7 +48,7 @@ lint: $(STAMP)
 RAY_TESTS := $(sort $(wildcard tests/integration/on_ray/test_*.py))
 
 # bench-env: the benchmark's smoke test also runs triton-shm-client.
-test: setup lint bench-env
+test: setup native lint bench-env
 	$(PY) -m pytest tests --ignore=tests/integration/on_ray
 	@set -e; for module in $(RAY_TESTS); do \
 		RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m pytest $$module; done
@@ -39,7 +56,7 @@ test: setup lint bench-env
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-integration: setup
+integration: setup native
 	$(PY) -m pytest tests/integration --ignore=tests/integration/on_ray
 	@set -e; for module in $(RAY_TESTS); do $(PY) -m pytest $$module; done
 
@@ -58,10 +75,10 @@ $(BENCH_STAMP): $(STAMP)
 bench-env: setup $(BENCH_STAMP)
 
 # Full run (about 8 minutes on 2 cores, 3 rounds per cell); results in bench-results/.
-bench: bench-env
+bench: bench-env native
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench
 
-bench-quick: bench-env
+bench-quick: bench-env native
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench --quick
 
 # Paste the latest bench-results/ into docs/benchmarks.md and docs/img/.
@@ -70,7 +87,7 @@ bench-docs: $(STAMP)
 
 # The full soak (16 callers on 4 slots, 2 minutes through the client and 2 through
 # Serve) and the 100000-cycle leak checks; `make test` runs short forms of both.
-soak: setup
+soak: setup native
 	$(PY) -m ray_triton_shm._private.soak --duration 120 --callers 16 --slots 4
 	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/test_reliability.py -k cycles
 	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/on_ray/test_leak_ray.py

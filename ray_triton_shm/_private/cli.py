@@ -81,6 +81,7 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from ray_triton_shm._private.bench import runner
+    from ray_triton_shm._private.bench.servers import parse_servers
 
     options = runner.BenchOptions(
         quick=args.quick,
@@ -94,6 +95,9 @@ def _bench(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         out_dir=args.out,
         model_repository=args.model_repository,
+        native_repository=args.native_repository,
+        servers=parse_servers(args.servers),
+        profile=not args.no_profile,
         progress=not args.no_progress,
     )
     records = runner.run_bench(options, write=print)
@@ -134,7 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-ray", action="store_true", help="core methods only, plain Triton server")
     bench.add_argument("--out", default="bench-results", help="output directory")
-    bench.add_argument("--model-repository", default=None)
+    bench.add_argument("--model-repository", default=None, help="the Python backend's models")
+    bench.add_argument("--native-repository", default=None, help="the native backend's models (built)")
+    bench.add_argument(
+        "--servers", default=None, help="servers to measure, main first (default: native,python)"
+    )
+    bench.add_argument("--no-profile", action="store_true", help="skip the per-request profile")
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
     shutdown = sub.add_parser("shutdown", help="stop every node actor now: Tritons, pools, segments")

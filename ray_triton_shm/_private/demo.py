@@ -85,29 +85,62 @@ def _matches(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> bool:
     )
 
 
-def run_demo(model_repository: str | None = None, *, quick: bool = False) -> list[dict[str, object]]:
+def run_demo(
+    model_repository: str | None = None, *, quick: bool = False, native_repository: str | None = None
+) -> list[dict[str, object]]:
     """Start the embedded Triton, run every case both ways, print a table.
 
+    By default two servers run in turn: first the native models
+    (``deployments/native_models``, the C backend that reads and writes our
+    slots in place), then the Python backend's examples; their rows are
+    printed native first. An explicit ``model_repository`` runs that one only.
+
     Args:
-        model_repository: Models to serve; the repo's examples by default.
+        model_repository: Models to serve; the repo's examples (and the native ones) by default.
         quick: Fewer repetitions.
+        native_repository: The native models, when ``model_repository`` is not given.
 
     Returns:
-        One row per case: label, bytes, MB/s over shm and gRPC, whether outputs matched.
+        One row per server and case: server, label, bytes, MB/s over shm and gRPC, whether outputs matched.
 
     Raises:
         RuntimeError: An output did not match its expected value.
+        ServerStartError: The native backend is not built (``make native``).
     """
     rng = np.random.default_rng(0)
-    repeats = 3 if quick else 7
+    cases = demo_cases(rng)
+    runs: list[tuple[str, str, list[Case]]] = []
+    if model_repository is None:
+        from ray_triton_shm._private.native import require_native_models
+
+        native_models = {"identity", "multi_io"}
+        runs.append(
+            (
+                "native",
+                require_native_models(native_repository),
+                [c for c in cases if c.model in native_models],
+            )
+        )
+    runs.append(("python", model_repository or default_model_repository(), cases))
     rows: list[dict[str, object]] = []
-    config = ServerConfig(model_repository=model_repository or default_model_repository())
-    print(f"starting Triton from {config.model_repository} ...", flush=True)
-    with TritonServer(config) as server, TritonShmClient(
-        url=server.grpc_url, http_url=server.http_url, pools=demo_pools()
-    ) as client:
+    for server_name, repository, server_cases in runs:
+        rows += _run_cases(server_name, repository, server_cases, repeats=3 if quick else 7)
+    print_table(rows)
+    bad = [f"{r['server']} {r['case']}" for r in rows if not r["outputs_match"]]
+    if bad:
+        raise RuntimeError(f"outputs did not match for: {bad}")
+    return rows
+
+
+def _run_cases(server_name: str, repository: str, cases: list[Case], repeats: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    config = ServerConfig(model_repository=repository)
+    print(f"starting Triton ({server_name} backend) from {config.model_repository} ...", flush=True)
+    with (
+        TritonServer(config) as server,
+        TritonShmClient(url=server.grpc_url, http_url=server.http_url, pools=demo_pools()) as client,
+    ):
         print(f"tritonserver {server.version} ({server.binary_source}) at {server.grpc_url}", flush=True)
-        cases = demo_cases(rng)
         for number, case in enumerate(cases, 1):
             want = case.expected(case.inputs)
             shm_out = client.infer(case.model, case.inputs)
@@ -128,29 +161,27 @@ def run_demo(model_repository: str | None = None, *, quick: bool = False) -> lis
                 repeats=2 if big else repeats,
                 budget_s=8,
             )
-            row = {
-                "case": case.label,
-                "bytes": case.nbytes,
-                "path": shm_out.path,
-                "shm_mb_s": shm.mb_per_s,
-                "grpc_mb_s": grpc.mb_per_s,
-                "shm_p50_ms": shm.percentile_ms(50),
-                "grpc_p50_ms": grpc.percentile_ms(50),
-                "outputs_match": ok,
-            }
-            rows.append(row)
+            rows.append(
+                {
+                    "server": server_name,
+                    "case": case.label,
+                    "bytes": case.nbytes,
+                    "path": shm_out.path,
+                    "shm_mb_s": shm.mb_per_s,
+                    "grpc_mb_s": grpc.mb_per_s,
+                    "shm_p50_ms": shm.percentile_ms(50),
+                    "grpc_p50_ms": grpc.percentile_ms(50),
+                    "outputs_match": ok,
+                }
+            )
             bar = "#" * number + "." * (len(cases) - number)
             print(f"  [{bar}] {number}/{len(cases)} {case.label}", flush=True)
-        print_table(rows)
-    bad = [r["case"] for r in rows if not r["outputs_match"]]
-    if bad:
-        raise RuntimeError(f"outputs did not match for: {bad}")
     return rows
 
 
 def print_table(rows: list[dict[str, object]]) -> None:
     header = (
-        f"{'case':<24} {'payload':>10} {'shm MB/s':>10} {'gRPC MB/s':>10} "
+        f"{'server':<7} {'case':<24} {'payload':>10} {'shm MB/s':>10} {'gRPC MB/s':>10} "
         f"{'speedup':>8} {'shm p50 ms':>11} {'gRPC p50 ms':>12}  ok"
     )
     print()
@@ -159,7 +190,8 @@ def print_table(rows: list[dict[str, object]]) -> None:
     for r in rows:
         speed = float(r["shm_mb_s"]) / float(r["grpc_mb_s"])
         print(
-            f"{r['case']:<24} {_size(int(r['bytes'])):>10} {float(r['shm_mb_s']):>10.1f} "
+            f"{r.get('server', '')!s:<7} {r['case']:<24} {_size(int(r['bytes'])):>10} "
+            f"{float(r['shm_mb_s']):>10.1f} "
             f"{float(r['grpc_mb_s']):>10.1f} {speed:>7.1f}x {float(r['shm_p50_ms']):>11.2f} "
             f"{float(r['grpc_p50_ms']):>12.2f}  {'yes' if r['outputs_match'] else 'NO'}"
         )

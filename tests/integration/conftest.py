@@ -24,6 +24,8 @@ from ray_triton_shm import PoolConfig, ServerConfig, TritonServer, TritonShmClie
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "deployments" / "models"
+# The models on the native C backend (native/rts_native.c), built by `make native`.
+NATIVE_MODEL_REPOSITORY = REPO_ROOT / "deployments" / "native_models"
 # Largest length of the variable dim of `identity` a slot of the default pools holds (float32 elements).
 IDENTITY_MAX = 1 << 20
 

@@ -1,4 +1,8 @@
-"""The client-side methods, each against the same Triton and the ``identity`` model.
+"""The client-side methods, each against the same Triton and one identity model.
+
+``Endpoints.model`` names it: ``identity`` on the Python backend, or
+``identity_native`` on the native C backend that reads and writes our regions
+in place (see :mod:`ray_triton_shm._private.bench.servers`).
 
 A method opens a *cell* for one payload size and caller count: per-caller
 callables (``call(check)``) plus a ``close``. Every caller sends its own
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MODEL = "identity"
+"""The Python backend's identity, the default of :class:`Endpoints`."""
 
 Caller = Callable[[bool], object]
 
@@ -46,6 +51,7 @@ class Endpoints:
 
     grpc_url: str
     http_url: str
+    model: str = MODEL
 
 
 def make_inputs(payload_bytes: int, concurrency: int, seed: int = 0) -> list[np.ndarray]:
@@ -99,7 +105,7 @@ def grpc_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
         def call(check: bool) -> object:
             tensor = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
             tensor.set_data_from_numpy(x)
-            out = client.infer(MODEL, [tensor], outputs=requested).as_numpy("OUTPUT0")
+            out = client.infer(endpoints.model, [tensor], outputs=requested).as_numpy("OUTPUT0")
             if check:
                 check_equal("grpc", out, x)
             return out
@@ -124,7 +130,7 @@ def http_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
         def call(check: bool) -> object:
             tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
             tensor.set_data_from_numpy(x, binary_data=True)
-            out = client.infer(MODEL, [tensor], outputs=requested).as_numpy("OUTPUT0")
+            out = client.infer(endpoints.model, [tensor], outputs=requested).as_numpy("OUTPUT0")
             if check:
                 check_equal("http", out, x)
             return out
@@ -173,7 +179,7 @@ def tsc_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
     cell = Cell([], [client.close])
     try:
         client.register_shm_model(
-            MODEL,
+            endpoints.model,
             inputs=[("INPUT0", (n,), np.float32)],
             outputs=[("OUTPUT0", (n,), np.float32)],
             max_batch_size=1,
@@ -185,7 +191,7 @@ def tsc_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
 
     def caller(x: np.ndarray) -> Caller:
         def call(check: bool) -> object:
-            out = client.infer_shm(MODEL, {"INPUT0": x})["OUTPUT0"]
+            out = client.infer_shm(endpoints.model, {"INPUT0": x})["OUTPUT0"]
             if check:
                 check_equal("triton-shm-client", out, x)
             return out
@@ -203,7 +209,7 @@ def _our_client(endpoints: Endpoints, n: int, slots: int, *, over_http: bool = T
 
     pool = PoolConfig(slots=slots, max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
     http_url = endpoints.http_url if over_http else None
-    return TritonShmClient(url=endpoints.grpc_url, http_url=http_url, pools={MODEL: pool})
+    return TritonShmClient(url=endpoints.grpc_url, http_url=http_url, pools={endpoints.model: pool})
 
 
 def ours_copy_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
@@ -213,7 +219,7 @@ def ours_copy_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
 
     def caller(x: np.ndarray) -> Caller:
         def call(check: bool) -> object:
-            result = client.infer(MODEL, {"INPUT0": x})
+            result = client.infer(endpoints.model, {"INPUT0": x})
             if check:
                 cell.paths.add(result.path)
                 check_equal("ours copy", result["OUTPUT0"], x)
@@ -232,7 +238,7 @@ def ours_views_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
 
     def caller(x: np.ndarray) -> Caller:
         def call(check: bool) -> object:
-            with client.infer_views(MODEL, {"INPUT0": x}) as views:
+            with client.infer_views(endpoints.model, {"INPUT0": x}) as views:
                 out = views["OUTPUT0"]
                 if check:
                     check_equal("ours views", out, x)
@@ -255,7 +261,7 @@ def ours_inplace_cell(endpoints: Endpoints, inputs: list[np.ndarray], *, over_ht
     cell = Cell([], [client.close], {"shm"})
 
     def caller(x: np.ndarray) -> Caller:
-        lease = client.lease(MODEL)
+        lease = client.lease(endpoints.model)
         cell.closers.append(lease.release)
         lease.input("INPUT0", x.shape)[...] = x
 

@@ -82,12 +82,12 @@ def start_serve_apps(node_config: Any, grpc_url: str) -> dict[str, Any]:
     return {"serve-ours": ours, "serve-grpc": plain, "serve-echo": echo}
 
 
-def serve_cell(method: str, handle: Any, inputs: list[np.ndarray]) -> Cell:
-    """Callers of one Serve handle, each sending its own input to ``identity``."""
+def serve_cell(method: str, handle: Any, inputs: list[np.ndarray], model: str = SERVE_MODEL) -> Cell:
+    """Callers of one Serve handle, each sending its own input to ``model`` (an identity)."""
 
     def caller(x: np.ndarray) -> Caller:
         def call(check: bool) -> object:
-            out = handle.infer.remote(SERVE_MODEL, {"INPUT0": x}).result()["OUTPUT0"]
+            out = handle.infer.remote(model, {"INPUT0": x}).result()["OUTPUT0"]
             if check:
                 check_equal(method, out, x)
             return out
@@ -228,10 +228,18 @@ class DataTiming:
 
 
 def run_data(
-    method: str, source: Any, rows: int, batch_size: int, actors: int, node_config: Any, grpc_url: str
+    method: str,
+    source: Any,
+    rows: int,
+    batch_size: int,
+    actors: int,
+    node_config: Any,
+    grpc_url: str,
+    model: str = DATA_MODEL,
 ) -> DataTiming:
     """Stream ``rows`` image rows through ``map_batches`` and time the steady state.
 
+    ``model`` is a ``multi_io`` (the Python backend's or the native one).
     The clock starts when the first output batch arrives (actor start-up is
     excluded, the same for both sides).
 
@@ -242,11 +250,11 @@ def run_data(
 
     if method == "data-ours":
         fn: Callable[..., Any] | type = OurPredictor
-        kwargs: dict[str, Any] = {"model": DATA_MODEL, "node_config": node_config}
+        kwargs: dict[str, Any] = {"model": model, "node_config": node_config}
     elif method == "data-local":
         fn, kwargs = LocalPredictor, {}
     else:
-        fn, kwargs = GrpcPredictor, {"model": DATA_MODEL, "grpc_url": grpc_url}
+        fn, kwargs = GrpcPredictor, {"model": model, "grpc_url": grpc_url}
     mapped = source.map_batches(
         fn,
         fn_constructor_kwargs=kwargs,

@@ -1,19 +1,23 @@
-"""The benchmark run: one Triton, every method, every size and caller count.
+"""The benchmark run: one Triton, two servers' models, every method, every size and caller count.
 
-Flow: start Ray and the node actor (or, with ``ray=False``, a plain
-:class:`~ray_triton_shm.server.TritonServer`), point every core method at that
-Triton, run the cells with a progress bar, then the Serve and Data methods,
+Flow: build the run's model repository (the native C backend's identity and
+multi_io, and the Python backend's, see :mod:`.servers`), start Ray and the node
+actor on it (or, with ``ray=False``, a plain
+:class:`~ray_triton_shm.server.TritonServer`), then per server: every core
+method on its identity, the per-request profile, the Serve and Data methods;
 and write ``results.json``, the plots and ``report.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
 import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ray_triton_shm._private.bench import core_methods, report
+from ray_triton_shm._private.bench import core_methods, profile, report
 from ray_triton_shm._private.bench.core_methods import CORE_METHODS, Endpoints, make_inputs
+from ray_triton_shm._private.bench.servers import SERVERS, BenchServer, build_repository
 from ray_triton_shm._private.bench.timing import CellTiming, Progress, run_callers
 
 if TYPE_CHECKING:
@@ -66,7 +71,10 @@ class BenchOptions:
         min_calls: Timed calls per cell at least (spread over the callers and rounds).
         warmup: Checked warm-up calls per caller.
         out_dir: Where results.json, plots and report.md go.
-        model_repository: Models to serve (the repository's examples by default).
+        model_repository: The Python backend's models (``deployments/models`` by default).
+        native_repository: The native backend's models (``deployments/native_models``, built).
+        servers: Which servers' models to measure, main table first (``native``, ``python``).
+        profile: Also time where a request's time goes on each server (Triton's own statistics).
         progress: Show the progress bar on stderr.
     """
 
@@ -86,6 +94,9 @@ class BenchOptions:
     warmup: int = 1
     out_dir: str = "bench-results"
     model_repository: str | None = None
+    native_repository: str | None = None
+    servers: tuple[str, ...] | None = None
+    profile: bool = True
     progress: bool = True
     plots: bool = True
 
@@ -113,6 +124,9 @@ class BenchOptions:
             warmup=self.warmup,
             out_dir=self.out_dir,
             model_repository=self.model_repository,
+            native_repository=self.native_repository,
+            servers=self.servers or tuple(SERVERS),
+            profile=self.profile,
             progress=self.progress,
             plots=self.plots,
         )
@@ -132,6 +146,7 @@ class Record:
     ok: bool
     group: str = "core"
     path: str = ""
+    server: str = "python"
     rows_per_s: float | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -152,10 +167,24 @@ def _identity_pool(max_bytes: int, slots: int) -> Any:
 
 @contextlib.contextmanager
 def _triton(options: BenchOptions) -> Iterator[tuple[Endpoints, dict[str, Any], Any]]:
-    """The run's one Triton: the node actor's under Ray, else a plain server."""
+    """The run's one Triton on the run's repository: the node actor's under Ray, else a plain server."""
+    with tempfile.TemporaryDirectory(prefix="rtshm-bench-models-") as scratch:
+        repository = str(
+            build_repository(
+                options.servers or tuple(SERVERS),
+                _model_repository(options),
+                options.native_repository,
+                Path(scratch) / "models",
+            )
+        )
+        with _triton_on(options, repository) as triton:
+            yield triton
+
+
+@contextlib.contextmanager
+def _triton_on(options: BenchOptions, repository: str) -> Iterator[tuple[Endpoints, dict[str, Any], Any]]:
     from ray_triton_shm.config import ServerConfig
 
-    repository = _model_repository(options)
     if not options.ray:
         from ray_triton_shm.server import TritonServer
 
@@ -172,7 +201,7 @@ def _triton(options: BenchOptions) -> Iterator[tuple[Endpoints, dict[str, Any], 
         # The core methods (and triton-shm-client) register their own regions on the node
         # actor's Triton, so its shm endpoints stay open here: loopback only, one user.
         server=ServerConfig(model_repository=repository, protect_shm_api=False),
-        pools={"identity": _identity_pool(serve_max, 8)},
+        pools={SERVERS[name].identity: _identity_pool(serve_max, 8) for name in options.servers or ()},
     )
     ray.init(
         address="local",
@@ -343,24 +372,33 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
         options = BenchOptions(**{**asdict(options), "methods": tuple(methods)})
     plan = core_plan(options)
     rounds = options.rounds or 1
+    servers = [SERVERS[name] for name in options.servers or ()]
     ray_cells = 0
     if options.ray:
         serve_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ())
         ray_cells = serve_cells + len(DATA_METHODS)
-    progress = Progress((len(plan) + ray_cells) * rounds, enabled=options.progress)
-    with _triton(options) as (endpoints, info, node_config):
+    progress = Progress((len(plan) + ray_cells) * rounds * len(servers), enabled=options.progress)
+    profiles: list[dict[str, Any]] = []
+    with _triton(options) as (run_endpoints, info, node_config):
         groups: dict[tuple[int, int], list[str]] = {}
         for method, size, concurrency in plan:
             groups.setdefault((size, concurrency), []).append(method)
-        for (size, concurrency), group_methods in groups.items():
-            inputs = make_inputs(size, concurrency)
-            openers = [
-                (method, lambda f=CORE_METHODS[method], i=inputs: f(endpoints, i)) for method in group_methods
-            ]
-            records.extend(_run_group(openers, size, concurrency, options, "core", progress))
-            del inputs, openers
-        if options.ray:
-            records.extend(_run_ray(options, endpoints, node_config, progress))
+        for server in servers:
+            endpoints = dataclasses.replace(run_endpoints, model=server.identity)
+            for (size, concurrency), group_methods in groups.items():
+                inputs = make_inputs(size, concurrency)
+                openers = [
+                    (method, lambda f=CORE_METHODS[method], i=inputs, e=endpoints: f(e, i))
+                    for method in group_methods
+                ]
+                group = _run_group(openers, size, concurrency, options, "core", progress)
+                records.extend(_tagged(group, server))
+                del inputs, openers
+            if options.profile:
+                progress.step(f"profiling requests on the {server.name} server")
+                profiles.extend(_profile(options, endpoints, server))
+            if options.ray:
+                records.extend(_tagged(_run_ray(options, endpoints, node_config, progress, server), server))
     progress.close()
     info.update(_environment())
     info["duration_s"] = round(time.monotonic() - began, 1)
@@ -368,11 +406,16 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
     out = Path(options.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(
-        json.dumps({"info": info, "records": [asdict(r) for r in records]}, indent=1, allow_nan=True) + "\n"
+        json.dumps(
+            {"info": info, "records": [asdict(r) for r in records], "profile": profiles},
+            indent=1,
+            allow_nan=True,
+        )
+        + "\n"
     )
-    text = report.render(records, info)
+    text = report.render(records, info, profiles)
     plots = report.plot(records, out) if options.plots else []
-    (out / "report.md").write_text(report.markdown(records, info, plots))
+    (out / "report.md").write_text(report.markdown(records, info, plots, profiles))
     write(text)
     write(
         f"wrote {out / 'results.json'}, {out / 'report.md'}" + (f" and {len(plots)} plots" if plots else "")
@@ -380,8 +423,28 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
     return records
 
 
+def _tagged(records: list[Record], server: BenchServer) -> list[Record]:
+    for record in records:
+        record.server = server.name
+    return records
+
+
+def _profile(options: BenchOptions, endpoints: Endpoints, server: BenchServer) -> list[dict[str, Any]]:
+    """Where a request's time goes on ``server``: see :func:`profile.profile_requests`."""
+    sizes = [s for s in options.sizes or () if s in profile.PROFILE_SIZES]
+    methods = [m for m in profile.PROFILE_METHODS if m in (options.methods or ())]
+    try:
+        rows = profile.profile_requests(endpoints, sizes, methods, calls=4 if options.quick else 12)
+    except Exception as e:  # the profile is a complement: a failure is reported, not fatal
+        logger.error("profiling %s failed: %s", server.name, e)
+        return [{"server": server.name, "error": f"{type(e).__name__}: {e}"}]
+    for row in rows:
+        row["server"] = server.name
+    return rows
+
+
 def _run_ray(
-    options: BenchOptions, endpoints: Endpoints, node_config: Any, progress: Progress
+    options: BenchOptions, endpoints: Endpoints, node_config: Any, progress: Progress, server: BenchServer
 ) -> list[Record]:
     from ray_triton_shm._private.bench import ray_methods
 
@@ -392,7 +455,10 @@ def _run_ray(
         for concurrency in options.serve_concurrency or ():
             inputs = make_inputs(size, concurrency, seed=1)
             openers = [
-                (method, lambda m=method, h=handle, i=inputs: ray_methods.serve_cell(m, h, i))
+                (
+                    method,
+                    lambda m=method, h=handle, i=inputs: ray_methods.serve_cell(m, h, i, server.identity),
+                )
                 for method, handle in handles.items()
             ]
             records.extend(_run_group(openers, size, concurrency, options, "serve", progress))
@@ -420,6 +486,7 @@ def _run_ray(
                             options.data_actors,
                             node_config,
                             endpoints.grpc_url,
+                            server.multi_io,
                         )
                     )
                 except Exception as e:

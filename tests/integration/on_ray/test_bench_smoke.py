@@ -1,4 +1,5 @@
-"""The benchmark's quick mode on tiny sizes: every method runs, checks its outputs, and is recorded."""
+"""The benchmark's quick mode on tiny sizes: every method runs on both servers (the native C
+backend and the Python one), checks its outputs, and is recorded."""
 
 from __future__ import annotations
 
@@ -42,20 +43,31 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
     records = run_bench(options, write=lines.append)
 
     have_competitor = core_methods.import_competitor() is not None
-    expected = {
-        cell
-        for cell in core_plan(options.resolved())
-        if have_competitor or cell[0] != "triton-shm-client"
+    cells = {
+        cell for cell in core_plan(options.resolved()) if have_competitor or cell[0] != "triton-shm-client"
     }
-    expected |= {(m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo")}
-    got = {(r.method, r.payload_bytes, r.concurrency) for r in records if r.group != "data"}
-    assert got == expected
-    assert {r.method for r in records if r.group == "data"} == {"data-ours", "data-grpc", "data-local"}
+    cells |= {(m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo")}
+    expected = {(server, *cell) for server in ("native", "python") for cell in cells}
+    got = [(r.server, r.method, r.payload_bytes, r.concurrency) for r in records if r.group != "data"]
+    assert len(got) == len(set(got)) and set(got) == expected
+    for server in ("native", "python"):
+        data = {r.method for r in records if r.group == "data" and r.server == server}
+        assert data == {"data-ours", "data-grpc", "data-local"}, server
+    assert records[0].server == "native", "the native server is the main table: measured first"
     failed = [(r.method, r.payload_bytes, r.concurrency, r.error) for r in records if not r.ok]
     assert not failed, failed
 
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["records"]) == len(records)
+    # The per-request profile: Triton counted the requests of each method, on both servers.
+    profile = saved["profile"]
+    assert {(p["server"], p["method"]) for p in profile} >= {
+        (s, m) for s in ("native", "python") for m in ("grpc", "ours-copy", "ours-inplace")
+    }
+    for row in profile:
+        assert "error" not in row, row
+        assert row["requests"] == row["calls"], row
+        assert 0 < row["server_ms"] < row["total_ms"], row
     for row in saved["records"]:
         for key in ("method", "payload_bytes", "concurrency", "throughput_mb_s", "p50_ms", "p99_ms"):
             assert key in row, (key, row)
@@ -73,6 +85,7 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
 
     report = (tmp_path / "report.md").read_text()
     assert "| target | measured | verdict |" in report and "ours-copy" in report
+    assert report.index("## Native server") < report.index("## Python server")
     text = "\n".join(lines)
     assert "x gRPC" in text and "x tsc" in text
     try:
@@ -80,6 +93,7 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
     except ImportError:
         pass
     else:
-        assert (tmp_path / "throughput.png").stat().st_size > 0
-        assert (tmp_path / "latency.png").stat().st_size > 0
+        for server in ("native", "python"):
+            assert (tmp_path / f"throughput-{server}.png").stat().st_size > 0
+            assert (tmp_path / f"latency-{server}.png").stat().st_size > 0
     assert _competitor_segments() <= before, "triton-shm-client left segments behind"
