@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: native setup demo test unit integration lint bench bench-quick bench-env bench-docs soak cleanup clean
+.PHONY: bench-sharing native setup demo test unit integration lint bench bench-quick bench-env bench-docs soak cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,10 @@ bench: bench-env native
 
 bench-quick: bench-env native
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench --quick
+
+# What sharing slots between processes costs per 4 KB request (private vs shared pool, same run).
+bench-sharing: setup
+	$(PY) -m ray_triton_shm._private.bench.sharing --size 4096 --rounds 8
 
 # Paste the latest bench-results/ into docs/benchmarks.md and docs/img/.
 bench-docs: $(STAMP)

@@ -441,3 +441,79 @@ def test_pool_for() -> None:
     assert config.pool_for("identity") is special
     assert config.pool_for("add_sub") is default
     assert ClientConfig().pool_for("anything") == PoolConfig()
+
+
+def test_node_config_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray_triton_shm.node import NodeConfig
+
+    server = ServerConfig(model_repository="/models")
+    defaults = NodeConfig(server=server)
+    assert (defaults.idle_shutdown_s, defaults.request_timeout_s, defaults.preload) == (30.0, 60.0, ())
+    monkeypatch.setenv("RAY_TRITON_SHM_IDLE_SHUTDOWN_S", "none")
+    monkeypatch.setenv("RAY_TRITON_SHM_REQUEST_TIMEOUT_S", "7.5")
+    monkeypatch.setenv("RAY_TRITON_SHM_PRELOAD", "add_sub, identity")
+    monkeypatch.setenv("RAY_TRITON_SHM_HEALTH_INTERVAL_S", "2")
+    monkeypatch.setenv("RAY_TRITON_SHM_QUARANTINE_S", "3")
+    from_env = NodeConfig(server=server)
+    assert from_env.idle_shutdown_s is None and from_env.request_timeout_s == 7.5
+    assert from_env.preload == ("add_sub", "identity")
+    assert (from_env.health_interval_s, from_env.quarantine_s) == (2.0, 3.0)
+    explicit = NodeConfig(server=server, idle_shutdown_s=5.0, preload=("x",))
+    assert (explicit.idle_shutdown_s, explicit.preload) == (5.0, ("x",))
+    monkeypatch.setenv("RAY_TRITON_SHM_IDLE_SHUTDOWN_S", "soon")
+    with pytest.raises(ConfigError, match="RAY_TRITON_SHM_IDLE_SHUTDOWN_S"):
+        NodeConfig(server=server)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"idle_shutdown_s": -1.0},
+        {"request_timeout_s": 0},
+        {"health_interval_s": True},
+        {"preload": "add_sub"},
+        {"pools": {"m": {"slots": 2}}},
+    ],
+)
+def test_node_config_refuses_bad_settings(fields: dict) -> None:
+    from ray_triton_shm.node import NodeConfig
+
+    with pytest.raises(ConfigError):
+        NodeConfig(server=ServerConfig(model_repository="/models"), **fields)
+
+
+def test_node_config_fingerprint_follows_what_triton_runs() -> None:
+    from ray_triton_shm.node import NodeConfig
+
+    def config(repository: str = "/a", **kwargs) -> NodeConfig:
+        return NodeConfig(server=ServerConfig(model_repository=repository), **kwargs)
+
+    base = config(pools={"m": PoolConfig(slots=2), "n": PoolConfig(slots=3)})
+    same = config(pools={"n": PoolConfig(slots=3), "m": PoolConfig(slots=2)})
+    assert base.fingerprint() == same.fingerprint() == pickle.loads(pickle.dumps(base)).fingerprint()
+    assert config(pools=base.pools, request_timeout_s=5.0).fingerprint() == base.fingerprint()
+    for other in (
+        config("/b", pools=base.pools),
+        config(pools={"m": PoolConfig(slots=4), "n": PoolConfig(slots=3)}),
+        config(pools=base.pools, idle_shutdown_s=None),
+    ):
+        assert other.fingerprint() != base.fingerprint()
+
+
+def test_serve_args_reach_every_node_setting(tmp_path) -> None:
+    from ray_triton_shm.serve import build_node_config
+
+    config = build_node_config(
+        str(tmp_path),
+        pools={"m": {"slots": 2, "lease_timeout_s": 4.0}},
+        idle_shutdown_s=None,
+        health_interval_s=1.5,
+        preload=["m"],
+        request_timeout_s=9.0,
+        quarantine_s=2.0,
+    )
+    assert config.idle_shutdown_s is None and config.health_interval_s == 1.5
+    assert config.preload == ("m",) and config.request_timeout_s == 9.0 and config.quarantine_s == 2.0
+    assert config.pool_for("m").lease_timeout_s == 4.0
+    with pytest.raises(ConfigError, match="unknown node settings"):
+        build_node_config(str(tmp_path), idle_timeout=3)

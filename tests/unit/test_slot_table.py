@@ -1,0 +1,174 @@
+"""Slots shared by processes through a slot table: real segments, real processes, no server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ray_triton_shm._private.layout import layout_from_config
+from ray_triton_shm._private.pool import SlotPool
+from ray_triton_shm._private.segment import Segment, new_segment_name
+from ray_triton_shm._private.slot_table import SlotTable
+from ray_triton_shm.config import PoolConfig
+from ray_triton_shm.errors import PoolTimeoutError, SharedMemoryError
+
+CONFIG = {
+    "name": "m",
+    "max_batch_size": 0,
+    "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": ["4"]}],
+    "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": ["4"]}],
+}
+
+
+@pytest.fixture
+def table():
+    owner = SlotTable.create(new_segment_name("slotstest"), slots=3, quarantine_s=0.4)
+    yield owner
+    owner.close()
+    assert not os.path.exists(f"/dev/shm/{owner.name}")
+
+
+def _in_child(table_name: str, body: str) -> str:
+    code = (
+        "import os, sys, time\n"
+        "from ray_triton_shm._private.slot_table import SlotTable\n"
+        f"t = SlotTable.attach({table_name!r})\n" + body
+    )
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+
+
+def test_one_process_at_a_time(table) -> None:
+    a, b = SlotTable.attach(table.name), SlotTable.attach(table.name)
+    try:
+        assert a.try_claim(0) and not b.try_claim(0) and b.try_claim(1)
+        assert table.state() == {"in_use": 2, "protected": 0, "free": 1}
+        a.release(0)
+        assert b.try_claim(0)
+    finally:
+        a.close()
+        b.close()
+    assert table.state()["in_use"] == 0
+
+
+def test_a_protected_slot_waits_for_its_deadline(table) -> None:
+    a = SlotTable.attach(table.name)
+    assert a.try_claim(2)
+    a.release(2, time.monotonic_ns() + 300_000_000)
+    assert not table.try_claim(2) and table.state()["protected"] == 1
+    time.sleep(0.35)
+    assert table.try_claim(2)
+    table.release(2)
+    a.close()
+
+
+def test_a_slot_of_a_process_that_died_mid_lease_is_quarantined(table) -> None:
+    assert _in_child(table.name, "print(t.try_claim(1)); os._exit(0)").strip() == "True"
+    assert not table.try_claim(1)  # left leased: the first to see it starts the quarantine
+    assert table.sweep() == 0  # already started
+    time.sleep(0.45)
+    assert table.try_claim(1)
+    table.release(1)
+
+
+def test_another_process_holds_a_slot_while_it_lives(table) -> None:
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom ray_triton_shm._private.slot_table import SlotTable\n"
+            f"t = SlotTable.attach({table.name!r})\nprint(t.try_claim(0), flush=True)\nsys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "True"
+        assert not table.try_claim(0)
+        assert table.state()["in_use"] == 1
+    finally:
+        child.stdin.close()
+        child.wait()
+
+
+def test_attach_refuses_what_is_not_a_table() -> None:
+    other = Segment.create(new_segment_name("slotstest"), 64)
+    try:
+        with pytest.raises(SharedMemoryError, match="not a slot table"):
+            SlotTable.attach(other.name)
+    finally:
+        other.close()
+
+
+def _shared_pool(slots: int, quarantine_s: float = 0.4) -> tuple[SlotPool, SlotTable, Segment]:
+    layout = layout_from_config(CONFIG, PoolConfig())
+    data = Segment.create(new_segment_name("slotstest"), slots * layout.slot_bytes)
+    owner = SlotTable.create(new_segment_name("slotstest"), slots=slots, quarantine_s=quarantine_s)
+    pool = SlotPool(Segment.attach(data.name), layout, range(slots), quarantine_s=quarantine_s)
+    pool.share(SlotTable.attach(owner.name))
+    return pool, owner, data
+
+
+def test_pools_of_two_processes_share_slots_on_demand() -> None:
+    pool, owner, data = _shared_pool(2)
+    try:
+        first = pool.acquire(1.0)
+        # Another process takes the other slot for a moment and gives it back.
+        assert _in_child(owner.name, "print(t.try_claim(1), t.try_claim(0)); t.release(1)").split() == [
+            "True",
+            "False",
+        ]
+        second = pool.acquire(1.0)
+        assert {first.slot.index, second.slot.index} == {0, 1}
+        with pytest.raises(PoolTimeoutError):
+            pool.acquire(0.1)
+        first.release()
+        assert owner.state()["in_use"] == 1
+        second.release()
+        assert owner.state() == {"in_use": 0, "protected": 0, "free": 2}
+    finally:
+        pool.close()
+        owner.close()
+        data.close()
+
+
+def test_max_in_use_caps_this_process() -> None:
+    pool, owner, data = _shared_pool(3)
+    try:
+        pool.share(pool._table, max_in_use=1)
+        lease = pool.acquire(1.0)
+        with pytest.raises(PoolTimeoutError):
+            pool.acquire(0.1)
+        lease.release()
+        pool.acquire(1.0).release()
+    finally:
+        pool.close()
+        owner.close()
+        data.close()
+
+
+def test_closing_a_pool_keeps_in_doubt_and_viewed_slots_from_others() -> None:
+    pool, owner, data = _shared_pool(3, quarantine_s=5.0)
+    try:
+        in_doubt = pool.acquire(1.0)
+        in_doubt.mark_in_doubt()
+        in_doubt.release()
+        viewed = pool.acquire(1.0)
+        view = viewed.output("OUT", (4,))
+        viewed.release()
+        pool.close()
+        # The timed-out slot is protected; the viewed one stays locked while the view lives.
+        assert owner.state() == {"in_use": 1, "protected": 1, "free": 1}
+        assert not owner.try_claim(in_doubt.slot.index) and not owner.try_claim(viewed.slot.index)
+        assert np.asarray(view).shape == (4,)
+        del view
+        assert owner.state()["in_use"] == 0
+        assert not owner.try_claim(viewed.slot.index)  # left leased: quarantined by the next taker
+    finally:
+        owner.close()
+        data.close()
