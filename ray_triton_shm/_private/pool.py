@@ -302,7 +302,8 @@ class SlotPool:
 
     def _release_memory(self) -> None:
         self._base.release()
-        self.segment.close()
+        # Views of this pool's slots that outlive it must not see the shared memory change.
+        self.segment.close(keep=[(slot.offset, self.layout.slot_bytes) for slot in self._slots.values()])
 
 
 def _check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, name: str) -> list[int]:
@@ -368,6 +369,8 @@ class Lease:
     def _check_live(self) -> None:
         if self._released:
             raise LeaseReleasedError("this lease was released; its slot may belong to someone else")
+        if self.pool._closed:  # its memory is unmapped, or about to be
+            raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
 
     def _lease_anchor(self) -> np.ndarray:
         """The slot's bytes as one array that every view of this lease keeps alive (as its base)."""
@@ -419,7 +422,11 @@ class Lease:
 
         A CUDA array is copied to the host first: this is system memory.
         ``copier`` splits a large copy across threads.
+
+        Raises:
+            LeaseReleasedError / PoolClosedError: The lease ended or its pool was closed.
         """
+        self._check_live()
         if not isinstance(value, np.ndarray):
             from ray_triton_shm._private.cuda import import_cupy
 
@@ -432,7 +439,12 @@ class Lease:
         return tuple(value.shape)
 
     def copy_output(self, name: str, shape: Sequence[int], copier: BulkCopier | None = None) -> np.ndarray:
-        """A copy of output ``name`` with ``shape``, independent of the slot."""
+        """A copy of output ``name`` with ``shape``, independent of the slot.
+
+        Raises:
+            LeaseReleasedError / PoolClosedError: The lease ended or its pool was closed.
+        """
+        self._check_live()
         view = self.slot.arrays[name][: math.prod(shape)].reshape(shape)
         if copier is None:
             return np.array(view)

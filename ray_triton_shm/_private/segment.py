@@ -11,12 +11,14 @@ left by a killed process can be found and removed by the next one.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
 import os
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ray_triton_shm.errors import SharedMemoryError
@@ -231,12 +233,16 @@ class Segment:
             os.close(fd)
         return cls(name=name, size=actual, mm=mm, owner=False)
 
-    def close(self) -> None:
+    def close(self, keep: Sequence[tuple[int, int]] = ()) -> None:
         """Unmap, and unlink if owned. Idempotent.
 
         If arrays still point into the mapping it cannot be unmapped now; the
         name is unlinked all the same and the memory is freed when the last
-        array goes.
+        array goes. Before that, the byte ranges ``keep`` (``(offset, size)``,
+        where such arrays may point) are swapped for private copies of
+        themselves, so that what those arrays show can no longer change: once
+        closed, the shared memory behind them may be handed to another process
+        or written by a request still running on the server.
         """
         if self._closed:
             return
@@ -245,8 +251,55 @@ class Segment:
             self.mm.close()
         except BufferError:
             logger.warning("segment %s still has arrays pointing into it; unmapped later", self.name)
+            for offset, size in keep:
+                _make_private(self.mm, offset, size)
         if self.owner:
             _unlink_quietly(self.name)
+
+
+_PAGE = mmap.PAGESIZE
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    size_t, ptr, c_int = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
+    libc.mmap.argtypes = [ptr, size_t, c_int, c_int, c_int, ctypes.c_long]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ptr, size_t, size_t, c_int, ptr]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _make_private(mm: mmap.mmap, offset: int, size: int) -> None:
+    """Replace the pages of ``mm`` holding ``[offset, offset + size)`` by a private copy, atomically.
+
+    The copy is made in fresh anonymous memory and moved over the shared pages
+    with ``mremap(MREMAP_FIXED)``, so a reader never sees a hole. On failure
+    the pages stay shared (logged): the caller's views stay valid memory.
+    """
+    start = offset - offset % _PAGE
+    stop = min(len(mm), -(-(offset + size) // _PAGE) * _PAGE)
+    if stop <= start:
+        return
+    length = stop - start
+    anchor = ctypes.c_char.from_buffer(mm)  # only to learn the address; let go below
+    try:
+        target = ctypes.addressof(anchor) + start
+    finally:
+        del anchor
+    libc = _libc()
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    copy = libc.mmap(None, length, prot, flags, -1, 0)
+    if copy in (None, ctypes.c_void_p(-1).value):
+        logger.warning("could not copy %d bytes of a closed segment: errno %d", length, ctypes.get_errno())
+        return
+    ctypes.memmove(copy, target, length)
+    moved = libc.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, target)
+    if moved != target:
+        logger.warning("could not detach %d bytes of a closed segment: errno %d", length, ctypes.get_errno())
+        libc.munmap(copy, length)
 
 
 def _unlink_quietly(name: str) -> bool:
@@ -275,23 +328,26 @@ def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
         return []
 
 
-def stale_segments() -> list[str]:
-    """Our segments whose owning process is gone."""
+def stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
+    """Our segments (those starting with ``prefix``) whose owning process is gone."""
     stale = []
-    for name in list_segments():
+    for name in list_segments(prefix):
         m = _OWNED_RE.match(name)
         if m and not _owner_alive(int(m.group(1)), int(m.group(2))):
             stale.append(name)
     return stale
 
 
-def sweep_stale_segments() -> list[str]:
+def sweep_stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     """Unlink segments left behind by processes that no longer exist.
+
+    Args:
+        prefix: Only names starting with it (all of ours by default).
 
     Returns:
         The names removed.
     """
-    removed = [name for name in stale_segments() if _unlink_quietly(name)]
+    removed = [name for name in stale_segments(prefix) if _unlink_quietly(name)]
     if removed:
         logger.info("removed %d stale shared-memory segment(s): %s", len(removed), removed)
     return removed
