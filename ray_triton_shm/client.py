@@ -360,6 +360,9 @@ class TritonShmClient:
         started = time.perf_counter()
         try:
             lease = pool.acquire(timeout)
+            if self._closed:  # close() has begun: it waits for requests in flight, starts none
+                lease.release()
+                raise PoolClosedError("the client is closed")
         except RayTritonShmError as e:
             safely(self._observer.error, pool.layout.model, type(e).__name__)
             raise

@@ -139,12 +139,28 @@ def _leftover_processes(before: set[int], token: str) -> dict[int, str]:
     return left
 
 
+def _backend_prefixes(pids: set[int]) -> tuple[str, ...]:
+    """The Python backend's segment prefixes of the servers ``pids`` (from their command lines)."""
+    prefixes = []
+    for pid in pids:
+        for arg in (_read(f"/proc/{pid}/cmdline") or b"").split(b"\0"):
+            _, found, prefix = arg.decode("utf-8", "replace").partition("shm-region-prefix-name=")
+            if found and prefix:
+                prefixes.append(prefix)
+    return tuple(prefixes)
+
+
 def _wait_for_leftovers(
     segments_before: set[str], triton_before: set[int], token: str, grace_s: float, spared: set[int]
 ) -> tuple[list[str], dict[int, str]]:
     deadline = time.monotonic() + grace_s
+    spared_prefixes = _backend_prefixes(spared)
     while True:
-        segments = _leftover_segments(segments_before, token)
+        segments = [
+            name
+            for name in _leftover_segments(segments_before, token)
+            if not (spared_prefixes and name.startswith(spared_prefixes))
+        ]
         processes = {
             pid: cmdline
             for pid, cmdline in _leftover_processes(triton_before, token).items()
@@ -171,7 +187,8 @@ def _remove_and_fail(segments: list[str], processes: dict[int, str], what: str) 
 @pytest.fixture(scope="session")
 def session_lived_pids() -> set[int]:
     """Servers that session-scoped fixtures keep across modules add their pid here: the
-    per-module check leaves them and their descendants (Python-backend stubs) alone."""
+    per-module check leaves them, their descendants (Python-backend stubs) and their
+    Python-backend segments alone."""
     return set()
 
 
