@@ -153,13 +153,14 @@ class TritonDeployment:
         return dict(result), {"path": result.path, **(await self.whereami())}
 
     async def whereami(self) -> dict[str, Any]:
-        """This replica's pid, node and Triton (for tests and ``status``)."""
+        """This replica's pid, node and Triton, and its slots in use by model (for tests and ``status``)."""
         info = self._client.info
         return {
             "pid": os.getpid(),
             "node_id": info.node_id,
             "triton_pid": info.triton_pid,
             "grpc_url": info.grpc_url,
+            "busy": {stats.model: stats.busy for stats in self._client.client.pool_stats()},
         }
 
     async def __call__(self, request: Request) -> Response:
