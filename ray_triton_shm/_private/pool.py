@@ -392,6 +392,7 @@ class Lease:
         Raises:
             InputError: Unknown name or a shape that does not fit.
             LeaseReleasedError: The lease has ended.
+            PoolClosedError: The pool was closed.
         """
         self._check_live()
         spec = self.layout.input(name)
@@ -407,6 +408,7 @@ class Lease:
         Raises:
             InputError: Unknown name or a shape that does not fit.
             LeaseReleasedError: The lease has ended.
+            PoolClosedError: The pool was closed.
         """
         self._check_live()
         spec = self.layout.output(name)
