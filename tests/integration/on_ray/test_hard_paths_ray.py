@@ -148,8 +148,10 @@ def test_triton_killed_while_node_client_requests_hold_leases(node, tiny_over_sh
             except RayTritonShmError:
                 assert time.monotonic() < deadline, "the client never got going again"
                 time.sleep(0.2)
+        # (The client need not reconnect: the restarted Triton keeps its ports, and the actor
+        # registered the node's regions in it again.)
         after = ray.get(actor.info.remote())
-        assert client.info.epoch == after.epoch
+        assert after.triton_pid != before.triton_pid
         region = client.client.pool("sleep").region_name
         assert region in registered_regions(after.grpc_url), "the node's region was not registered again"
         again = [
