@@ -24,8 +24,6 @@ import pytest
 from ray_triton_shm import PoolClosedError, PoolConfig, RayTritonShmError
 from ray_triton_shm.config import GRPC_MIN_SHM_BYTES
 
-from ..conftest import registered_regions
-
 pytestmark = pytest.mark.slow
 
 REPO_MODELS = str(Path(__file__).resolve().parents[3] / "deployments" / "models")
@@ -106,6 +104,20 @@ def pool_stats(actor, model: str) -> dict[str, int]:
     return ray.get(actor.stats.remote())["pools"][model]
 
 
+def _regions_in_triton(actor_self: Any) -> list[str]:
+    """Run inside the node actor: the regions its Triton has registered (it holds the shm key)."""
+    status = actor_self._grpc.get_system_shared_memory_status(
+        headers=actor_self._server.shm_api_headers, as_json=True
+    )
+    return [region["name"] for region in status.get("regions", {}).values()]
+
+
+def node_regions(actor) -> list[str]:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(_regions_in_triton))
+
+
 def sleep_input(seconds: float) -> dict[str, np.ndarray]:
     return {"INPUT0": np.full((1, 1), seconds, np.float32)}
 
@@ -153,7 +165,7 @@ def test_triton_killed_while_node_client_requests_hold_leases(node, tiny_over_sh
         after = ray.get(actor.info.remote())
         assert after.triton_pid != before.triton_pid
         region = client.client.pool("sleep").region_name
-        assert region in registered_regions(after.grpc_url), "the node's region was not registered again"
+        assert region in node_regions(actor), "the node's region was not registered again"
         again = [
             call_in_thread(lambda i=i: client.infer("sleep", sleep_input(0.2 + i / 1000))) for i in range(4)
         ]
