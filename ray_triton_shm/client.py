@@ -131,6 +131,7 @@ class LocalPools:
         self._headers = {SHM_API_GRPC_HEADER: shm_api_key} if shm_api_key else None
         self._pools: list[SlotPool] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
         layout = fetch_layout(self._grpc, model, config)
@@ -192,10 +193,13 @@ class LocalPools:
         """Register ``pool`` again after the server lost it (e.g. it restarted).
 
         Raises:
+            PoolClosedError: The pools were closed meanwhile.
             TritonCallError: The server refused.
             CudaError: The server refused a CUDA region.
         """
         with self._lock:
+            if self._closed:  # a request that raced close(): never register a freed segment again
+                raise PoolClosedError("the client is closed")
             try:
                 self._register(pool)
             except TritonCallError as e:
@@ -250,6 +254,8 @@ class LocalPools:
             time.sleep(0.05)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         for pool in self._pools:
             wait = pool.in_doubt_until() - time.monotonic()
             if pool.memory == "cuda" and wait > 0:
@@ -393,6 +399,9 @@ class TritonShmClient:
         started = time.perf_counter()
         try:
             lease = pool.acquire(timeout)
+            if self._closed:  # close() has begun: it waits for requests in flight, starts none
+                lease.release()
+                raise PoolClosedError("the client is closed")
         except RayTritonShmError as e:
             safely(self._observer.error, pool.layout.model, type(e).__name__)
             raise
@@ -464,6 +473,7 @@ class TritonShmClient:
             PoolTimeoutError: No slot became free in time.
             OutputTooLargeError: An output does not fit its slot and ``grpc_fallback`` is off.
             TritonCallError / UnavailableError: The server refused or is gone.
+            PoolClosedError: The client is closed, or was closed by another thread during the call.
         """
         pool = self.pool(model)
         layout = pool.layout
@@ -605,11 +615,22 @@ class TritonShmClient:
         lease_timeout: float,
         copy: bool = True,
     ) -> dict[str, np.ndarray]:
-        with self._acquire(pool, lease_timeout) as lease:
-            shapes = self._write_and_call(lease, checked, chunk, wanted)
-            if copy:
-                return {name: lease.copy_output(name, shape, self._copier) for name, shape in shapes.items()}
-            return {name: lease.output(name, shape) for name, shape in shapes.items()}
+        try:
+            with self._acquire(pool, lease_timeout) as lease:
+                shapes = self._write_and_call(lease, checked, chunk, wanted)
+                if copy:
+                    return {
+                        name: lease.copy_output(name, shape, self._copier) for name, shape in shapes.items()
+                    }
+                return {name: lease.output(name, shape) for name, shape in shapes.items()}
+        except PoolClosedError:
+            raise
+        except Exception as e:
+            # close() from another thread freed the slot, unregistered the region or shut the
+            # connection under this request: whatever that broke, the caller learns the one cause.
+            if not self._closed:
+                raise
+            raise PoolClosedError("the client was closed while this request ran") from e
 
     def _write_and_call(
         self,

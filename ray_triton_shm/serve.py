@@ -177,7 +177,7 @@ class TritonDeployment:
         return dict(result), {"path": result.path, **(await self.whereami())}
 
     async def whereami(self) -> dict[str, Any]:
-        """This replica's pid and node (as Ray runs it), and the node and Triton it uses."""
+        """This replica's pid and node (as Ray runs it), the node and Triton it uses, its slots in use."""
         import ray
 
         info = self._client.info
@@ -188,6 +188,7 @@ class TritonDeployment:
             "triton_pid": info.triton_pid,
             "actor_pid": info.actor_pid,
             "grpc_url": info.grpc_url,
+            "busy": {stats.model: stats.busy for stats in self._client.client.pool_stats()},
         }
 
     async def __call__(self, request: Request) -> Response:

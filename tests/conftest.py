@@ -64,11 +64,10 @@ def _running(pid: int) -> bool:
     return fields is not None and fields[0] not in (b"Z", b"X")
 
 
-def _descends_from_us(pid: int) -> bool:
-    me = os.getpid()
+def _descends_from(pid: int, ancestors: set[int]) -> bool:
     seen = set()
     while pid > 1 and pid not in seen:
-        if pid == me:
+        if pid in ancestors:
             return True
         seen.add(pid)
         fields = _stat_fields(pid)
@@ -76,6 +75,10 @@ def _descends_from_us(pid: int) -> bool:
             return False
         pid = int(fields[1])
     return False
+
+
+def _descends_from_us(pid: int) -> bool:
+    return _descends_from(pid, {os.getpid()})
 
 
 def _has_marker(pid: int, token: str) -> bool:
@@ -136,6 +139,78 @@ def _leftover_processes(before: set[int], token: str) -> dict[int, str]:
     return left
 
 
+def _backend_prefixes(pids: set[int]) -> tuple[str, ...]:
+    """The Python backend's segment prefixes of the servers ``pids`` (from their command lines)."""
+    prefixes = []
+    for pid in pids:
+        for arg in (_read(f"/proc/{pid}/cmdline") or b"").split(b"\0"):
+            _, found, prefix = arg.decode("utf-8", "replace").partition("shm-region-prefix-name=")
+            if found and prefix:
+                prefixes.append(prefix)
+    return tuple(prefixes)
+
+
+def _wait_for_leftovers(
+    segments_before: set[str], triton_before: set[int], token: str, grace_s: float, spared: set[int]
+) -> tuple[list[str], dict[int, str]]:
+    deadline = time.monotonic() + grace_s
+    spared_prefixes = _backend_prefixes(spared)
+    while True:
+        segments = [
+            name
+            for name in _leftover_segments(segments_before, token)
+            if not (spared_prefixes and name.startswith(spared_prefixes))
+        ]
+        processes = {
+            pid: cmdline
+            for pid, cmdline in _leftover_processes(triton_before, token).items()
+            if not _descends_from(pid, spared)
+        }
+        if (not segments and not processes) or time.monotonic() > deadline:
+            return segments, processes
+        time.sleep(0.2)
+
+
+def _remove_and_fail(segments: list[str], processes: dict[int, str], what: str) -> None:
+    for pid in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for name in segments:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    lines = [f"{what} left resources behind (now removed):"]
+    lines += [f"  /dev/shm/{name}" for name in segments]
+    lines += [f"  pid {pid}: {cmdline}" for pid, cmdline in processes.items()]
+    pytest.fail("\n".join(lines), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def session_lived_pids() -> set[int]:
+    """Servers that session-scoped fixtures keep across modules add their pid here: the
+    per-module check leaves them, their descendants (Python-backend stubs) and their
+    Python-backend segments alone."""
+    return set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_leaves_no_shm_or_tritonserver(request: pytest.FixtureRequest, session_lived_pids: set[int]):
+    """The session check, per module: a leak is charged to the module that made it.
+
+    At session end alone a dead process's segments can be missed: the next server
+    start in a later module sweeps them first. Same ownership rules as the session
+    check (other sessions' segments and servers are left alone).
+    """
+    token = os.environ.get(SESSION_MARKER, "")
+    segments_before = _segments()
+    triton_before = _triton_pids()
+    yield
+    segments, processes = _wait_for_leftovers(
+        segments_before, triton_before, token, GRACE_S, session_lived_pids
+    )
+    if segments or processes:
+        _remove_and_fail(segments, processes, f"module {request.module.__name__}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_leaves_no_shm_or_tritonserver():
     """Fail the run if it leaves /dev/shm/rtshm* entries or tritonserver processes behind."""
@@ -144,23 +219,7 @@ def _session_leaves_no_shm_or_tritonserver():
     segments_before = _segments()
     triton_before = _triton_pids()
     yield
-    deadline = time.monotonic() + GRACE_S
-    while True:
-        segments = _leftover_segments(segments_before, token)
-        processes = _leftover_processes(triton_before, token)
-        if (not segments and not processes) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    segments, processes = _wait_for_leftovers(segments_before, triton_before, token, GRACE_S, set())
     os.environ.pop(SESSION_MARKER, None)
-    if not segments and not processes:
-        return
-    for pid in processes:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for name in segments:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
-    lines = ["the test session left resources behind (now removed):"]
-    lines += [f"  /dev/shm/{name}" for name in segments]
-    lines += [f"  pid {pid}: {cmdline}" for pid, cmdline in processes.items()]
-    pytest.fail("\n".join(lines), pytrace=False)
+    if segments or processes:
+        _remove_and_fail(segments, processes, "the test session")

@@ -28,7 +28,13 @@ from ray_triton_shm._private.segment import Segment
 from ray_triton_shm._private.slot_table import SlotTable
 from ray_triton_shm.client import InferResult, TritonShmClient
 from ray_triton_shm.config import ClientConfig, PoolConfig
-from ray_triton_shm.errors import ConfigError, RayTritonShmError, TritonCallError, UnavailableError
+from ray_triton_shm.errors import (
+    ConfigError,
+    PoolClosedError,
+    RayTritonShmError,
+    TritonCallError,
+    UnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +194,7 @@ class NodeClient:
         self._inner: TritonShmClient | None = None
         self._observer: metrics.RayMetricsObserver | None = None
         self.info: NodeInfo | None = None
+        self._closed = False
         self._connect()
 
     def _pool_config(self, base: PoolConfig) -> PoolConfig:
@@ -224,6 +231,8 @@ class NodeClient:
     def _reconnect_if_changed(self) -> bool:
         """After a failure: reconnect if Triton or the actor changed. Returns whether it did."""
         with self._lock:
+            if self._closed:  # a request that failed because close() ran meanwhile: stay closed
+                return False
             try:
                 actor = get_node_actor(self._config)
                 info: NodeInfo = ray.get(actor.info.remote(), timeout=60)
@@ -251,9 +260,13 @@ class NodeClient:
 
     @property
     def client(self) -> TritonShmClient:
-        """The underlying client for the current connection."""
+        """The underlying client for the current connection.
+
+        Raises:
+            PoolClosedError: The NodeClient is closed.
+        """
         if self._inner is None:
-            raise RayTritonShmError("NodeClient is closed")
+            raise PoolClosedError("NodeClient is closed")
         return self._inner
 
     def infer(
@@ -320,7 +333,9 @@ class NodeClient:
 
     def close(self) -> None:
         """Let go of the node's pools and unregister as a user of its Triton. Idempotent."""
-        inner, self._inner = self._inner, None
+        with self._lock:
+            self._closed = True
+            inner, self._inner = self._inner, None
         if inner is not None:
             inner.close()
         observer, self._observer = self._observer, None

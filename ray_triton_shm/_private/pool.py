@@ -361,7 +361,8 @@ class SlotPool:
 
     def _release_memory(self) -> None:
         self._base.release()
-        self.segment.close()
+        # Views of this pool's slots that outlive it must not see the shared memory change.
+        self.segment.close(keep=[(slot.offset, self.layout.slot_bytes) for slot in self._slots.values()])
 
 
 _SHARED_POLL_S = 0.002
@@ -444,6 +445,8 @@ class Lease:
     def _check_live(self) -> None:
         if self._released:
             raise LeaseReleasedError("this lease was released; its slot may belong to someone else")
+        if self.pool._closed:  # its memory is unmapped, or about to be
+            raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
 
     def _lease_anchor(self) -> np.ndarray:
         """The slot's bytes as one array that every view of this lease keeps alive (as its base)."""
@@ -465,6 +468,7 @@ class Lease:
         Raises:
             InputError: Unknown name or a shape that does not fit.
             LeaseReleasedError: The lease has ended.
+            PoolClosedError: The pool was closed.
         """
         self._check_live()
         spec = self.layout.input(name)
@@ -480,6 +484,7 @@ class Lease:
         Raises:
             InputError: Unknown name or a shape that does not fit.
             LeaseReleasedError: The lease has ended.
+            PoolClosedError: The pool was closed.
         """
         self._check_live()
         spec = self.layout.output(name)
@@ -495,7 +500,11 @@ class Lease:
 
         A CUDA array is copied to the host first: this is system memory.
         ``copier`` splits a large copy across threads.
+
+        Raises:
+            LeaseReleasedError / PoolClosedError: The lease ended or its pool was closed.
         """
+        self._check_live()
         if not isinstance(value, np.ndarray):
             from ray_triton_shm._private.cuda import import_cupy
 
@@ -508,7 +517,12 @@ class Lease:
         return tuple(value.shape)
 
     def copy_output(self, name: str, shape: Sequence[int], copier: BulkCopier | None = None) -> np.ndarray:
-        """A copy of output ``name`` with ``shape``, independent of the slot."""
+        """A copy of output ``name`` with ``shape``, independent of the slot.
+
+        Raises:
+            LeaseReleasedError / PoolClosedError: The lease ended or its pool was closed.
+        """
+        self._check_live()
         view = self.slot.arrays[name][: math.prod(shape)].reshape(shape)
         if copier is None:
             return np.array(view)

@@ -22,6 +22,7 @@ by Triton's Python backend: those are guarded by a lock holder, see
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -30,6 +31,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ray_triton_shm.errors import SharedMemoryError
@@ -266,12 +268,16 @@ class Segment:
             os.close(fd)
         return cls(name=name, size=actual, mm=mm, owner=False)
 
-    def close(self) -> None:
+    def close(self, keep: Sequence[tuple[int, int]] = ()) -> None:
         """Unmap, and unlink if owned. Idempotent.
 
         If arrays still point into the mapping it cannot be unmapped now; the
         name is unlinked all the same and the memory is freed when the last
-        array goes.
+        array goes. Before that, the byte ranges ``keep`` (``(offset, size)``,
+        where such arrays may point) are swapped for private copies of
+        themselves, so that what those arrays show can no longer change: once
+        closed, the shared memory behind them may be handed to another process
+        or written by a request still running on the server.
         """
         if self._closed:
             return
@@ -280,6 +286,8 @@ class Segment:
             self.mm.close()
         except BufferError:
             logger.warning("segment %s still has arrays pointing into it; unmapped later", self.name)
+            for offset, size in keep:
+                _make_private(self.mm, offset, size)
         if self.owner:
             _unlink_quietly(self.name)
         # The lock goes only after the name: a sweeper never sees the file linked and unlocked.
@@ -355,6 +363,51 @@ def _lock_within(fd: int, name: str, timeout_s: float) -> None:
             raise SharedMemoryError(f"cannot lock new segment {name!r}: {e.strerror}") from e
 
 
+_PAGE = mmap.PAGESIZE
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    size_t, ptr, c_int = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
+    libc.mmap.argtypes = [ptr, size_t, c_int, c_int, c_int, ctypes.c_long]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ptr, size_t, size_t, c_int, ptr]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _make_private(mm: mmap.mmap, offset: int, size: int) -> None:
+    """Replace the pages of ``mm`` holding ``[offset, offset + size)`` by a private copy, atomically.
+
+    The copy is made in fresh anonymous memory and moved over the shared pages
+    with ``mremap(MREMAP_FIXED)``, so a reader never sees a hole. On failure
+    the pages stay shared (logged): the caller's views stay valid memory.
+    """
+    start = offset - offset % _PAGE
+    stop = min(len(mm), -(-(offset + size) // _PAGE) * _PAGE)
+    if stop <= start:
+        return
+    length = stop - start
+    anchor = ctypes.c_char.from_buffer(mm)  # only to learn the address; let go below
+    try:
+        target = ctypes.addressof(anchor) + start
+    finally:
+        del anchor
+    libc = _libc()
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    copy = libc.mmap(None, length, prot, flags, -1, 0)
+    if copy in (None, ctypes.c_void_p(-1).value):
+        logger.warning("could not copy %d bytes of a closed segment: errno %d", length, ctypes.get_errno())
+        return
+    ctypes.memmove(copy, target, length)
+    moved = libc.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, target)
+    if moved != target:
+        logger.warning("could not detach %d bytes of a closed segment: errno %d", length, ctypes.get_errno())
+        libc.munmap(copy, length)
+
+
 def _unlink_quietly(name: str) -> bool:
     try:
         os.unlink(_path(name))
@@ -423,7 +476,7 @@ def _guards(name: str, names: list[str]) -> list[str]:
     return [other for other in names if name.startswith(other + "_")]
 
 
-def stale_segments() -> list[str]:
+def stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     """Our segments whose owner is gone, as far as a look without removing can tell.
 
     A segment is stale when its owner's pid and start time (from its name) name no
@@ -432,10 +485,10 @@ def stale_segments() -> list[str]:
     namespace or another that shares /dev/shm. A segment that was never locked (made
     by an older version) is judged by the pid alone, as before: across pid namespaces
     such segments of a live owner can be taken for stale, so upgrade every container
-    sharing /dev/shm together.
+    sharing /dev/shm together. Only names starting with ``prefix`` are judged.
     """
     names = list_segments()
-    return [name for name in names if _looks_stale(name, names)]
+    return [name for name in names if name.startswith(prefix) and _looks_stale(name, names)]
 
 
 def _looks_stale(name: str, names: list[str]) -> bool:
@@ -448,12 +501,15 @@ def _looks_stale(name: str, names: list[str]) -> bool:
     return True
 
 
-def sweep_stale_segments() -> list[str]:
+def sweep_stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     """Unlink segments left behind by owners that are gone (see :func:`stale_segments`).
 
     Each one is unlinked while this process holds its lock, and only if its name
     still leads to the file that was locked, so a segment created, closed or swept
     by someone else meanwhile is left alone.
+
+    Args:
+        prefix: Only names starting with it (all of ours by default).
 
     Returns:
         The names removed.
@@ -461,7 +517,11 @@ def sweep_stale_segments() -> list[str]:
     names = list_segments()
     removed = []
     for name in names:
-        if not _pid_says_gone(name) or not all(_guard_free(g) for g in _guards(name, names)):
+        if (
+            not name.startswith(prefix)
+            or not _pid_says_gone(name)
+            or not all(_guard_free(g) for g in _guards(name, names))
+        ):
             continue
         fd = _try_lock(name)
         if fd is None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm import PoolConfig, ServerConfig, TritonServer, TritonShmClient
 
@@ -38,29 +40,59 @@ def default_pools() -> dict[str, PoolConfig]:
             max_batch_size=2,
             max_shapes={"INPUT0": (IDENTITY_MAX,), "OUTPUT0": (IDENTITY_MAX,)},
         ),
+        # OUTPUT0 = 1 - 2 * INPUT0: outputs that differ from inputs, for the zero-copy and length tests.
+        "affine": PoolConfig(
+            slots=2,
+            max_batch_size=2,
+            max_shapes={"INPUT0": (IDENTITY_MAX,), "OUTPUT0": (IDENTITY_MAX,)},
+        ),
         "whoami": PoolConfig(slots=1, max_batch_size=2, max_shapes={"INPUT0": (1024,), "OUTPUT0": (1024,)}),
         "sleep": PoolConfig(slots=1),
     }
 
 
-def close_and_check(client: TritonShmClient) -> None:
-    """Close ``client``; fail if a slot was still busy or a segment of it survives the close."""
+def registered_regions(url: str) -> set[str]:
+    """Names of the system shared-memory regions registered in the Triton at gRPC ``url``."""
+    with grpcclient.InferenceServerClient(url) as raw:
+        status = raw.get_system_shared_memory_status(as_json=True)
+    return {region["name"] for region in status.get("regions", {}).values()}
+
+
+def close_and_check(
+    client: TritonShmClient, *, allow_pinned: bool = False, allow_quarantined: bool = False
+) -> None:
+    """Close ``client``; fail if a slot was still out or a segment or region of it survives the close.
+
+    Out means busy, pinned (a view still alive) or quarantined (a request that may
+    still run on the server); ``allow_*`` for a test that made one on purpose.
+    """
     try:
         stats = client.pool_stats()
         regions = [client.pool(s.model).region_name for s in stats]
-        busy = [s for s in stats if s.busy]
+        out = [
+            s
+            for s in stats
+            if s.busy or (s.quarantined and not allow_quarantined) or (s.pinned and not allow_pinned)
+        ]
     finally:
         client.close()
     left = [name for name in regions if os.path.exists(os.path.join("/dev/shm", name))]
-    assert not busy, f"slots still busy when the test ended: {busy}"
+    assert not out, f"slots still busy, pinned or quarantined when the test ended: {out}"
     assert not left, f"segments left in /dev/shm after client.close(): {left}"
+    try:
+        registered = registered_regions(client.config.url) & set(regions)
+    except InferenceServerException:  # the test stopped its server: nothing can be registered there
+        registered = set()
+    assert not registered, f"regions still registered in Triton after client.close(): {sorted(registered)}"
 
 
 @pytest.fixture(scope="session")
-def triton_server() -> Iterator[TritonServer]:
+def triton_server(session_lived_pids: set[int]) -> Iterator[TritonServer]:
     """The embedded Triton server on ``deployments/models``, shared by the whole session."""
     server = TritonServer(ServerConfig(model_repository=str(MODEL_REPOSITORY)))
     server.start()
+    assert server.pid is not None
+    session_lived_pids.add(server.pid)  # not a leak of the module that happened to start it
     try:
         yield server
     finally:

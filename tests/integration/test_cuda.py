@@ -22,13 +22,15 @@ from ray_triton_shm.errors import CudaError, CudaUnavailableError, DeviceMapping
 
 from .conftest import MODEL_REPOSITORY, REPO_ROOT
 
-N = 4096  # largest variable dim of identity in these pools
+N = 4096  # largest variable dim of identity and affine in these pools
 
 
 def _cuda_pools(**overrides: Any) -> dict[str, PoolConfig]:
     shape = {"INPUT0": (N,), "OUTPUT0": (N,)}
     return {
         "identity": PoolConfig(slots=2, max_batch_size=2, max_shapes=shape, memory="cuda", **overrides),
+        # OUTPUT0 = 1 - 2 * INPUT0: an answer read from the input region (or a stale slot) cannot pass.
+        "affine": PoolConfig(slots=2, max_batch_size=2, max_shapes=shape, memory="cuda", **overrides),
         "add_sub": PoolConfig(slots=1, memory="cuda", **overrides),
     }
 
@@ -95,12 +97,12 @@ def cuda_client(
 @pytest.mark.gpu
 def test_cupy_round_trip(cupy: Any, cuda_client: TritonShmClient) -> None:
     x = cupy.arange(2 * N, dtype=cupy.float32).reshape(2, N) * 0.5
-    out = cuda_client.infer("identity", {"INPUT0": x})
+    out = cuda_client.infer("affine", {"INPUT0": x})
     assert out.path == "cuda_shm"
     assert isinstance(out["OUTPUT0"], cupy.ndarray)
     assert out["OUTPUT0"].shape == (2, N)
-    cupy.testing.assert_array_equal(out["OUTPUT0"], x)
-    assert cuda_client.pool("identity").memory == "cuda"
+    cupy.testing.assert_array_equal(out["OUTPUT0"], 1 - 2 * x)
+    assert cuda_client.pool("affine").memory == "cuda"
 
 
 @pytest.mark.gpu
@@ -147,23 +149,23 @@ def test_split_batch_concatenates_on_gpu(
 ) -> None:
     client = make_client(pools=_cuda_pools())
     x = cupy.random.random((7, 100), dtype=cupy.float32)  # slots hold 2 rows: 4 chunks
-    out = client.infer("identity", {"INPUT0": x})
+    out = client.infer("affine", {"INPUT0": x})
     assert isinstance(out["OUTPUT0"], cupy.ndarray)
-    cupy.testing.assert_array_equal(out["OUTPUT0"], x)
+    cupy.testing.assert_array_equal(out["OUTPUT0"], 1 - 2 * x)
 
 
 @pytest.mark.gpu
 def test_views_pin_the_slot_until_dropped(cupy: Any, cuda_client: TritonShmClient) -> None:
     x = cupy.ones((1, 64), dtype=cupy.float32)
-    with cuda_client.infer_views("identity", {"INPUT0": x}) as views:
+    with cuda_client.infer_views("affine", {"INPUT0": x}) as views:
         kept = views["OUTPUT0"][0, :8]
         assert isinstance(kept, cupy.ndarray)
     del views
-    stats = cuda_client.pool("identity").stats()
+    stats = cuda_client.pool("affine").stats()
     assert stats.pinned == 1  # the view is alive: its slot is not reused
-    cupy.testing.assert_array_equal(kept, cupy.ones(8, dtype=cupy.float32))
+    cupy.testing.assert_array_equal(kept, cupy.full(8, -1, dtype=cupy.float32))
     del kept
-    pool = cuda_client.pool("identity")
+    pool = cuda_client.pool("affine")
     leases = [pool.try_acquire(), pool.try_acquire()]  # both slots lendable again
     assert all(lease is not None for lease in leases)
     for lease in leases:

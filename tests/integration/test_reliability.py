@@ -373,7 +373,7 @@ def test_unregister_while_requests_are_in_flight(own_server: TritonServer, shm_t
         region = client.pool("sleep").region_name
 
         def call(i: int) -> None:
-            x = np.full((1, 1), 0.3 + i / 1000, np.float32)
+            x = np.full((1, 1), 1.5 + i / 1000, np.float32)
             try:
                 results[i] = client.infer("sleep", {"INPUT0": x})["OUTPUT0"]
             except Exception as e:
@@ -382,7 +382,11 @@ def test_unregister_while_requests_are_in_flight(own_server: TritonServer, shm_t
         threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.1)
+        # All four hold their slot: their requests are sent within moments and run 1.5 s each.
+        deadline = time.monotonic() + 30
+        while client.pool("sleep").stats().busy < 4:
+            assert time.monotonic() < deadline, "the four requests never all held a slot"
+            time.sleep(0.005)
         with grpcclient.InferenceServerClient(own_server.grpc_url) as raw:
             # Triton 2.51 refuses while the region is in use, and the requests go on.
             with pytest.raises(InferenceServerException, match="in use"):
@@ -393,7 +397,7 @@ def test_unregister_while_requests_are_in_flight(own_server: TritonServer, shm_t
         assert sorted(results) == [0, 1, 2, 3], "a request was lost"
         for i, result in results.items():
             assert not isinstance(result, Exception), result  # the refused unregister hurt nobody
-            np.testing.assert_allclose(result, [[0.3 + i / 1000]], rtol=1e-6)
+            np.testing.assert_allclose(result, [[1.5 + i / 1000]], rtol=1e-6)
         # Service continues: the region comes back on the next call.
         out = client.infer("sleep", {"INPUT0": np.full((1, 1), 0.01, np.float32)})
         np.testing.assert_allclose(out["OUTPUT0"], [[0.01]], rtol=1e-6)

@@ -394,7 +394,7 @@ def test_server_dies_with_parent_and_leftovers_are_swept(tmp_path: Path, empty_r
             assert segment.list_segments(prefix) == []
         # ... and so does sweep_stale_segments() on its own.
         planted = plant(f"{prefix}planted-2")
-        assert planted in segment.sweep_stale_segments()
+        assert planted in segment.sweep_stale_segments(prefix)  # only ours: other runs share /dev/shm
         assert segment.list_segments(prefix) == []
         assert os.path.exists(os.path.join(segment.SHM_DIR, live.name)), "a live owner's segment was swept"
     finally:

@@ -40,8 +40,9 @@ def test_a_large_copy_is_split_across_helper_threads(copier: BulkCopier) -> None
     dst = np.empty_like(src)
     copier.copy(dst, src)
     assert np.array_equal(dst, src)
-    # The helpers ran the other two parts (a small copy never starts them).
-    assert len(copy_threads_alive()) == 2
+    # Helpers ran the other two parts (a small copy never starts them). One helper may run
+    # both: the pool reuses a thread that is idle again before the second part is handed over.
+    assert 1 <= len(copy_threads_alive()) <= 2
 
 
 def test_small_copies_start_no_threads() -> None:

@@ -25,11 +25,14 @@ def test_infer_result_pickles_with_path() -> None:
     assert grpc.path == "grpc" and dict(grpc) == {}
 
 
-def test_infer_result_is_a_dict() -> None:
-    result = InferResult({"A": np.zeros(1)}, "grpc")
+def test_infer_result_is_a_dict_of_outputs_only() -> None:
+    a = np.zeros(1)
+    result = InferResult({"A": a}, "grpc")
     assert isinstance(result, dict)
-    assert result.path == "grpc"
-    assert set(result.keys()) == {"A"}
+    # The path is an attribute, never an output: code that iterates outputs does not see it.
+    assert list(result.items()) == [("A", a)] and "path" not in result
+    assert result == {"A": a} and result["A"] is a  # outputs are not copied on the way in
+    assert dict(result) == {"A": a} and not hasattr(dict(result), "path")
 
 
 def test_translate_unavailable() -> None:

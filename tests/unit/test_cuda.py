@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -279,7 +280,8 @@ _IDENTITY_CONFIG = {
 def test_pool_config_memory_defaults_and_validation() -> None:
     assert PoolConfig().memory == "system" and PoolConfig().device_id is None
     config = PoolConfig(memory="cuda", device_id=1)
-    assert (config.memory, config.device_id) == ("cuda", 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.memory = "system"  # type: ignore[misc]
     for bad in ({"memory": "gpu"}, {"memory": ""}, {"memory": "CUDA"}):
         with pytest.raises(ConfigError, match="memory"):
             PoolConfig(**bad)

@@ -58,11 +58,23 @@ def test_pickle_round_trip(name: str) -> None:
 def test_pickle_round_trip_keeps_cause_chain_usable(name: str) -> None:
     """Raising, catching and pickling (what Ray does with task errors) works for each class."""
     cls = getattr(errors, name)
+    root = OSError("the underlying failure")
     try:
-        raise cls(*ARGS[name])
-    except errors.RayTritonShmError as caught:
-        copy = pickle.loads(pickle.dumps(caught))
-    assert isinstance(copy, cls)
+        try:
+            raise root
+        except OSError as e:
+            raise cls(*ARGS[name]) from e
+    except errors.RayTritonShmError as e:
+        caught = e
+    assert caught.__cause__ is root  # `raise ... from e` keeps the cause for the traceback
+    copy = pickle.loads(pickle.dumps(caught))
+    assert type(copy) is cls and copy.args == caught.args
+    # Pickle drops __cause__ (Ray sends the traceback text instead); the copy chains again.
+    assert copy.__cause__ is None
+    try:
+        raise copy from root
+    except errors.RayTritonShmError as again:
+        assert again.__cause__ is root and str(again) == str(caught)
 
 
 @pytest.mark.parametrize("name", errors.__all__)

@@ -303,7 +303,13 @@ def test_sweep_removes_dead_owner_keeps_live_ones(owned: Segment, stray: list[st
     assert dead in stale and reused in stale
     assert owned.name not in stale and parent not in stale and odd not in stale and foreign not in stale
 
-    removed = segment.sweep_stale_segments()
+    # Swept by the planted names' owner tags only: other test runs share this /dev/shm.
+    planted = (dead, reused, parent, owned.name)
+    removed = [
+        name
+        for prefix in {"_".join(name.split("_")[:3]) + "_" for name in planted}
+        for name in segment.sweep_stale_segments(prefix)
+    ]
     assert dead in removed and reused in removed
     for name in (dead, reused):
         assert not os.path.exists(shm_path(name))

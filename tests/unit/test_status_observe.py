@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from ray_triton_shm._private import cli, observe, status
 
 NODE = {
@@ -53,10 +57,16 @@ def test_status_arguments() -> None:
     assert cli.build_parser().parse_args(["demo", "--hold"]).hold
 
 
-def test_a_failing_observer_never_breaks_the_caller() -> None:
+def test_a_failing_observer_never_breaks_the_caller(caplog: pytest.LogCaptureFixture) -> None:
     class Broken:
         def request(self, *args):
             raise RuntimeError("observer bug")
 
-    observe.safely(Broken().request, "m", "shm", 1, 0.1)  # logged, not raised
-    observe.safely(observe.NULL_OBSERVER.request, "m", "shm", 1, 0.1)
+    with caplog.at_level(logging.DEBUG, logger=observe.__name__):
+        observe.safely(Broken().request, "m", "shm", 1, 0.1)  # logged, not raised
+    failures = [r for r in caplog.records if r.name == observe.__name__ and "failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert str(failures[0].exc_info[1]) == "observer bug"
+    calls: list[tuple[object, ...]] = []
+    observe.safely(lambda *args: calls.append(args), "m", "shm", 1, 0.1)  # a working one is called once
+    assert calls == [("m", "shm", 1, 0.1)]

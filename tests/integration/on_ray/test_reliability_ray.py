@@ -59,6 +59,7 @@ def test_short_soak_through_serve_every_response_matches(ray_local):
 
 
 def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ray_local):
+    import ray
     from ray import serve
 
     from ray_triton_shm.serve import _build, build_node_config
@@ -79,7 +80,12 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
         # Both of its slots are leased by requests that sleep on the server when it dies.
         slow = {"INPUT0": np.full((1, 1), 3.0, np.float32)}
         in_flight = [handle.infer.remote("sleep", slow) for _ in range(PER_REPLICA)]
-        _wait_for(lambda: _pool_stats("sleep", config)["in_use"] == PER_REPLICA, 30, "both requests running")
+        # Kill it only once both requests hold their slot (the replica says so), not after a guess.
+        _wait_for(
+            lambda: handle.whereami.remote().result(timeout_s=10)["busy"].get("sleep") == PER_REPLICA,
+            30,
+            "both slots leased",
+        )
         os.kill(victim, signal.SIGKILL)
         outcomes = []
         for response in in_flight:
@@ -88,8 +94,12 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
             except Exception as e:  # the replica died under it: a clear error, not a hang
                 outcomes.append(e)
         for outcome in outcomes:
-            if not isinstance(outcome, Exception):
+            if isinstance(outcome, Exception):
+                # Ray's own word for a replica that died, not a timeout or a wrong answer.
+                assert isinstance(outcome, ray.exceptions.RayActorError), repr(outcome)
+            else:
                 np.testing.assert_allclose(outcome["OUTPUT0"], [[3.0]])
+        assert any(isinstance(o, Exception) for o in outcomes), "the kill hit no request in flight"
         # Serve replaces the replica; requests work again.
         _wait_for(lambda: handle.whereami.remote().result(timeout_s=10)["pid"] != victim, 90, "new replica")
         out = handle.infer.remote("sleep", one).result(timeout_s=60)
