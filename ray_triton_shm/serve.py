@@ -30,7 +30,6 @@ import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import numpy as np
 import ray
@@ -50,7 +49,6 @@ __all__ = [
     "app",
     "build_node_config",
     "resolve_model_repository",
-    "route_path",
     "run_config_file",
 ]
 
@@ -160,14 +158,14 @@ class TritonDeployment:
 
     async def __call__(self, request: Request) -> Response:
         """KServe v2 over HTTP, under whatever ``route_prefix`` the app has (see the README)."""
-        path = route_path(request.scope)
+        path = kserve.route_path(request.scope)
         try:
             if request.method == "POST":
                 match = _INFER.match(path)
                 if match:
                     model, version = match.group(1), match.group(2)
-                    if version is not None:
-                        return await self._proxy(request, path, await _request_body(request))
+                    if version is not None:  # Triton honours the version (and any Content-Encoding)
+                        return await self._proxy(request, path, await request.body())
                     return await self._http_infer(model, request)
             elif request.method == "GET":
                 if path in ("/v2/health/ready", "/v2/health/live"):
@@ -199,7 +197,7 @@ class TritonDeployment:
         Triton does not answer within :data:`PROBE_TIMEOUT_S`; other routes 503.
         """
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
-        target = _triton_path(path, request.url.query)
+        target = kserve.triton_path(path, request.url.query)
         try:
             code, answer, answer_headers = await asyncio.to_thread(
                 _triton_http,
@@ -213,7 +211,9 @@ class TritonDeployment:
         except OSError as e:
             message = f"Triton on this node did not answer: {type(e).__name__}"
             return _error(400 if probe else 503, message)
-        return Response(redact_bytes(answer), status_code=code, headers=answer_headers)
+        if code >= 400:  # Triton's messages can name shm keys; they must not leave the machine
+            answer = redact_bytes(answer)
+        return Response(answer, status_code=code, headers=answer_headers)
 
     async def _http_infer(self, model: str, request: Request) -> Response:
         body = await _request_body(request)
@@ -238,7 +238,7 @@ class TritonDeployment:
                 _triton_http,
                 self._client.info.http_url,
                 "GET",
-                _triton_path(f"/v2/models/{model}", ""),
+                kserve.triton_path(f"/v2/models/{model}", ""),
                 None,
                 {},
                 PROBE_TIMEOUT_S,
@@ -260,26 +260,6 @@ PROXY_TIMEOUT_S = 60.0
 _VERSION_TTL_S = 10.0
 _FORWARDED_HEADERS = ("content-type", "content-encoding", "accept-encoding", kserve.HEADER_LENGTH)
 _ANSWER_HEADERS = ("content-type", "content-encoding", kserve.HEADER_LENGTH)
-
-
-def route_path(scope: Mapping[str, Any]) -> str:
-    """The request path below the app's ``route_prefix`` (Serve keeps the prefix in ``root_path``).
-
-    Example:
-        >>> route_path({"path": "/triton/v2/health/ready", "root_path": "/triton"})
-        '/v2/health/ready'
-    """
-    path = str(scope.get("path") or "/")
-    root = str(scope.get("root_path") or "").rstrip("/")
-    if root and (path == root or path.startswith(root + "/")):
-        path = path[len(root) :]
-    return path or "/"
-
-
-def _triton_path(path: str, query: str) -> str:
-    """``path`` (already decoded) quoted again for the request to Triton."""
-    quoted = "/".join(quote(part, safe="") for part in path.split("/"))
-    return f"{quoted}?{query}" if query else quoted
 
 
 def _triton_http(

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -244,6 +246,31 @@ def encode_response(
         "content-type": "application/octet-stream",
         HEADER_LENGTH: str(len(head)),
     }
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The request path below the app's ``route_prefix`` (Serve keeps the prefix in ``root_path``).
+
+    Example:
+        >>> route_path({"path": "/triton/v2/health/ready", "root_path": "/triton"})
+        '/v2/health/ready'
+    """
+    path = str(scope.get("path") or "/")
+    root = str(scope.get("root_path") or "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root) :]
+    return path or "/"
+
+
+def triton_path(path: str, query: str) -> str:
+    """``path`` (as Serve decoded it) quoted again, plus the query, for the request to Triton.
+
+    Example:
+        >>> triton_path("/v2/models/my model/ready", "")
+        '/v2/models/my%20model/ready'
+    """
+    quoted = "/".join(quote(part, safe="") for part in path.split("/"))
+    return f"{quoted}?{query}" if query else quoted
 
 
 def http_status(error: Exception) -> int:

@@ -245,3 +245,26 @@ def test_error_message_is_tritons_own_text_for_its_refusals() -> None:
     assert kserve.error_message(pickle.loads(pickle.dumps(error))) == error.message
     assert "unknown datatype" in kserve.error_message(InputError("unknown datatype"))
     assert json.loads(kserve.error_body('a "quoted" message')) == {"error": 'a "quoted" message'}
+
+
+# -- routing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "root", "route"),
+    [
+        ("/v2/health/ready", "", "/v2/health/ready"),
+        ("/triton/v2/health/ready", "/triton", "/v2/health/ready"),
+        ("/a/b/v2/models/m/infer", "/a/b", "/v2/models/m/infer"),
+        ("/triton/v2/models/m/", "/triton/", "/v2/models/m/"),  # a trailing slash stays (Triton: 404)
+        ("/triton", "/triton", "/"),
+        ("/tritonx/v2", "/triton", "/tritonx/v2"),  # not below the prefix
+    ],
+)
+def test_route_path_is_the_path_below_the_route_prefix(path: str, root: str, route: str) -> None:
+    assert kserve.route_path({"path": path, "root_path": root}) == route
+
+
+def test_triton_path_quotes_each_segment_and_keeps_the_query() -> None:
+    assert kserve.triton_path("/v2/models/a b/versions/1/ready", "") == "/v2/models/a%20b/versions/1/ready"
+    assert kserve.triton_path("/v2/models/x?y", "q=1") == "/v2/models/x%3Fy?q=1"

@@ -312,9 +312,10 @@ def test_compressed_requests_are_inflated(ingress, triton) -> None:
     _, base = ingress
     data = gzip.compress(json.dumps(ADD_SUB).encode())
     headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
-    ours = requests.post(base + "/v2/models/add_sub/infer", data=data, headers=headers, timeout=60)
-    theirs = requests.post(triton + "/v2/models/add_sub/infer", data=data, headers=headers, timeout=60)
-    assert answer(ours) == answer(theirs)
+    for path in ("/v2/models/add_sub/infer", "/v2/models/add_sub/versions/1/infer"):
+        ours = requests.post(base + path, data=data, headers=headers, timeout=60)
+        theirs = requests.post(triton + path, data=data, headers=headers, timeout=60)
+        assert ours.status_code == 200 and answer(ours) == answer(theirs)
     broken = requests.post(base + "/v2/models/add_sub/infer", data=b"not gzip", headers=headers, timeout=60)
     assert broken.status_code == 400 and "gzip" in assert_error_object(broken)
 
