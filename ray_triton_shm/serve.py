@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.client
+import json
 import logging
 import os
 import re
+import time
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -37,17 +42,16 @@ from ray_triton_shm._private import kserve
 from ray_triton_shm._private.cuda import to_host
 from ray_triton_shm._private.segment import redact
 from ray_triton_shm.config import PoolConfig, ServerConfig
-from ray_triton_shm.errors import (
-    ConfigError,
-    InputError,
-    LayoutError,
-    PoolTimeoutError,
-    RayTritonShmError,
-    TritonCallError,
-)
+from ray_triton_shm.errors import ConfigError, InputError, RayTritonShmError
 from ray_triton_shm.node import NodeClient, NodeConfig
 
-__all__ = ["TritonDeployment", "app", "build_node_config", "resolve_model_repository", "run_config_file"]
+__all__ = [
+    "TritonDeployment",
+    "app",
+    "build_node_config",
+    "resolve_model_repository",
+    "run_config_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,18 +118,6 @@ def build_node_config(
         raise ConfigError(f"invalid node settings: {e}") from e
 
 
-def _status_for(error: Exception) -> int:
-    if isinstance(error, (InputError, LayoutError)):
-        return 400
-    if isinstance(error, TritonCallError) and error.status in ("NOT_FOUND",):
-        return 404
-    if isinstance(error, TritonCallError) and error.status in ("INVALID_ARGUMENT",):
-        return 400
-    if isinstance(error, PoolTimeoutError):
-        return 503
-    return 500
-
-
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
 class TritonDeployment:
     """Serve replica: KServe v2 over HTTP, numpy over the handle, shm to its node's Triton.
@@ -145,6 +137,7 @@ class TritonDeployment:
         self, node_config: NodeConfig, slots_per_model: int | None = None, memory: str = "system"
     ) -> None:
         self._client = NodeClient(node_config, slots_per_model=slots_per_model, memory=memory, kind="serve")
+        self._versions: dict[str, tuple[float, str]] = {}  # model -> (expiry, version served)
         logger.info(
             "replica on node %s uses Triton %s", self._client.info.node_id, self._client.info.grpc_url
         )
@@ -192,52 +185,177 @@ class TritonDeployment:
         }
 
     async def __call__(self, request: Request) -> Response:
-        path = request.url.path.rstrip("/") or "/"
+        """KServe v2 over HTTP, under whatever ``route_prefix`` the app has (see the README)."""
+        path = kserve.route_path(request.scope)
         try:
             if request.method == "POST":
                 match = _INFER.match(path)
                 if match:
-                    return await self._http_infer(match.group(1), request)
+                    model, version = match.group(1), match.group(2)
+                    if version is not None:  # Triton honours the version (and any Content-Encoding)
+                        return await self._proxy(request, path, await request.body())
+                    return await self._http_infer(model, request)
             elif request.method == "GET":
-                return await self._http_get(path)
-            return JSONResponse({"error": f"no route for {request.method} {path}"}, status_code=404)
-        except RayTritonShmError as e:
-            # Triton's messages can name shm keys; they must not leave the machine.
-            return Response(
-                kserve.error_body(redact(str(e))), status_code=_status_for(e), media_type="application/json"
-            )
+                if path in ("/v2/health/ready", "/v2/health/live"):
+                    return await self._proxy(request, path, None, probe=True)
+                if path == "/v2":
+                    return await self._server_metadata()
+                match = _MODEL.match(path)
+                if match:
+                    return await self._proxy(request, path, None, probe=match.group(3) == "/ready")
+            return _error(404, "Not Found")  # Triton's answer to a path it does not serve
+        except Exception as e:  # every failure becomes a KServe error object
+            return _error_response(e)
 
-    async def _http_get(self, path: str) -> Response:
-        if path in ("/v2/health/ready", "/v2/health/live"):
-            return Response(status_code=200)
-        if path == "/v2":
-            return JSONResponse(
-                {
-                    "name": "ray-triton-shm",
-                    "version": self._client.info.version,
-                    "extensions": ["binary_tensor_data"],
-                }
+    async def _server_metadata(self) -> Response:
+        return JSONResponse(
+            {
+                "name": "ray-triton-shm",
+                "version": self._client.info.version,
+                "extensions": ["binary_tensor_data"],
+            }
+        )
+
+    async def _proxy(
+        self, request: Request, path: str, body: bytes | None, *, probe: bool = False
+    ) -> Response:
+        """Send the request to the node's Triton over loopback HTTP and give back its answer as is.
+
+        Health and readiness (``probe``) answer 400, KServe's "false", when
+        Triton does not answer within :data:`PROBE_TIMEOUT_S`; other routes 503.
+        """
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        target = kserve.triton_path(path, request.url.query)
+        try:
+            code, answer, answer_headers = await asyncio.to_thread(
+                _triton_http,
+                self._client.info.http_url,
+                request.method,
+                target,
+                body,
+                headers,
+                PROBE_TIMEOUT_S if probe else PROXY_TIMEOUT_S,
             )
-        match = _MODEL.match(path)
-        if not match:
-            return JSONResponse({"error": f"no route for GET {path}"}, status_code=404)
-        model, suffix = match.group(1), match.group(3)
-        if suffix == "/config":
-            return JSONResponse(await asyncio.to_thread(self._client.model_config, model))
-        metadata = await asyncio.to_thread(self._client.model_metadata, model)
-        if suffix == "/ready":
-            return Response(status_code=200)
-        return JSONResponse(metadata)
+        except OSError as e:
+            message = f"Triton on this node did not answer: {type(e).__name__}"
+            return _error(400 if probe else 503, message)
+        if code >= 400:  # Triton's messages can name shm keys; they must not leave the machine
+            answer = redact_bytes(answer)
+        return Response(answer, status_code=code, headers=answer_headers)
 
     async def _http_infer(self, model: str, request: Request) -> Response:
-        body = await request.body()
-        header = request.headers.get(kserve.HEADER_LENGTH)
-        decoded = kserve.decode_request(body, int(header) if header else None)
+        body = await _request_body(request)
+        header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
+        decoded = kserve.decode_request(body, header_length)
         # Encoding the answer copies the outputs: read them straight from the slot.
         outputs = await self._client.ainfer(model, decoded.inputs, outputs=decoded.outputs, copy=False)
         host = {name: to_host(value) for name, value in outputs.items()}
-        payload, headers = kserve.encode_response(model, decoded, host)
+        version = await self._served_version(model)
+        payload, headers = kserve.encode_response(model, decoded, host, version)
         return Response(payload, headers=headers)
+
+    async def _served_version(self, model: str) -> str:
+        """The version Triton runs for a request without one: its highest ready version (cached briefly)."""
+        now = time.monotonic()
+        cached = self._versions.get(model)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        version = "1"
+        try:
+            code, answer, _ = await asyncio.to_thread(
+                _triton_http,
+                self._client.info.http_url,
+                "GET",
+                kserve.triton_path(f"/v2/models/{model}", ""),
+                None,
+                {},
+                PROBE_TIMEOUT_S,
+            )
+            versions = (json.loads(answer).get("versions") or []) if code == 200 else []
+            numbers = [int(v) for v in versions if str(v).isdigit()]
+            if numbers:
+                version = str(max(numbers))
+        except (OSError, ValueError, AttributeError):
+            logger.debug("could not read the versions of %s", model, exc_info=True)
+        self._versions[model] = (now + _VERSION_TTL_S, version)
+        return version
+
+
+PROBE_TIMEOUT_S = 2.0
+"""How long a health or readiness probe waits for the node's Triton before answering "not ready"."""
+PROXY_TIMEOUT_S = 60.0
+"""How long metadata, config and versioned inference requests wait for the node's Triton."""
+_VERSION_TTL_S = 10.0
+_FORWARDED_HEADERS = ("content-type", "content-encoding", "accept-encoding", kserve.HEADER_LENGTH)
+_ANSWER_HEADERS = ("content-type", "content-encoding", kserve.HEADER_LENGTH)
+
+
+def _triton_http(
+    url: str, method: str, path: str, body: bytes | None, headers: Mapping[str, str], timeout: float
+) -> tuple[int, bytes, dict[str, str]]:
+    """One request to Triton's HTTP endpoint at ``host:port``: its status, body and protocol headers.
+
+    Raises:
+        OSError: Triton cannot be reached or did not answer in time.
+    """
+    host, _, port = url.rpartition(":")
+    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=dict(headers))
+        answer = conn.getresponse()
+        data = answer.read()
+        kept = {k.lower(): v for k, v in answer.getheaders() if k.lower() in _ANSWER_HEADERS}
+        return answer.status, data, kept
+    except http.client.HTTPException as e:
+        raise OSError(f"unreadable answer from Triton: {e}") from e
+    finally:
+        conn.close()
+
+
+async def _request_body(request: Request) -> bytes:
+    """The request body, inflated when the client compressed it (``Content-Encoding``).
+
+    Raises:
+        InputError: An unsupported encoding, or data that does not inflate.
+    """
+    body = await request.body()
+    encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
+    if encoding == "identity":
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise InputError(f"unsupported Content-Encoding {encoding!r}")
+    try:
+        return zlib.decompress(body, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    except zlib.error as e:
+        raise InputError(f"request body is not valid {encoding} data: {e}") from e
+
+
+def redact_bytes(data: bytes) -> bytes:
+    """``data`` with segment keys redacted when it is text (Triton's error messages can name them)."""
+    if b"rtshm_" not in data:
+        return data
+    try:
+        return redact(data.decode()).encode()
+    except UnicodeDecodeError:
+        return data
+
+
+def _error(code: int, message: str) -> Response:
+    return Response(kserve.error_body(redact(message)), status_code=code, media_type="application/json")
+
+
+def _error_response(error: Exception) -> Response:
+    """The KServe error answer for ``error``; never Ray's task header or a traceback."""
+    cause = error
+    while isinstance(cause, ray.exceptions.RayTaskError) and isinstance(cause.cause, Exception):
+        cause = cause.cause
+    if isinstance(cause, RayTritonShmError):
+        return _error(kserve.http_status(cause), kserve.error_message(cause))
+    if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
+        logger.warning("node actor unavailable: %s", type(cause).__name__)
+        return _error(503, "the Triton node actor on this node is unavailable")
+    logger.exception("unexpected error in the KServe ingress")
+    return _error(500, f"internal error ({type(cause).__name__})")
 
 
 def _build(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:

@@ -3,20 +3,47 @@
 Supports JSON tensors and the binary-tensor extension (a JSON header whose
 length is given by ``Inference-Header-Content-Length``, followed by raw
 tensor bytes), which is what ``tritonclient.http`` sends by default.
+
+Every malformed request raises :class:`InputError` (HTTP 400, as Triton
+answers it); :func:`http_status` maps our other errors to the status codes
+Triton's own HTTP endpoint uses for the same failures.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
 from ray_triton_shm._private.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
-from ray_triton_shm.errors import InputError
+from ray_triton_shm.errors import (
+    InputError,
+    LayoutError,
+    PoolTimeoutError,
+    TritonCallError,
+    UnavailableError,
+)
 
 HEADER_LENGTH = "inference-header-content-length"
+
+# Triton's HTTP endpoint answers a failed call with the code of its error kind; over gRPC the
+# same kinds carry these status names (Triton's HttpCodeFromError and its gRPC mapping).
+_HTTP_BY_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "UNKNOWN": 400,
+    "ALREADY_EXISTS": 400,
+    "CANCELLED": 400,
+    "NOT_FOUND": 404,
+    "INTERNAL": 500,
+    "UNIMPLEMENTED": 501,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
 
 
 @dataclass(frozen=True)
@@ -30,63 +57,160 @@ class DecodedRequest:
     request_id: str | None
 
 
+def parse_header_length(value: str | None) -> int | None:
+    """The value of ``Inference-Header-Content-Length`` (``None`` when absent).
+
+    Raises:
+        InputError: The value is not a non-negative decimal integer.
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isdigit() or not text.isascii():
+        raise InputError(f"Inference-Header-Content-Length must be a non-negative integer, got {value!r}")
+    return int(text)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    """``value`` if it is a JSON object (``None`` counts as an empty one)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _flatten(data: Any, name: str) -> list[Any]:
+    """The scalars of ``data`` (a JSON array, possibly nested) in row-major order."""
+    if not isinstance(data, list):
+        raise InputError(f"input {name!r}: 'data' must be a JSON array")
+    flat: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            flat.append(item)
+        else:
+            stack.pop()
+    return flat
+
+
+def _json_tensor(data: Any, name: str, datatype: str, dtype: np.dtype) -> np.ndarray:
+    """The array of a JSON ``data`` field, each element checked against ``datatype``."""
+    flat = _flatten(data, name)
+    for value in flat:
+        if not _accepts(dtype, value):
+            raise InputError(f"input {name!r}: {value!r} is not a {datatype} value")
+    try:
+        return np.asarray(flat, dtype=dtype)
+    except (OverflowError, ValueError) as e:
+        raise InputError(f"input {name!r}: a value is out of range for {datatype}") from e
+
+
+def _accepts(dtype: np.dtype, value: Any) -> bool:
+    if dtype.kind == "b":
+        return isinstance(value, bool)
+    if dtype.kind in "iu":
+        return _is_int(value)
+    return _is_int(value) or isinstance(value, float)
+
+
+def _shape(entry: dict[str, Any], name: str) -> list[int]:
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise InputError(f"input {name!r}: 'shape' must be an array of non-negative integers, got {shape!r}")
+    return shape
+
+
 def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
     """Parse a v2 inference request body.
 
     Args:
         body: The HTTP body.
-        header_length: Value of ``Inference-Header-Content-Length``, if present.
+        header_length: Value of ``Inference-Header-Content-Length``, if present
+            (see :func:`parse_header_length`).
 
     Returns:
         The decoded request.
 
     Raises:
-        InputError: Malformed JSON, unknown datatype, sizes that do not add up.
+        InputError: Malformed JSON, a field of the wrong type, an unknown
+            datatype, values that are not of the tensor's datatype, sizes that
+            do not add up.
     """
     split = len(body) if header_length is None else header_length
     if split < 0 or split > len(body):
-        raise InputError(f"Inference-Header-Content-Length {split} is outside the body")
+        raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {len(body)} bytes")
     try:
         header = json.loads(body[:split] or b"{}")
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"request JSON is malformed: {e}") from e
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise InputError("request must be a JSON object with an 'inputs' list")
     inputs: dict[str, np.ndarray] = {}
     cursor = split
     for entry in header["inputs"]:
-        try:
-            name, datatype, shape = entry["name"], entry["datatype"], [int(d) for d in entry["shape"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"input entry needs name, datatype and shape: {entry!r}") from e
-        dtype = TRITON_TO_NUMPY.get(datatype)
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise InputError(f"input entry must be an object with a string 'name': {entry!r}")
+        name = entry["name"]
+        if name in inputs:
+            raise InputError(f"input {name!r} is given twice")
+        datatype = entry.get("datatype")
+        dtype = TRITON_TO_NUMPY.get(datatype) if isinstance(datatype, str) else None
         if dtype is None:
             raise InputError(f"input {name!r}: datatype {datatype!r} is not supported")
-        size = (entry.get("parameters") or {}).get("binary_data_size")
+        shape = _shape(entry, name)
+        count = math.prod(shape)
+        size = _object(entry.get("parameters"), f"input {name!r} parameters").get("binary_data_size")
         if size is not None:
-            size = int(size)
+            if not _is_int(size) or size < 0:
+                raise InputError(f"input {name!r}: binary_data_size must be a non-negative integer")
             if cursor + size > len(body):
                 raise InputError(f"input {name!r}: binary data runs past the end of the body")
-            array = np.frombuffer(body, dtype=dtype, count=size // dtype.itemsize, offset=cursor)
+            if size != count * dtype.itemsize:
+                raise InputError(
+                    f"input {name!r}: {size} bytes of binary data do not match shape {shape} of {datatype}"
+                )
+            array = np.frombuffer(body, dtype=dtype, count=count, offset=cursor)
             cursor += size
         elif "data" in entry:
-            array = np.asarray(entry["data"], dtype=dtype)
+            array = _json_tensor(entry["data"], name, datatype, dtype)
         else:
             raise InputError(f"input {name!r} has neither 'data' nor binary_data_size")
-        if array.size != int(np.prod(shape)):
+        if array.size != count:
             raise InputError(f"input {name!r}: {array.size} elements do not fill shape {shape}")
         inputs[name] = array.reshape(shape)
-    params = header.get("parameters") or {}
-    default_binary = bool(params.get("binary_data_output", False))
+    if cursor != len(body):
+        raise InputError(f"{len(body) - cursor} bytes after the last input's binary data")
+    params = _object(header.get("parameters"), "request parameters")
+    default_binary = params.get("binary_data_output", False)
+    if not isinstance(default_binary, bool):
+        raise InputError("parameter binary_data_output must be a boolean")
     outputs = None
     binary_outputs: dict[str, bool] = {}
-    if header.get("outputs"):
+    requested = header.get("outputs")
+    if requested is not None and not isinstance(requested, list):
+        raise InputError("'outputs' must be an array")
+    if requested:
         outputs = []
-        for entry in header["outputs"]:
+        for entry in requested:
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                raise InputError(f"output entry must be an object with a string 'name': {entry!r}")
+            flag = _object(entry.get("parameters"), f"output {entry['name']!r} parameters").get("binary_data")
+            if flag is not None and not isinstance(flag, bool):
+                raise InputError(f"output {entry['name']!r}: binary_data must be a boolean")
             outputs.append(entry["name"])
-            flag = (entry.get("parameters") or {}).get("binary_data")
-            binary_outputs[entry["name"]] = default_binary if flag is None else bool(flag)
-    return DecodedRequest(inputs, outputs, binary_outputs, default_binary, header.get("id"))
+            binary_outputs[entry["name"]] = default_binary if flag is None else flag
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InputError("'id' must be a string")
+    return DecodedRequest(inputs, outputs, binary_outputs, default_binary, request_id)
 
 
 def encode_response(
@@ -122,6 +246,59 @@ def encode_response(
         "content-type": "application/octet-stream",
         HEADER_LENGTH: str(len(head)),
     }
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The request path below the app's ``route_prefix`` (Serve keeps the prefix in ``root_path``).
+
+    Example:
+        >>> route_path({"path": "/triton/v2/health/ready", "root_path": "/triton"})
+        '/v2/health/ready'
+    """
+    path = str(scope.get("path") or "/")
+    root = str(scope.get("root_path") or "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root) :]
+    return path or "/"
+
+
+def triton_path(path: str, query: str) -> str:
+    """``path`` (as Serve decoded it) quoted again, plus the query, for the request to Triton.
+
+    Example:
+        >>> triton_path("/v2/models/my model/ready", "")
+        '/v2/models/my%20model/ready'
+    """
+    quoted = "/".join(quote(part, safe="") for part in path.split("/"))
+    return f"{quoted}?{query}" if query else quoted
+
+
+def http_status(error: Exception) -> int:
+    """The HTTP status Triton's endpoint would answer for ``error`` (ours: 503 for a pool timeout).
+
+    Bad requests (:class:`InputError`) are 400; Triton's own refusals keep
+    the code of their kind (unknown model or version 404, invalid argument
+    400, unavailable 503); a model that cannot use shared-memory slots is
+    501 (Triton serves it, this ingress cannot); anything else is 500.
+    """
+    if isinstance(error, InputError):
+        return 400
+    if isinstance(error, LayoutError):
+        return 501
+    if isinstance(error, PoolTimeoutError):
+        return 503
+    if isinstance(error, UnavailableError):
+        return 503
+    if isinstance(error, TritonCallError):
+        return _HTTP_BY_STATUS.get(error.status or "", 500)
+    return 500
+
+
+def error_message(error: Exception) -> str:
+    """The text of an error answer: Triton's own message for Triton's refusals, else ours."""
+    if isinstance(error, TritonCallError):
+        return error.message
+    return str(error)
 
 
 def error_body(message: str) -> bytes:

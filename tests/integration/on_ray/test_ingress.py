@@ -1,0 +1,358 @@
+"""The Serve app's KServe v2 ingress against Triton's own HTTP endpoint, request for request.
+
+The app runs under ``route_prefix: /triton``; every answer it gives is compared
+with what a real Triton (the ``triton_server`` fixture, same model repository)
+answers to the same request: status code and JSON body. Where Triton itself
+answers a malformed request with 500, the ingress answers 400 (every bad
+input is a client error); the message then is ours, the shape Triton's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.http as httpclient
+import yaml
+
+from .conftest import CONFIG_FILE, free_port, teardown_ray
+
+PREFIX = "/triton"
+SLEEP_HOLD_S = 45.0  # longer than NodeClient's 30 s lease timeout
+
+
+@pytest.fixture(scope="module")
+def ingress(tmp_path_factory):
+    """(handle, base URL of the app, base URL of the reference Triton)."""
+    import ray
+
+    from ray_triton_shm.serve import run_config_file
+
+    spec = yaml.safe_load(CONFIG_FILE.read_text())
+    port = free_port()
+    spec["http_options"]["port"] = port
+    app = spec["applications"][0]
+    app["route_prefix"] = PREFIX
+    app["args"]["quarantine_s"] = 1.0
+    app["args"]["slots_per_model"] = 1
+    app["args"]["pools"]["sleep"] = {"slots": 1}
+    app["deployments"] = [{"name": "TritonDeployment", "num_replicas": 1}]
+    path = tmp_path_factory.mktemp("ingress") / "ingress.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        handles = run_config_file(str(path))
+        base = f"http://127.0.0.1:{port}{PREFIX}"
+        wait_for(lambda: requests.get(base + "/v2/health/ready", timeout=10).status_code == 200, 120)
+        yield handles["triton"], base
+    finally:
+        teardown_ray()
+
+
+@pytest.fixture(scope="module")
+def triton(triton_server) -> str:
+    return f"http://{triton_server.http_url}"
+
+
+def wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if condition():
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(0.5)
+
+
+def answer(response: requests.Response) -> tuple[int, object]:
+    """Status and body (parsed JSON; ``None`` for an empty one)."""
+    return response.status_code, (json.loads(response.content) if response.content else None)
+
+
+def assert_error_object(response: requests.Response) -> str:
+    """The body is exactly ``{"error": "<text>"}`` and says nothing of Ray; returns the text."""
+    body = json.loads(response.content)
+    assert isinstance(body, dict) and list(body) == ["error"] and isinstance(body["error"], str), body
+    for leak in ("ray::", "Traceback", "actor_id", "pid=", "\x1b[", "RayTaskError", "rtshm_"):
+        assert leak not in body["error"], body
+    return body["error"]
+
+
+ADD_SUB = {
+    "inputs": [
+        {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": list(range(16))},
+        {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [3] * 16},
+    ]
+}
+
+
+# -- routes, metadata, config, readiness ------------------------------------------------------
+
+SAME_GET = [
+    "/v2/health/ready",
+    "/v2/health/live",
+    "/v2/models/add_sub",
+    "/v2/models/add_sub/config",
+    "/v2/models/add_sub/ready",
+    "/v2/models/add_sub/versions/1",
+    "/v2/models/add_sub/versions/1/config",
+    "/v2/models/add_sub/versions/1/ready",
+    "/v2/models/add_sub/versions/7",
+    "/v2/models/add_sub/versions/7/config",
+    "/v2/models/add_sub/versions/7/ready",
+    "/v2/models/identity",
+    "/v2/models/nope",
+    "/v2/models/nope/config",
+    "/v2/models/nope/ready",
+    "/v2/bogus",
+    "/v2/models/add_sub/bogus",
+    "/v2/health/ready/",
+    "/",
+]
+
+
+@pytest.mark.parametrize("path", SAME_GET)
+def test_get_answers_exactly_as_triton(ingress, triton, path: str) -> None:
+    _, base = ingress
+    ours = requests.get(base + path, timeout=60)
+    theirs = requests.get(triton + path, timeout=60)
+    assert answer(ours) == answer(theirs)
+    if ours.status_code >= 400:
+        assert_error_object(ours)
+
+
+def test_metadata_shapes_and_config_dims_are_integers(ingress) -> None:
+    _, base = ingress
+    metadata = requests.get(base + "/v2/models/add_sub", timeout=60).json()
+    assert [t["shape"] for t in metadata["inputs"]] == [[-1, 16], [-1, 16]]
+    config = requests.get(base + "/v2/models/add_sub/config", timeout=60).json()
+    assert config["max_batch_size"] == 8
+    assert [t["dims"] for t in config["input"]] == [[16], [16]]
+    # What clients do with it: build inputs from the metadata and infer.
+    client = httpclient.InferenceServerClient(base.removeprefix("http://"))
+    try:
+        assert client.is_server_ready() and client.is_model_ready("add_sub")
+        assert not client.is_model_ready("add_sub", "7")
+        inputs = []
+        for spec in client.get_model_metadata("add_sub")["inputs"]:
+            shape = [2 if d == -1 else d for d in spec["shape"]]
+            tensor = httpclient.InferInput(spec["name"], shape, spec["datatype"])
+            tensor.set_data_from_numpy(np.full(shape, 5, dtype=np.int32))
+            inputs.append(tensor)
+        result = client.infer("add_sub", inputs, model_version="1")
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((2, 16), 10, np.int32))
+        assert result.get_response()["model_version"] == "1"
+    finally:
+        client.close()
+
+
+def test_routes_live_under_the_prefix_only(ingress) -> None:
+    _, base = ingress
+    root = base.removesuffix(PREFIX)
+    assert requests.get(base + "/v2/health/ready", timeout=30).status_code == 200
+    assert requests.get(root + "/v2/health/ready", timeout=30).status_code == 404
+    assert requests.get(base + "/v2", timeout=30).json()["extensions"] == ["binary_tensor_data"]
+
+
+# -- inference ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v2/models/add_sub/infer",
+        "/v2/models/add_sub/versions/1/infer",
+        "/v2/models/add_sub/versions/7/infer",
+        "/v2/models/nope/infer",
+        "/v2/models/nope/versions/1/infer",
+    ],
+)
+def test_infer_answers_exactly_as_triton(ingress, triton, path: str) -> None:
+    _, base = ingress
+    ours = requests.post(base + path, json=ADD_SUB, timeout=60)
+    theirs = requests.post(triton + path, json=ADD_SUB, timeout=60)
+    assert answer(ours) == answer(theirs)
+    if ours.status_code >= 400:
+        assert_error_object(ours)
+    else:
+        assert ours.json()["outputs"][0]["data"] == [i + 3 for i in range(16)]
+
+
+def test_unknown_model_over_the_handle_and_http_is_tritons_not_found(ingress) -> None:
+    _, base = ingress
+    response = requests.post(base + "/v2/models/nope/infer", json=ADD_SUB, timeout=60)
+    assert response.status_code == 404
+    assert assert_error_object(response) == "Request for unknown model: 'nope' is not found"
+
+
+def _binary(name: str, size: int, **fields) -> dict:
+    return {
+        "name": name,
+        "datatype": "INT32",
+        "shape": [1, 16],
+        "parameters": {"binary_data_size": size},
+        **fields,
+    }
+
+
+def _json(name: str = "INPUT0", **fields) -> dict:
+    return {"name": name, "datatype": "INT32", "shape": [1, 16], "data": list(range(16)), **fields}
+
+
+def _req(*inputs: dict, **fields) -> dict:
+    return {"inputs": list(inputs), **fields}
+
+
+SIXTEEN = np.arange(16, dtype=np.int32).tobytes()
+GOOD_SECOND = _json("INPUT1")
+
+# Every decode_request refusal as raw HTTP: (id, header JSON or raw bytes, binary tail, header length).
+BAD = [
+    ("length-past-body", _req(_json(), GOOD_SECOND), b"", "999"),
+    ("length-not-a-number", _req(_json(), GOOD_SECOND), b"", "abc"),
+    ("length-negative", _req(_json(), GOOD_SECOND), b"", "-3"),
+    ("not-json", b"{inputs: nope", b"", None),
+    ("not-utf8", b'{"inputs": ["\xff"]}', b"", None),
+    ("not-an-object", b"[1, 2]", b"", None),
+    ("no-inputs", {"outputs": []}, b"", None),
+    ("inputs-not-a-list", {"inputs": {"name": "INPUT0"}}, b"", None),
+    ("entry-not-an-object", _req([1, 2], GOOD_SECOND), b"", None),
+    ("entry-without-name", _req({"datatype": "INT32", "shape": [1, 16], "data": [1] * 16}), b"", None),
+    ("name-not-a-string", _req(_json(name=5), GOOD_SECOND), b"", None),
+    ("input-twice", _req(_json(), _json(), GOOD_SECOND), b"", None),
+    ("unknown-datatype", _req(_json(datatype="INT128"), GOOD_SECOND), b"", None),
+    ("datatype-not-a-string", _req(_json(datatype=3), GOOD_SECOND), b"", None),
+    (
+        "shape-missing",
+        _req({"name": "INPUT0", "datatype": "INT32", "data": [1] * 16}, GOOD_SECOND),
+        b"",
+        None,
+    ),
+    ("shape-of-strings", _req(_json(shape=["1", "16"]), GOOD_SECOND), b"", None),
+    ("shape-negative", _req(_json(shape=[-1, 16]), GOOD_SECOND), b"", None),
+    ("no-data", _req({"name": "INPUT0", "datatype": "INT32", "shape": [1, 16]}, GOOD_SECOND), b"", None),
+    ("data-not-an-array", _req(_json(data=7), GOOD_SECOND), b"", None),
+    ("data-strings-for-int32", _req(_json(data=["a"] * 16), GOOD_SECOND), b"", None),
+    ("data-digit-strings", _req(_json(data=["1"] * 16), GOOD_SECOND), b"", None),
+    ("data-floats-for-int32", _req(_json(data=[1.5] * 16), GOOD_SECOND), b"", None),
+    ("data-null", _req(_json(data=[None] * 16), GOOD_SECOND), b"", None),
+    ("data-out-of-range", _req(_json(data=[2**40] * 16), GOOD_SECOND), b"", None),
+    ("data-too-short", _req(_json(data=[1] * 15), GOOD_SECOND), b"", None),
+    ("data-too-long", _req(_json(data=[1] * 17), GOOD_SECOND), b"", None),
+    ("parameters-not-an-object", _req(_json(parameters=[1]), GOOD_SECOND), b"", None),
+    ("binary-size-string", _req(_binary("INPUT0", "64"), GOOD_SECOND), SIXTEEN, "len"),
+    ("binary-size-negative", _req(_binary("INPUT0", -64), GOOD_SECOND), SIXTEEN, "len"),
+    ("binary-past-end", _req(_binary("INPUT0", 128), GOOD_SECOND), SIXTEEN, "len"),
+    ("binary-size-not-shape", _req(_binary("INPUT0", 32), GOOD_SECOND), SIXTEEN, "len"),
+    ("bytes-after-inputs", _req(_binary("INPUT0", 64), GOOD_SECOND), SIXTEEN + b"junk", "len"),
+    ("request-parameters-not-an-object", _req(_json(), GOOD_SECOND, parameters="x"), b"", None),
+    ("binary-output-not-bool", _req(_json(), GOOD_SECOND, parameters={"binary_data_output": 1}), b"", None),
+    ("outputs-not-a-list", _req(_json(), GOOD_SECOND, outputs={"name": "OUTPUT0"}), b"", None),
+    ("output-without-name", _req(_json(), GOOD_SECOND, outputs=[{}]), b"", None),
+    (
+        "output-binary-not-bool",
+        _req(_json(), GOOD_SECOND, outputs=[{"name": "OUTPUT0", "parameters": {"binary_data": "yes"}}]),
+        b"",
+        None,
+    ),
+    ("id-not-a-string", _req(_json(), GOOD_SECOND, id=5), b"", None),
+    # Well-formed requests the model refuses.
+    ("wrong-datatype-for-model", _req(_json(datatype="FP32", data=[0.5] * 16), GOOD_SECOND), b"", None),
+    (
+        "wrong-shape-for-model",
+        _req(_json(shape=[1, 8], data=[1] * 8), _json("INPUT1", shape=[1, 8], data=[1] * 8)),
+        b"",
+        None,
+    ),
+    ("missing-input", _req(_json()), b"", None),
+    ("unknown-output", _req(_json(), GOOD_SECOND, outputs=[{"name": "NOPE"}]), b"", None),
+]
+
+_BAD_BY_ID = {c[0]: c[1:] for c in BAD}
+
+
+def _raw(header: dict | bytes, tail: bytes, length: str | None) -> tuple[bytes, dict[str, str]]:
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    headers = {"Content-Type": "application/json"}
+    if length == "len":
+        headers["Inference-Header-Content-Length"] = str(len(head))
+    elif length is not None:
+        headers["Inference-Header-Content-Length"] = length
+    return head + tail, headers
+
+
+@pytest.mark.parametrize(("header", "tail", "length"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_every_bad_request_is_a_400_error_object(ingress, triton, header, tail, length) -> None:
+    _, base = ingress
+    data, headers = _raw(header, tail, length)
+    ours = requests.post(base + "/v2/models/add_sub/infer", data=data, headers=headers, timeout=60)
+    assert ours.status_code == 400, ours.content
+    assert assert_error_object(ours)
+    # Triton refuses it too: with 400, or with 500 where its JSON parser rejects it (we say 400 there);
+    # the few it accepts are listed (it ignores a malformed input 'parameters', wraps out-of-range ints).
+    theirs = requests.post(triton + "/v2/models/add_sub/infer", data=data, headers=headers, timeout=60)
+    if header is _BAD_BY_ID["data-out-of-range"][0] or header is _BAD_BY_ID["parameters-not-an-object"][0]:
+        assert theirs.status_code == 200, theirs.content
+    else:
+        assert theirs.status_code in (400, 500), theirs.content
+
+
+def test_compressed_requests_are_inflated(ingress, triton) -> None:
+    import gzip
+
+    _, base = ingress
+    data = gzip.compress(json.dumps(ADD_SUB).encode())
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    for path in ("/v2/models/add_sub/infer", "/v2/models/add_sub/versions/1/infer"):
+        ours = requests.post(base + path, data=data, headers=headers, timeout=60)
+        theirs = requests.post(triton + path, data=data, headers=headers, timeout=60)
+        assert ours.status_code == 200 and answer(ours) == answer(theirs)
+    broken = requests.post(base + "/v2/models/add_sub/infer", data=b"not gzip", headers=headers, timeout=60)
+    assert broken.status_code == 400 and "gzip" in assert_error_object(broken)
+
+
+@pytest.mark.slow
+def test_pool_timeout_is_503(ingress) -> None:
+    """The only slot of ``sleep`` held past the 30 s lease timeout: the next request answers 503."""
+    _, base = ingress
+    hold = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [SLEEP_HOLD_S]}]}
+    quick = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [0.0]}]}
+    url = base + "/v2/models/sleep/infer"
+    assert requests.post(url, json=quick, timeout=120).status_code == 200  # the pool exists
+    held: list[requests.Response] = []
+    holder = threading.Thread(target=lambda: held.append(requests.post(url, json=hold, timeout=180)))
+    holder.start()
+    try:
+        time.sleep(2.0)  # let the holder take the slot (its request runs SLEEP_HOLD_S)
+        refused = requests.post(url, json=quick, timeout=120)
+        assert refused.status_code == 503, refused.content
+        assert "no shared-memory slot of model 'sleep'" in assert_error_object(refused)
+    finally:
+        holder.join(timeout=180)
+    assert held and held[0].status_code == 200 and held[0].json()["outputs"][0]["data"] == [SLEEP_HOLD_S]
+
+
+def test_ready_follows_the_node_triton(ingress) -> None:
+    """A stopped (SIGSTOP) Triton is not ready: health and model ready say 400 until it runs again."""
+    handle, base = ingress
+    pid = handle.whereami.remote().result()["triton_pid"]
+    assert pid > 0
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for path in ("/v2/health/ready", "/v2/health/live", "/v2/models/add_sub/ready"):
+            response = requests.get(base + path, timeout=60)
+            assert response.status_code == 400, (path, response.content)
+            assert "did not answer" in assert_error_object(response)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: requests.get(base + "/v2/health/ready", timeout=10).status_code == 200, 60)
+    assert requests.get(base + "/v2/models/add_sub/ready", timeout=30).status_code == 200

@@ -1,0 +1,151 @@
+"""``serve run`` and ``serve deploy`` of deployments/two_apps.yaml: two apps, two route prefixes, one file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.http as httpclient
+import yaml
+
+from .conftest import REPO, free_port, teardown_ray
+
+TWO_APPS = REPO / "deployments" / "two_apps.yaml"
+SERVE = str(Path(sys.executable).with_name("serve"))
+PREFIXES = ("/a", "/b")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A local Ray with its dashboard (``serve deploy`` talks to it); a copy of the file on a free port."""
+    import ray
+
+    spec = yaml.safe_load(TWO_APPS.read_text())
+    port = free_port()
+    spec["http_options"]["port"] = port
+    path = tmp_path_factory.mktemp("two_apps") / "two_apps.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    dashboard_port = free_port()
+    context = ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port,
+        log_to_driver=False,
+    )
+    try:
+        yield {
+            "config": str(path),
+            "base": f"http://127.0.0.1:{port}",
+            "gcs": context.address_info["gcs_address"],
+            "dashboard": f"http://127.0.0.1:{dashboard_port}",
+        }
+    finally:
+        teardown_ray()
+
+
+def serve_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([SERVE, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def wait_ready(base: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(PREFIXES)
+    while pending:
+        try:
+            if requests.get(f"{base}{pending[0]}/v2/health/ready", timeout=10).status_code == 200:
+                pending.pop(0)
+                continue
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, f"apps {pending} not ready within {timeout_s} s"
+        time.sleep(1.0)
+
+
+def check_both_apps(base: str) -> None:
+    """Each prefix serves KServe v2 (tritonclient.http, binary tensors) and answers correctly."""
+    for scale, prefix in enumerate(PREFIXES, start=1):
+        client = httpclient.InferenceServerClient(f"{base.removeprefix('http://')}{prefix}")
+        try:
+            assert client.is_server_ready() and client.is_model_ready("add_sub")
+            assert client.get_model_metadata("add_sub")["inputs"][0]["shape"] == [-1, 16]
+            a = np.arange(32, dtype=np.int32).reshape(2, 16) * scale
+            b = np.full((2, 16), 7, dtype=np.int32)
+            inputs = [
+                httpclient.InferInput("INPUT0", [2, 16], "INT32"),
+                httpclient.InferInput("INPUT1", [2, 16], "INT32"),
+            ]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(b)
+            result = client.infer("add_sub", inputs)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+        finally:
+            client.close()
+
+
+def apps_gone(base: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = []
+        for prefix in PREFIXES:
+            try:
+                codes.append(requests.get(f"{base}{prefix}/v2/health/ready", timeout=10).status_code)
+            except requests.RequestException:
+                codes.append(None)
+        if all(code != 200 for code in codes):
+            return
+        assert time.monotonic() < deadline, f"apps still answer after shutdown: {codes}"
+        time.sleep(1.0)
+
+
+@pytest.mark.slow
+def test_serve_run_two_apps_then_ctrl_c(cluster) -> None:
+    process = subprocess.Popen(
+        [SERVE, "run", "--address", cluster["gcs"], cluster["config"]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_ready(cluster["base"])
+        check_both_apps(cluster["base"])
+    finally:
+        os.kill(process.pid, signal.SIGINT)  # what Ctrl-C sends: serve run deletes its apps and exits
+        try:
+            output, _ = process.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+    assert process.returncode is not None
+    assert "triton-a" in output and "triton-b" in output, output[-3000:]
+    apps_gone(cluster["base"])
+
+
+@pytest.mark.slow
+def test_serve_deploy_two_apps(cluster) -> None:
+    deployed = serve_cli("deploy", "--address", cluster["dashboard"], cluster["config"])
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    try:
+        wait_ready(cluster["base"])
+        check_both_apps(cluster["base"])
+        status = serve_cli("status", "--address", cluster["dashboard"])
+        assert status.returncode == 0, status.stderr
+        apps = yaml.safe_load(status.stdout)["applications"]
+        assert {name: app["status"] for name, app in apps.items()} == {
+            "triton-a": "RUNNING",
+            "triton-b": "RUNNING",
+        }
+    finally:
+        shut = serve_cli("shutdown", "--address", cluster["dashboard"], "--yes")
+    assert shut.returncode == 0, shut.stdout + shut.stderr
+    apps_gone(cluster["base"])

@@ -1,0 +1,270 @@
+"""The KServe v2 request/response codec and error mapping, without a server."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from ray_triton_shm._private import kserve
+from ray_triton_shm.errors import (
+    InputError,
+    LayoutError,
+    OutputTooLargeError,
+    PoolTimeoutError,
+    TritonCallError,
+    UnavailableError,
+)
+
+
+def body(header: dict, *blobs: bytes) -> tuple[bytes, int | None]:
+    """A request body and its header length (``None`` without binary parts)."""
+    head = json.dumps(header).encode()
+    return head + b"".join(blobs), (len(head) if blobs else None)
+
+
+def int32_input(name: str = "INPUT0", **fields) -> dict:
+    return {"name": name, "datatype": "INT32", "shape": [1, 4], "data": [1, 2, 3, 4], **fields}
+
+
+# -- decoding --------------------------------------------------------------------------------
+
+
+def test_json_tensors_are_decoded_with_their_datatype_and_shape() -> None:
+    data, length = body(
+        {
+            "id": "r1",
+            "inputs": [
+                int32_input(),
+                {"name": "F", "datatype": "FP32", "shape": [2, 2], "data": [[0.5, 1], [2, -3.25]]},
+                {"name": "B", "datatype": "BOOL", "shape": [2], "data": [True, False]},
+            ],
+        }
+    )
+    decoded = kserve.decode_request(data, length)
+    assert decoded.request_id == "r1"
+    assert decoded.outputs is None and decoded.default_binary is False
+    np.testing.assert_array_equal(decoded.inputs["INPUT0"], np.array([[1, 2, 3, 4]], np.int32))
+    assert decoded.inputs["INPUT0"].dtype == np.int32
+    np.testing.assert_array_equal(decoded.inputs["F"], np.array([[0.5, 1.0], [2.0, -3.25]], np.float32))
+    assert decoded.inputs["F"].dtype == np.float32
+    np.testing.assert_array_equal(decoded.inputs["B"], np.array([True, False]))
+
+
+def test_binary_tensors_are_read_from_after_the_header() -> None:
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.array([[7, -8]], dtype=np.int64)
+    header = {
+        "inputs": [
+            {"name": "A", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": a.nbytes}},
+            {"name": "B", "datatype": "INT64", "shape": [1, 2], "parameters": {"binary_data_size": b.nbytes}},
+        ],
+        "outputs": [{"name": "X", "parameters": {"binary_data": True}}, {"name": "Y"}],
+        "parameters": {"binary_data_output": False},
+    }
+    data, length = body(header, a.tobytes(), b.tobytes())
+    decoded = kserve.decode_request(data, length)
+    np.testing.assert_array_equal(decoded.inputs["A"], a)
+    np.testing.assert_array_equal(decoded.inputs["B"], b)
+    assert decoded.outputs == ["X", "Y"]
+    assert decoded.binary_outputs == {"X": True, "Y": False}
+
+
+def test_empty_output_list_means_every_output() -> None:
+    data, length = body({"inputs": [int32_input()], "outputs": []})
+    assert kserve.decode_request(data, length).outputs is None
+
+
+def _binary(name: str, size: int) -> dict:
+    return {"name": name, "datatype": "INT32", "shape": [1, 4], "parameters": {"binary_data_size": size}}
+
+
+FOUR_INTS = np.arange(4, dtype=np.int32).tobytes()
+
+# Every way decode_request refuses a request: (id, body, header length, words of the message).
+BAD_REQUESTS = [
+    ("length-past-body", b'{"inputs": []}', 999, "outside the body"),
+    ("not-json", b"{inputs: nope", None, "malformed"),
+    ("not-utf8", b'{"inputs": ["\xff"]}', None, "malformed"),
+    ("not-an-object", b"[1, 2]", None, "'inputs' list"),
+    ("no-inputs", b'{"outputs": []}', None, "'inputs' list"),
+    ("inputs-not-a-list", b'{"inputs": {"name": "x"}}', None, "'inputs' list"),
+    ("entry-not-an-object", *body({"inputs": [[1, 2]]}), "string 'name'"),
+    ("entry-without-name", *body({"inputs": [{"datatype": "INT32", "shape": [1], "data": [1]}]}), "'name'"),
+    ("name-not-a-string", *body({"inputs": [int32_input(name=5)]}), "string 'name'"),
+    ("input-twice", *body({"inputs": [int32_input(), int32_input()]}), "given twice"),
+    ("unknown-datatype", *body({"inputs": [int32_input(datatype="INT128")]}), "not supported"),
+    ("datatype-not-a-string", *body({"inputs": [int32_input(datatype=3)]}), "not supported"),
+    ("shape-missing", *body({"inputs": [{"name": "I", "datatype": "INT32", "data": [1]}]}), "'shape'"),
+    ("shape-of-strings", *body({"inputs": [int32_input(shape=["1", "4"])]}), "'shape'"),
+    ("shape-negative", *body({"inputs": [int32_input(shape=[-1, 4])]}), "'shape'"),
+    ("shape-of-floats", *body({"inputs": [int32_input(shape=[1.0, 4])]}), "'shape'"),
+    ("no-data", *body({"inputs": [{"name": "I", "datatype": "INT32", "shape": [1]}]}), "neither"),
+    ("data-not-an-array", *body({"inputs": [int32_input(data=7)]}), "JSON array"),
+    ("data-strings-for-int32", *body({"inputs": [int32_input(data=["a", "b", "c", "d"])]}), "INT32 value"),
+    ("data-digit-strings", *body({"inputs": [int32_input(data=["1", "2", "3", "4"])]}), "INT32 value"),
+    ("data-floats-for-int32", *body({"inputs": [int32_input(data=[1.5, 2, 3, 4])]}), "INT32 value"),
+    ("data-bools-for-int32", *body({"inputs": [int32_input(data=[True, 2, 3, 4])]}), "INT32 value"),
+    ("data-null", *body({"inputs": [int32_input(data=[None, 2, 3, 4])]}), "INT32 value"),
+    (
+        "data-ints-for-bool",
+        *body({"inputs": [{"name": "B", "datatype": "BOOL", "shape": [2], "data": [1, 0]}]}),
+        "BOOL value",
+    ),
+    (
+        "data-strings-for-fp32",
+        *body({"inputs": [{"name": "F", "datatype": "FP32", "shape": [1], "data": ["1.0"]}]}),
+        "FP32 value",
+    ),
+    ("data-out-of-range", *body({"inputs": [int32_input(data=[2**40, 2, 3, 4])]}), "out of range"),
+    (
+        "data-negative-unsigned",
+        *body({"inputs": [{"name": "U", "datatype": "UINT8", "shape": [1], "data": [-1]}]}),
+        "out of range",
+    ),
+    ("data-too-short", *body({"inputs": [int32_input(data=[1, 2, 3])]}), "do not fill"),
+    ("data-too-long", *body({"inputs": [int32_input(data=[1, 2, 3, 4, 5])]}), "do not fill"),
+    ("parameters-not-an-object", *body({"inputs": [int32_input(parameters=[1])]}), "JSON object"),
+    ("binary-size-string", *body({"inputs": [_binary("I", "16")]}, FOUR_INTS), "binary_data_size"),
+    ("binary-size-negative", *body({"inputs": [_binary("I", -16)]}, FOUR_INTS), "binary_data_size"),
+    ("binary-past-end", *body({"inputs": [_binary("I", 32)]}, FOUR_INTS), "past the end"),
+    ("binary-size-not-shape", *body({"inputs": [_binary("I", 8)]}, FOUR_INTS), "do not match shape"),
+    ("bytes-after-inputs", *body({"inputs": [_binary("I", 16)]}, FOUR_INTS, b"junk"), "after the last"),
+    (
+        "request-parameters-not-an-object",
+        *body({"inputs": [int32_input()], "parameters": "binary"}),
+        "JSON object",
+    ),
+    (
+        "binary-output-not-bool",
+        *body({"inputs": [int32_input()], "parameters": {"binary_data_output": "yes"}}),
+        "boolean",
+    ),
+    ("outputs-not-a-list", *body({"inputs": [int32_input()], "outputs": {"name": "O"}}), "array"),
+    ("output-without-name", *body({"inputs": [int32_input()], "outputs": [{}]}), "string 'name'"),
+    (
+        "output-binary-not-bool",
+        *body({"inputs": [int32_input()], "outputs": [{"name": "O", "parameters": {"binary_data": 1}}]}),
+        "boolean",
+    ),
+    ("id-not-a-string", *body({"inputs": [int32_input()], "id": 5}), "'id'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "length", "words"), [r[1:] for r in BAD_REQUESTS], ids=[r[0] for r in BAD_REQUESTS]
+)
+def test_every_malformed_request_is_an_input_error(data: bytes, length: int | None, words: str) -> None:
+    with pytest.raises(InputError) as info:
+        kserve.decode_request(data, length)
+    assert words in str(info.value)
+    assert kserve.http_status(info.value) == 400
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "1.5", "", " ", "0x10", "١٢"])
+def test_header_length_that_is_not_a_non_negative_integer_is_an_input_error(value: str) -> None:
+    with pytest.raises(InputError, match="Inference-Header-Content-Length"):
+        kserve.parse_header_length(value)
+
+
+def test_header_length_parses_digits_and_absence() -> None:
+    assert kserve.parse_header_length(None) is None
+    assert kserve.parse_header_length("42") == 42
+    assert kserve.parse_header_length(" 7 ") == 7
+
+
+# -- encoding --------------------------------------------------------------------------------
+
+
+def test_response_json_and_binary_outputs() -> None:
+    data, length = body(
+        {
+            "id": "abc",
+            "inputs": [int32_input()],
+            "outputs": [{"name": "J", "parameters": {"binary_data": False}}, {"name": "K"}],
+            "parameters": {"binary_data_output": True},
+        }
+    )
+    decoded = kserve.decode_request(data, length)
+    j = np.array([[1, -2]], dtype=np.int32)
+    k = np.array([0.5, 1.5], dtype=np.float32)
+    payload, headers = kserve.encode_response("m", decoded, {"J": j, "K": k}, "3")
+    split = int(headers[kserve.HEADER_LENGTH])
+    assert headers["content-type"] == "application/octet-stream"
+    reply = json.loads(payload[:split])
+    assert reply == {
+        "model_name": "m",
+        "model_version": "3",
+        "id": "abc",
+        "outputs": [
+            {"name": "J", "datatype": "INT32", "shape": [1, 2], "data": [1, -2]},
+            {"name": "K", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}},
+        ],
+    }
+    np.testing.assert_array_equal(np.frombuffer(payload[split:], np.float32), k)
+
+
+def test_response_all_json_has_no_header_length() -> None:
+    data, length = body({"inputs": [int32_input()]})
+    payload, headers = kserve.encode_response("m", kserve.decode_request(data, length), {"O": np.ones(2)})
+    assert headers == {"content-type": "application/json"}
+    assert json.loads(payload)["outputs"] == [
+        {"name": "O", "datatype": "FP64", "shape": [2], "data": [1.0, 1.0]}
+    ]
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InputError("bad"), 400),
+        (LayoutError("bytes tensors"), 501),
+        (PoolTimeoutError("m", 1.0), 503),
+        (UnavailableError("gone", "UNAVAILABLE", "m"), 503),
+        (TritonCallError("Request for unknown model: 'x' is not found", "NOT_FOUND", "x"), 404),
+        (TritonCallError("bad shape", "INVALID_ARGUMENT", "m"), 400),
+        (TritonCallError("boom", "INTERNAL", "m"), 500),
+        (TritonCallError("not supported", "UNIMPLEMENTED", "m"), 501),
+        (TritonCallError("late", "DEADLINE_EXCEEDED", "m"), 504),
+        (TritonCallError("odd", None, "m"), 500),
+        (OutputTooLargeError("too big", "INVALID_ARGUMENT", "m"), 400),
+        (RuntimeError("x"), 500),
+    ],
+)
+def test_http_status_follows_tritons_codes(error: Exception, code: int) -> None:
+    assert kserve.http_status(error) == code
+
+
+def test_error_message_is_tritons_own_text_for_its_refusals() -> None:
+    error = TritonCallError("Request for unknown model: 'x' is not found", "NOT_FOUND", "x")
+    assert kserve.error_message(error) == "Request for unknown model: 'x' is not found"
+    assert kserve.error_message(pickle.loads(pickle.dumps(error))) == error.message
+    assert "unknown datatype" in kserve.error_message(InputError("unknown datatype"))
+    assert json.loads(kserve.error_body('a "quoted" message')) == {"error": 'a "quoted" message'}
+
+
+# -- routing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "root", "route"),
+    [
+        ("/v2/health/ready", "", "/v2/health/ready"),
+        ("/triton/v2/health/ready", "/triton", "/v2/health/ready"),
+        ("/a/b/v2/models/m/infer", "/a/b", "/v2/models/m/infer"),
+        ("/triton/v2/models/m/", "/triton/", "/v2/models/m/"),  # a trailing slash stays (Triton: 404)
+        ("/triton", "/triton", "/"),
+        ("/tritonx/v2", "/triton", "/tritonx/v2"),  # not below the prefix
+    ],
+)
+def test_route_path_is_the_path_below_the_route_prefix(path: str, root: str, route: str) -> None:
+    assert kserve.route_path({"path": path, "root_path": root}) == route
+
+
+def test_triton_path_quotes_each_segment_and_keeps_the_query() -> None:
+    assert kserve.triton_path("/v2/models/a b/versions/1/ready", "") == "/v2/models/a%20b/versions/1/ready"
+    assert kserve.triton_path("/v2/models/x?y", "q=1") == "/v2/models/x%3Fy?q=1"
