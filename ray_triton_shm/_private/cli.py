@@ -10,11 +10,14 @@ from ray_triton_shm._private import segment
 
 
 def _setup(args: argparse.Namespace) -> int:
-    from ray_triton_shm._private.server_env import find_tritonserver
+    from ray_triton_shm._private.server_env import cpu_fallback_warning, find_tritonserver
     from ray_triton_shm.config import ServerConfig
 
     plan = find_tritonserver(ServerConfig(model_repository="-"))
     print(f"tritonserver: {plan.binary} ({plan.source})")
+    warning = cpu_fallback_warning(plan)
+    if warning:
+        print(f"\n{'!' * 78}\n{warning}\n{'!' * 78}", file=sys.stderr)
     return 0
 
 
