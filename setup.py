@@ -11,7 +11,9 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-EXAMPLES = Path(__file__).resolve().parent / "deployments" / "models"
+DEPLOYMENTS = Path(__file__).resolve().parent / "deployments"
+EXAMPLES = DEPLOYMENTS / "models"
+SERVE_CONFIG = DEPLOYMENTS / "triton_shm.yaml"
 
 
 class BuildPyWithExamples(build_py):
@@ -21,10 +23,15 @@ class BuildPyWithExamples(build_py):
         super().run()
         if getattr(self, "editable_mode", False) or not EXAMPLES.is_dir():
             return
-        target = Path(self.build_lib) / "ray_triton_shm" / "examples" / "models"
+        target = Path(self.build_lib) / "ray_triton_shm" / "examples"
         shutil.copytree(
-            EXAMPLES, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+            EXAMPLES,
+            target / "models",
+            dirs_exist_ok=True,
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
         )
+        if SERVE_CONFIG.is_file():
+            shutil.copy2(SERVE_CONFIG, target / SERVE_CONFIG.name)
 
 
 setup(cmdclass={"build_py": BuildPyWithExamples})

@@ -10,7 +10,6 @@ from ray_triton_shm._private.measure import time_call
 
 MB = 1024 * 1024
 DATA_BATCH = 64
-CONFIG_FILE = Path(__file__).resolve().parents[2] / "deployments" / "triton_shm.yaml"
 
 
 def run_ray_demo(
@@ -37,10 +36,11 @@ def run_ray_demo(
 
     from ray_triton_shm._private.bench import ray_methods
     from ray_triton_shm._private.bench.core_methods import OutputMismatch
+    from ray_triton_shm._private.repository import examples_serve_config
     from ray_triton_shm.node import get_node_actor, shutdown_node_actors
     from ray_triton_shm.serve import run_config_file
 
-    path = config_file or str(CONFIG_FILE)
+    path = config_file or examples_serve_config()
     port = yaml.safe_load(Path(path).read_text()).get("http_options", {}).get("port", 8000)
     rows: list[dict[str, object]] = []
     failures: list[str] = []

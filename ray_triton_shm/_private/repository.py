@@ -37,6 +37,19 @@ def examples_repository() -> str:
     raise ConfigError(f"the example models are missing from this install ({_PACKAGE_DIR})")
 
 
+def examples_serve_config() -> str:
+    """The example Serve config (``deployments/triton_shm.yaml``, shipped in the package too).
+
+    Raises:
+        ConfigError: It is missing from this install.
+    """
+    packaged = _PACKAGE_DIR / "examples" / "triton_shm.yaml"
+    for candidate in (packaged, _PACKAGE_DIR.parent / "deployments" / "triton_shm.yaml"):
+        if candidate.is_file():
+            return str(candidate)
+    raise ConfigError(f"the example Serve config is missing from this install ({_PACKAGE_DIR})")
+
+
 def resolve_repository(value: str | None, *, must_exist: bool = True) -> str:
     """One repository as Triton should get it.
 
