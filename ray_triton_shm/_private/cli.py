@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 from ray_triton_shm._private import segment
 
@@ -23,14 +25,29 @@ def _setup(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from ray_triton_shm._private.demo import run_demo
+    from ray_triton_shm._private.demo_log import quiet_logs
 
-    if not args.hold:
-        run_demo(args.model_repository, quick=args.quick)
-    if not args.core_only:
-        from ray_triton_shm._private.demo_ray import run_ray_demo
+    if args.verbose:
+        log = None
+    else:
+        log = quiet_logs()
+    with log if log is not None else _no_log() as path:
+        try:
+            if not args.hold:
+                run_demo(args.model_repository, quick=args.quick)
+            if not args.core_only:
+                from ray_triton_shm._private.demo_ray import run_ray_demo
 
-        run_ray_demo(args.config, quick=args.quick, hold=args.hold)
+                run_ray_demo(args.config, quick=args.quick, hold=args.hold)
+        finally:
+            if path is not None:
+                print(f"logs of Ray, Ray Data, Triton and warnings: {path}", flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def _no_log() -> Iterator[None]:
+    yield None
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,11 @@ def run_ray_demo(
     rows: list[dict[str, object]] = []
     failures: list[str] = []
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    if logging.getLogger().handlers:  # under quiet_logs: Ray just gave its loggers their own handlers
+        from ray_triton_shm._private.demo_log import capture_ray_loggers
+
+        capture_ray_loggers()
+    ray.data.DataContext.get_current().enable_progress_bars = False
     try:
         print(f"deploying Serve app from {path} ...", flush=True)
         handle = run_config_file(path)["triton"]
