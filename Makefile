@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test unit integration lint bench bench-quick bench-env bench-docs soak cleanup clean
+.PHONY: setup demo test unit integration lint dist bench bench-quick bench-env bench-docs soak cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ setup: $(STAMP)
 
 demo: setup
 	$(PY) -m ray_triton_shm demo
+
+# sdist and wheel in dist/ (the wheel carries the example models and Serve config).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
 
 lint: $(STAMP)
 	$(PY) -m ruff check ray_triton_shm tests notebooks tools
@@ -79,4 +84,4 @@ cleanup: $(STAMP)
 	$(PY) -m ray_triton_shm cleanup --yes
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build dist

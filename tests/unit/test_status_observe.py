@@ -59,3 +59,12 @@ def test_a_failing_observer_never_breaks_the_caller() -> None:
 
     observe.safely(Broken().request, "m", "shm", 1, 0.1)  # logged, not raised
     observe.safely(observe.NULL_OBSERVER.request, "m", "shm", 1, 0.1)
+
+
+def test_render_shouts_server_warnings() -> None:
+    from ray_triton_shm._private.server_env import LaunchPlan, cpu_fallback_warning
+
+    warning = cpu_fallback_warning(LaunchPlan("/c/tritonserver", "embedded (/c)"), gpus=8)  # a faked GPU node
+    text = status.render([{**NODE, "warnings": [warning]}])
+    assert f"  !!! {warning}" in text.splitlines()
+    assert "!!!" not in status.render([NODE])
