@@ -44,6 +44,7 @@ from ray_triton_shm._private.layout import (
     NUMPY_TO_TRITON,
     ModelLayout,
     ModelSignature,
+    config_fingerprint,
     layout_from_config,
     signature_from_config,
 )
@@ -60,6 +61,7 @@ from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     InputError,
     LayoutError,
+    LayoutMismatchError,
     LeaseReleasedError,
     OutputTooLargeError,
     PoolClosedError,
@@ -369,6 +371,22 @@ class TritonShmClient:
             TritonCallError: The server does not know the model.
         """
         return None if self._layout_or_none(model) is not None else self._no_layout[model]
+
+    def verify_layout(self, layout: ModelLayout) -> None:
+        """Check that the server still runs the model configuration ``layout`` was derived from.
+
+        Raises:
+            LayoutMismatchError: The model was reloaded with another configuration.
+            TritonCallError: The server does not know the model (any more).
+        """
+        try:
+            config = self._grpc.get_model_config(layout.model, as_json=True)["config"]
+        except InferenceServerException as e:
+            raise translate_error(e, layout.model) from e
+        current = config_fingerprint(config)
+        if layout.fingerprint and current != layout.fingerprint:
+            self._signatures.pop(layout.model, None)
+            raise LayoutMismatchError(layout.model, layout.fingerprint, current)
 
     def _layout_or_none(self, model: str) -> ModelLayout | None:
         """The model's slot layout, or ``None`` when it has none (the reason is logged once)."""
@@ -688,6 +706,8 @@ class TritonShmClient:
                     reregister(lease.pool)
                     continue
                 safely(self._observer.error, layout.model, type(error).__name__)
+                if error.status == "INVALID_ARGUMENT":
+                    self.verify_layout(layout)  # a reloaded model: a typed error, not a puzzle
                 raise
         seconds = time.perf_counter() - started
         nbytes = nbytes_in + sum(

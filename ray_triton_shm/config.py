@@ -166,6 +166,10 @@ class ServerConfig:
             environment on ``PATH`` and the malloc thresholds above) is
             applied. ``None`` (auto): when a local repository has
             Python-backend models, or a repository is remote (unknown).
+        model_control: ``none`` (Triton loads the repository at start and
+            refuses load/unload) or ``explicit`` (every model is loaded at
+            start, and models can be loaded, unloaded and reloaded while it
+            runs: ``ray-triton-shm models``). ``load_models`` implies explicit.
         load_models: When set, only these models are loaded (explicit mode).
         gpus: ``CUDA_VISIBLE_DEVICES`` for the server; ``None`` inherits.
         startup_timeout_s: How long to wait for readiness.
@@ -201,6 +205,7 @@ class ServerConfig:
     )
     malloc_mmap_threshold_bytes: int = env_field("MALLOC_MMAP_THRESHOLD_BYTES", 256 * 1024 * 1024)
     python_backend: bool | None = env_field("PYTHON_BACKEND", None, _parse_optional_bool)
+    model_control: str = env_field("MODEL_CONTROL", "none")
     load_models: tuple[str, ...] = env_field("LOAD_MODELS", (), _parse_str_tuple)
     gpus: tuple[int, ...] | None = env_field("GPUS", None, lambda s: _parse_int_tuple(s))
     startup_timeout_s: float = env_field("STARTUP_TIMEOUT_S", 120.0)
@@ -250,6 +255,10 @@ class ServerConfig:
         _require(bool(self.host), "ServerConfig.host must not be empty")
         if self.protect_shm_api is not None:
             _require_type(self, "protect_shm_api", bool)
+        _require(
+            self.model_control in ("none", "explicit"),
+            f"ServerConfig.model_control must be none or explicit, got {self.model_control!r}",
+        )
         if self.python_backend is not None:
             _require_type(self, "python_backend", bool)
         if self.gpus is not None:
@@ -277,6 +286,8 @@ class ServerConfig:
         if self.load_models:
             flags.append("--model-control-mode=explicit")
             flags.extend(f"--load-model={name}" for name in self.load_models)
+        elif self.model_control == "explicit":
+            flags += ["--model-control-mode=explicit", "--load-model=*"]
         flags.extend(self.extra_args)
         return flags
 

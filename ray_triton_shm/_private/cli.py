@@ -60,6 +60,16 @@ def _status(args: argparse.Namespace) -> int:
         return 2
 
 
+def _models(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private import model_control
+
+    try:
+        return model_control.run(args.address, args.action, args.models, args.config_file, print)
+    except ConnectionError as e:
+        print(f"no Ray cluster at {args.address!r}: {e}", file=sys.stderr)
+        return 2
+
+
 def _cleanup(args: argparse.Namespace) -> int:
     stale = segment.stale_segments()
     if not stale:
@@ -132,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model-repository", default=None)
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
+    models = sub.add_parser(
+        "models", help="load, unload or reload models on every node's Triton (explicit model control)"
+    )
+    models.add_argument("action", choices=["load", "unload", "reload"])
+    models.add_argument("models", nargs="+", help="model names")
+    models.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    models.add_argument("--config-file", default=None, help="JSON model config to load instead")
+    models.set_defaults(func=_models)
     cleanup = sub.add_parser("cleanup", help="remove segments left by dead processes")
     cleanup.add_argument("--yes", action="store_true", help="remove, not just list")
     cleanup.set_defaults(func=_cleanup)
