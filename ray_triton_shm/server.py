@@ -300,7 +300,7 @@ class TritonServer:
         for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
             env.pop(name, None)
         python_setup = self._python_setup_wanted()
-        if plan.path_prefix and python_setup:
+        if plan.path_prefix and (python_setup or self.config.python_env):  # an explicit env is a request
             env["PATH"] = os.pathsep.join([*plan.path_prefix, env.get("PATH", "")])
         if plan.library_paths:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(
