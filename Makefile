@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: bench-sharing native setup demo test unit integration lint bench bench-quick bench-env bench-docs soak cleanup clean
+.PHONY: bench-sharing native setup demo test unit integration lint dist bench bench-quick bench-env bench-docs soak cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ native: $(NATIVE_MODELS)
 
 demo: setup native
 	$(PY) -m ray_triton_shm demo
+
+# sdist and wheel in dist/ (the wheel carries the example models and Serve config).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
 
 lint: $(STAMP)
 	$(PY) -m ruff check ray_triton_shm tests notebooks tools
@@ -100,4 +105,4 @@ cleanup: $(STAMP)
 	$(PY) -m ray_triton_shm cleanup --yes
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build dist

@@ -40,14 +40,28 @@ from tritonclient.utils import InferenceServerException
 from ray_triton_shm._private.bulk_copy import BulkCopier, default_copy_threads
 from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES, call_error, region_unknown
 from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput
-from ray_triton_shm._private.layout import ModelLayout, layout_from_config
+from ray_triton_shm._private.layout import (
+    NUMPY_TO_TRITON,
+    ModelLayout,
+    ModelSignature,
+    config_fingerprint,
+    layout_from_config,
+    signature_from_config,
+)
 from ray_triton_shm._private.observe import NULL_OBSERVER, Observer, safely
 from ray_triton_shm._private.pool import Lease, PoolStats, SlotPool
 from ray_triton_shm._private.segment import check_span, redact
-from ray_triton_shm._private.validate import CheckedInputs, check_inputs
+from ray_triton_shm._private.validate import (
+    CheckedInputs,
+    bytes_nbytes,
+    check_inputs,
+    check_signature_inputs,
+)
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     InputError,
+    LayoutError,
+    LayoutMismatchError,
     LeaseReleasedError,
     OutputTooLargeError,
     PoolClosedError,
@@ -317,6 +331,9 @@ class TritonShmClient:
         )
         self._observer: Observer = observer or NULL_OBSERVER
         self._pools: dict[str, SlotPool] = {}
+        # Models without a slot layout (BYTES tensors, variable dims without maxima): why, per model.
+        self._no_layout: dict[str, str] = {}
+        self._signatures: dict[str, ModelSignature] = {}
         self._lock = threading.Lock()
         self._model_locks: dict[str, threading.Lock] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -376,6 +393,62 @@ class TritonShmClient:
                 pool = self._source.get_pool(model, self.config.pool_for(model))
                 self._pools[model] = pool
         return pool
+
+    def signature(self, model: str) -> ModelSignature:
+        """Every input and output of ``model`` as its configuration declares them (no layout needed).
+
+        Raises:
+            TritonCallError: The server does not know the model.
+        """
+        signature = self._signatures.get(model)
+        if signature is None:
+            try:
+                config = self._grpc.get_model_config(model, as_json=True)["config"]
+            except InferenceServerException as e:
+                raise translate_error(e, model) from e
+            signature = self._signatures[model] = signature_from_config(config)
+        return signature
+
+    def shm_unavailable_reason(self, model: str) -> str | None:
+        """Why ``model`` goes over plain gRPC rather than slots, or ``None`` if it has slots.
+
+        Raises:
+            TritonCallError: The server does not know the model.
+        """
+        return None if self._layout_or_none(model) is not None else self._no_layout[model]
+
+    def verify_layout(self, layout: ModelLayout) -> None:
+        """Check that the server still runs the model configuration ``layout`` was derived from.
+
+        Raises:
+            LayoutMismatchError: The model was reloaded with another configuration.
+            TritonCallError: The server does not know the model (any more).
+        """
+        try:
+            config = self._grpc.get_model_config(layout.model, as_json=True)["config"]
+        except InferenceServerException as e:
+            raise translate_error(e, layout.model) from e
+        current = config_fingerprint(config)
+        if layout.fingerprint and current != layout.fingerprint:
+            self._signatures.pop(layout.model, None)
+            raise LayoutMismatchError(layout.model, layout.fingerprint, current)
+
+    def _layout_or_none(self, model: str) -> ModelLayout | None:
+        """The model's slot layout, or ``None`` when it has none (the reason is logged once)."""
+        if model in self._no_layout:
+            return None
+        pool = self._pools.get(model)
+        if pool is not None:
+            return pool.layout
+        try:
+            return self.layout(model)
+        except LayoutError as e:
+            with self._lock:
+                first = model not in self._no_layout
+                self._no_layout[model] = str(e)
+            if first:
+                logger.warning("model %r has no shared-memory slot layout; plain gRPC it is: %s", model, e)
+            return None
 
     def pool_stats(self) -> list[PoolStats]:
         """Slot usage of every pool this client uses."""
@@ -475,8 +548,10 @@ class TritonShmClient:
             TritonCallError / UnavailableError: The server refused or is gone.
             PoolClosedError: The client is closed, or was closed by another thread during the call.
         """
+        layout = self._layout_or_none(model)
+        if layout is None:
+            return self.infer_grpc(model, inputs, outputs=outputs)
         pool = self.pool(model)
-        layout = pool.layout
         checked = self._check(layout, inputs)
         wanted = self._wanted_outputs(layout, outputs)
         # GPU data (a CUDA pool, or device inputs) never goes over host gRPC because it is small.
@@ -569,14 +644,25 @@ class TritonShmClient:
     def infer_grpc(
         self, model: str, inputs: Mapping[str, Any], *, outputs: Sequence[str] | None = None
     ) -> InferResult:
-        """Run ``model`` over plain gRPC (tensors serialised), for comparison.
+        """Run ``model`` over plain gRPC (tensors serialised): any model Triton serves, no slots needed.
+
+        BYTES tensors take numpy arrays of ``bytes``/``str`` (``object``, ``S`` or
+        ``U`` dtypes) and come back as ``object`` arrays of ``bytes``.
 
         Raises:
             InputError / TritonCallError: As for :meth:`infer`.
         """
-        layout = self.layout(model)
-        checked = self._check(layout, inputs)
-        return InferResult(self._call_grpc(model, checked, self._wanted_outputs(layout, outputs)), "grpc")
+        signature = self.signature(model)
+        try:
+            checked = check_signature_inputs(signature, inputs)
+        except RayTritonShmError as e:
+            safely(self._observer.error, model, type(e).__name__)
+            raise
+        names = [spec.name for spec in signature.outputs]
+        unknown = [name for name in outputs or () if name not in names]
+        if unknown:
+            raise InputError(f"model {model!r} has outputs {names}; unknown: {unknown}")
+        return InferResult(self._call_grpc(model, checked, list(outputs) if outputs else names), "grpc")
 
     # -- internals ---------------------------------------------------------
     @staticmethod
@@ -688,6 +774,8 @@ class TritonShmClient:
                     reregister(lease.pool)
                     continue
                 safely(self._observer.error, layout.model, type(error).__name__)
+                if error.status == "INVALID_ARGUMENT":
+                    self.verify_layout(layout)  # a reloaded model: a typed error, not a puzzle
                 raise
         seconds = time.perf_counter() - started
         nbytes = nbytes_in + sum(
@@ -728,15 +816,14 @@ class TritonShmClient:
         return shapes
 
     def _call_grpc(self, model: str, checked: CheckedInputs, wanted: list[str]) -> dict[str, np.ndarray]:
-        layout = self.layout(model)
         request_inputs = []
-        for spec in layout.inputs:
-            array = checked.arrays[spec.name]
-            tensor = grpcclient.InferInput(spec.name, list(array.shape), spec.datatype)
+        for name, array in checked.arrays.items():
             if not isinstance(array, np.ndarray):  # a cupy array: plain gRPC sends host bytes
                 from ray_triton_shm._private.cuda import import_cupy
 
                 array = import_cupy().asnumpy(array)
+            datatype = "BYTES" if array.dtype == object else NUMPY_TO_TRITON[array.dtype]
+            tensor = grpcclient.InferInput(name, list(array.shape), datatype)
             tensor.set_data_from_numpy(np.ascontiguousarray(array))
             request_inputs.append(tensor)
         request_outputs = [grpcclient.InferRequestedOutput(name) for name in wanted]
@@ -754,7 +841,9 @@ class TritonShmClient:
             raise error from e
         seconds = time.perf_counter() - started
         outputs = {name: response.as_numpy(name) for name in wanted}
-        nbytes = checked.nbytes + sum(a.nbytes for a in outputs.values())
+        nbytes = checked.nbytes + sum(
+            bytes_nbytes(a) if a.dtype == object else a.nbytes for a in outputs.values()
+        )
         safely(self._observer.request, model, "grpc", nbytes, seconds)
         return outputs
 

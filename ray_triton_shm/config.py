@@ -133,7 +133,9 @@ class ServerConfig:
     (see :meth:`server_flags`); the others steer this package.
 
     Attributes:
-        model_repository: Directory of models to serve.
+        model_repository: Models to serve: a directory, or a URI Triton reads
+            itself (``s3://``, ``gs://``, ``as://``), passed through unchanged;
+            a sequence of them serves several repositories at once.
         binary: Path of ``tritonserver``; when unset the binary is searched for
             (see ``ray_triton_shm.server.find_tritonserver``).
         python_env: A Python environment (venv prefix) with numpy < 2 for the
@@ -160,6 +162,14 @@ class ServerConfig:
             hold on to the memory of their largest request. 0 leaves glibc's
             defaults; a tunable already in the server's ``GLIBC_TUNABLES`` is
             kept.
+        python_backend: Whether the Python-backend setup (the numpy<2 stub
+            environment on ``PATH`` and the malloc thresholds above) is
+            applied. ``None`` (auto): when a local repository has
+            Python-backend models, or a repository is remote (unknown).
+        model_control: ``none`` (Triton loads the repository at start and
+            refuses load/unload) or ``explicit`` (every model is loaded at
+            start, and models can be loaded, unloaded and reloaded while it
+            runs: ``ray-triton-shm models``). ``load_models`` implies explicit.
         load_models: When set, only these models are loaded (explicit mode).
         gpus: ``CUDA_VISIBLE_DEVICES`` for the server; ``None`` inherits.
         startup_timeout_s: How long to wait for readiness.
@@ -172,7 +182,7 @@ class ServerConfig:
         extra_args: More flags, passed as they are.
     """
 
-    model_repository: str = env_field("MODEL_REPOSITORY", "", flag="model-repository")
+    model_repository: str | tuple[str, ...] = env_field("MODEL_REPOSITORY", "", flag="model-repository")
     binary: str | None = env_field("TRITONSERVER", None, _parse_optional_str)
     python_env: str | None = env_field("SERVER_PYTHON_ENV", None, _parse_optional_str)
     cache_dir: str = env_field("CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ray-triton-shm"))
@@ -194,6 +204,8 @@ class ServerConfig:
         flag="backend-config=python,shm-growth-byte-size",
     )
     malloc_mmap_threshold_bytes: int = env_field("MALLOC_MMAP_THRESHOLD_BYTES", 256 * 1024 * 1024)
+    python_backend: bool | None = env_field("PYTHON_BACKEND", None, _parse_optional_bool)
+    model_control: str = env_field("MODEL_CONTROL", "none")
     load_models: tuple[str, ...] = env_field("LOAD_MODELS", (), _parse_str_tuple)
     gpus: tuple[int, ...] | None = env_field("GPUS", None, lambda s: _parse_int_tuple(s))
     startup_timeout_s: float = env_field("STARTUP_TIMEOUT_S", 120.0)
@@ -203,10 +215,17 @@ class ServerConfig:
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _require(
-            isinstance(self.model_repository, str) and bool(self.model_repository),
-            "ServerConfig.model_repository is required",
-        )
+        if isinstance(self.model_repository, (list, tuple)):
+            object.__setattr__(self, "model_repository", _string_tuple(self, "model_repository"))
+            _require(
+                bool(self.model_repository) and all(self.model_repository),
+                "ServerConfig.model_repository needs at least one non-empty repository",
+            )
+        else:
+            _require(
+                isinstance(self.model_repository, str) and bool(self.model_repository),
+                "ServerConfig.model_repository is required (a path, a URI or a sequence of them)",
+            )
         for name in (
             "http_port",
             "grpc_port",
@@ -236,6 +255,12 @@ class ServerConfig:
         _require(bool(self.host), "ServerConfig.host must not be empty")
         if self.protect_shm_api is not None:
             _require_type(self, "protect_shm_api", bool)
+        _require(
+            self.model_control in ("none", "explicit"),
+            f"ServerConfig.model_control must be none or explicit, got {self.model_control!r}",
+        )
+        if self.python_backend is not None:
+            _require_type(self, "python_backend", bool)
         if self.gpus is not None:
             _require(all(g >= 0 for g in self.gpus), "ServerConfig.gpus must be >= 0")
         object.__setattr__(self, "load_models", _string_tuple(self, "load_models"))
@@ -254,14 +279,23 @@ class ServerConfig:
             if not names:
                 continue
             value = getattr(self, f.name)
-            text = str(value).lower() if isinstance(value, bool) else str(value)
             for flag_name in (names,) if isinstance(names, str) else names:
-                flags.append(f"--{flag_name}={text}")
+                for item in value if isinstance(value, tuple) else (value,):
+                    text = str(item).lower() if isinstance(item, bool) else str(item)
+                    flags.append(f"--{flag_name}={text}")
         if self.load_models:
             flags.append("--model-control-mode=explicit")
             flags.extend(f"--load-model={name}" for name in self.load_models)
+        elif self.model_control == "explicit":
+            flags += ["--model-control-mode=explicit", "--load-model=*"]
         flags.extend(self.extra_args)
         return flags
+
+    @property
+    def model_repositories(self) -> tuple[str, ...]:
+        """Every repository served, as a tuple."""
+        repo = self.model_repository
+        return repo if isinstance(repo, tuple) else (repo,)
 
     def glibc_tunables(self, inherited: str = "") -> str:
         """The ``GLIBC_TUNABLES`` value the server runs with.

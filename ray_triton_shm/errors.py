@@ -22,6 +22,7 @@ __all__ = [
     "DeviceMappingError",
     "InputError",
     "LayoutError",
+    "LayoutMismatchError",
     "LeaseReleasedError",
     "NoGpuError",
     "OutputTooLargeError",
@@ -78,6 +79,32 @@ class SharedMemoryError(RayTritonShmError, OSError):
 
 class LayoutError(RayTritonShmError, ValueError):
     """A model cannot be laid out in shared-memory slots (e.g. BYTES tensors, unbounded dims)."""
+
+
+class LayoutMismatchError(LayoutError):
+    """A slot layout was about to be used against a model configuration it was not derived from.
+
+    The model was reloaded with another configuration; get a new pool (a new
+    client, or the node actor's new grant) for the new layout.
+
+    Args:
+        model: The model.
+        layout_fingerprint: Fingerprint of the configuration the layout came from.
+        server_fingerprint: Fingerprint of the configuration the server now runs.
+    """
+
+    def __init__(self, model: str, layout_fingerprint: str, server_fingerprint: str) -> None:
+        super().__init__(model, layout_fingerprint, server_fingerprint)
+        self.model = model
+        self.layout_fingerprint = layout_fingerprint
+        self.server_fingerprint = server_fingerprint
+
+    def __str__(self) -> str:
+        return (
+            f"model {self.model!r} now runs configuration {self.server_fingerprint}, but this slot "
+            f"layout was derived from {self.layout_fingerprint}: the model was reloaded with another "
+            "configuration; use a new client (or pool) for the new layout"
+        )
 
 
 class InputError(RayTritonShmError, ValueError):

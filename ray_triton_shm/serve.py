@@ -28,8 +28,7 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private import kserve
 from ray_triton_shm._private.cuda import to_host
+from ray_triton_shm._private.repository import resolve_repositories
 from ray_triton_shm._private.segment import redact
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.errors import ConfigError, InputError, RayTritonShmError
@@ -59,26 +59,22 @@ _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 _MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config)?$")
 
 
-def resolve_model_repository(value: str | None) -> str:
-    """An absolute model repository path.
+def resolve_model_repository(value: str | Sequence[str] | None) -> str | tuple[str, ...]:
+    """The model repository (or repositories) as Triton gets them.
 
-    ``examples`` (or nothing) means the example models shipped in this
-    repository; a relative path is taken from the current directory.
+    ``examples`` (or nothing) means the example models shipped in the package;
+    a relative path is taken from the current directory; ``s3://``, ``gs://``
+    and ``as://`` URIs pass through unchanged (Triton reads them itself); a
+    list serves several repositories at once.
 
     Raises:
-        RayTritonShmError: The directory does not exist.
+        ConfigError: A local directory does not exist.
     """
-    if not value or value == "examples":
-        path = Path(__file__).resolve().parents[1] / "deployments" / "models"
-    else:
-        path = Path(value).expanduser().resolve()
-    if not path.is_dir():
-        raise RayTritonShmError(f"model repository {str(path)!r} does not exist")
-    return str(path)
+    return resolve_repositories(value)
 
 
 def build_node_config(
-    model_repository: str | None = None,
+    model_repository: str | Sequence[str] | None = None,
     pools: Mapping[str, Mapping[str, Any]] | None = None,
     default_pool: Mapping[str, Any] | None = None,
     server: Mapping[str, Any] | None = None,

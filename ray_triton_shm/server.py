@@ -34,7 +34,7 @@ import urllib.request
 from typing import Any
 
 from ray_triton_shm._private import segment
-from ray_triton_shm._private.server_env import LaunchPlan, find_tritonserver
+from ray_triton_shm._private.server_env import LaunchPlan, cpu_fallback_warning, find_tritonserver
 from ray_triton_shm.config import ServerConfig
 from ray_triton_shm.errors import ServerError, ServerStartError
 
@@ -144,6 +144,7 @@ class TritonServer:
         self._reader: threading.Thread | None = None
         self._log: collections.deque[str] = collections.deque(maxlen=config.log_tail_lines)
         self._plan: LaunchPlan | None = None
+        self._python_setup_reason = ""
         self._resolved: ServerConfig | None = None
         self._backend_prefix = ""
         # Locked while Triton runs; guards the Python backend's files (named with it + "_"),
@@ -196,6 +197,12 @@ class TritonServer:
         """Where the binary came from (explicit, PATH, system, embedded)."""
         return self._plan.source if self._plan else ""
 
+    @property
+    def warnings(self) -> list[str]:
+        """What an operator must know about this server (a CPU-only fallback on a GPU machine)."""
+        fallback = cpu_fallback_warning(self._plan) if self._plan else None
+        return [fallback] if fallback else []
+
     def is_alive(self) -> bool:
         """Whether the process is running."""
         return self._proc is not None and self._proc.poll() is None
@@ -232,6 +239,9 @@ class TritonServer:
             if self._plan is None:
                 self._plan = find_tritonserver(self.config)
                 logger.info("using tritonserver %s (%s)", self._plan.binary, self._plan.source)
+                fallback = cpu_fallback_warning(self._plan)
+                if fallback:
+                    logger.warning(fallback)
             attempts = 3
             for attempt in range(attempts):
                 self._resolved = self._resolve_ports(fresh=attempt > 0)
@@ -292,18 +302,46 @@ class TritonServer:
         # The client's Python paths must not leak into the stub's interpreter.
         for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
             env.pop(name, None)
-        if plan.path_prefix:
+        python_setup = self._python_setup_wanted()
+        if plan.path_prefix and (python_setup or self.config.python_env):  # an explicit env is a request
             env["PATH"] = os.pathsep.join([*plan.path_prefix, env.get("PATH", "")])
         if plan.library_paths:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(
                 [*plan.library_paths, *filter(None, [env.get("LD_LIBRARY_PATH")])]
             )
-        tunables = self.config.glibc_tunables(env.get("GLIBC_TUNABLES", ""))
+        tunables = self.config.glibc_tunables(env.get("GLIBC_TUNABLES", "")) if python_setup else ""
         if tunables:
             env["GLIBC_TUNABLES"] = tunables
+        if python_setup:
+            logger.info(
+                "Python-backend setup applied (%s): stub Python from %s, GLIBC_TUNABLES=%s",
+                self._python_setup_reason,
+                plan.path_prefix[0] if plan.path_prefix else "PATH",
+                tunables or "(glibc defaults)",
+            )
+        else:
+            logger.info("Python-backend setup not applied (%s)", self._python_setup_reason)
         if self.config.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.config.gpus)
         return env
+
+    def _python_setup_wanted(self) -> bool:
+        """Whether the Python-backend setup applies; the reason is kept for the log."""
+        from ray_triton_shm._private.repository import python_backend_models
+
+        if self.config.python_backend is not None:
+            self._python_setup_reason = f"ServerConfig.python_backend={self.config.python_backend}"
+            return self.config.python_backend
+        models = python_backend_models(self.config.model_repositories)
+        if models is None:
+            self._python_setup_reason = "a remote repository may hold Python-backend models"
+            return True
+        if models:
+            shown = ", ".join(models[:5]) + (", ..." if len(models) > 5 else "")
+            self._python_setup_reason = f"{len(models)} Python-backend model(s): {shown}"
+            return True
+        self._python_setup_reason = "no Python-backend models in the repository"
+        return False
 
     def _launch(self) -> None:
         plan, resolved = self._plan, self._resolved

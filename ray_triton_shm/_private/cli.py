@@ -3,31 +3,51 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 from ray_triton_shm._private import segment
 
 
 def _setup(args: argparse.Namespace) -> int:
-    from ray_triton_shm._private.server_env import find_tritonserver
+    from ray_triton_shm._private.server_env import cpu_fallback_warning, find_tritonserver
     from ray_triton_shm.config import ServerConfig
 
     plan = find_tritonserver(ServerConfig(model_repository="-"))
     print(f"tritonserver: {plan.binary} ({plan.source})")
+    warning = cpu_fallback_warning(plan)
+    if warning:
+        print(f"\n{'!' * 78}\n{warning}\n{'!' * 78}", file=sys.stderr)
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from ray_triton_shm._private.demo import run_demo
+    from ray_triton_shm._private.demo_log import quiet_logs
 
-    if not args.hold:
-        run_demo(args.model_repository, quick=args.quick)
-    if not args.core_only:
-        from ray_triton_shm._private.demo_ray import run_ray_demo
+    if args.verbose:
+        log = None
+    else:
+        log = quiet_logs()
+    with log if log is not None else _no_log() as path:
+        try:
+            if not args.hold:
+                run_demo(args.model_repository, quick=args.quick)
+            if not args.core_only:
+                from ray_triton_shm._private.demo_ray import run_ray_demo
 
-        run_ray_demo(args.config, quick=args.quick, hold=args.hold)
+                run_ray_demo(args.config, quick=args.quick, hold=args.hold)
+        finally:
+            if path is not None:
+                print(f"logs of Ray, Ray Data, Triton and warnings: {path}", flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def _no_log() -> Iterator[None]:
+    yield None
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -56,6 +76,16 @@ def _shutdown(args: argparse.Namespace) -> int:
         ray.shutdown()
     print(f"stopped {count} node actor(s) (their Tritons and segments are gone)")
     return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private import model_control
+
+    try:
+        return model_control.run(args.address, args.action, args.models, args.config_file, print)
+    except ConnectionError as e:
+        print(f"no Ray cluster at {args.address!r}: {e}", file=sys.stderr)
+        return 2
 
 
 def _cleanup(args: argparse.Namespace) -> int:
@@ -150,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     shutdown.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     shutdown.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each actor")
     shutdown.set_defaults(func=_shutdown)
+    models = sub.add_parser(
+        "models", help="load, unload or reload models on every node's Triton (explicit model control)"
+    )
+    models.add_argument("action", choices=["load", "unload", "reload"])
+    models.add_argument("models", nargs="+", help="model names")
+    models.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    models.add_argument("--config-file", default=None, help="JSON model config to load instead")
+    models.set_defaults(func=_models)
     cleanup = sub.add_parser("cleanup", help="remove segments whose owner is gone, in any container")
     cleanup.add_argument("--yes", action="store_true", help="remove, not just list")
     cleanup.set_defaults(func=_cleanup)

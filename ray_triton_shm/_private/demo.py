@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -21,8 +20,10 @@ IDENTITY_MAX = 32 * MB  # float32 elements: 128 MB
 
 
 def default_model_repository() -> str:
-    """``deployments/models`` of the source checkout."""
-    return str(Path(__file__).resolve().parents[2] / "deployments" / "models")
+    """The example models (shipped in the package; ``deployments/models`` in a checkout)."""
+    from ray_triton_shm._private.repository import examples_repository
+
+    return examples_repository()
 
 
 def demo_pools() -> dict[str, PoolConfig]:

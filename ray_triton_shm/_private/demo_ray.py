@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,6 @@ from ray_triton_shm._private.measure import time_call
 
 MB = 1024 * 1024
 DATA_BATCH = 64
-CONFIG_FILE = Path(__file__).resolve().parents[2] / "deployments" / "triton_shm.yaml"
 
 
 def run_ray_demo(
@@ -37,14 +37,20 @@ def run_ray_demo(
 
     from ray_triton_shm._private.bench import ray_methods
     from ray_triton_shm._private.bench.core_methods import OutputMismatch
+    from ray_triton_shm._private.repository import examples_serve_config
     from ray_triton_shm.node import get_node_actor, shutdown_node_actors
     from ray_triton_shm.serve import run_config_file
 
-    path = config_file or str(CONFIG_FILE)
+    path = config_file or examples_serve_config()
     port = yaml.safe_load(Path(path).read_text()).get("http_options", {}).get("port", 8000)
     rows: list[dict[str, object]] = []
     failures: list[str] = []
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    if logging.getLogger().handlers:  # under quiet_logs: Ray just gave its loggers their own handlers
+        from ray_triton_shm._private.demo_log import capture_ray_loggers
+
+        capture_ray_loggers()
+    ray.data.DataContext.get_current().enable_progress_bars = False
     try:
         print(f"deploying Serve app from {path} ...", flush=True)
         handle = run_config_file(path)["triton"]

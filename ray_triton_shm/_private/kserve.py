@@ -46,6 +46,55 @@ _HTTP_BY_STATUS = {
 }
 
 
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """A BYTES tensor in Triton's serialised form: per element a 4-byte little-endian length, its bytes."""
+    parts = []
+    for item in array.flat:
+        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+        parts.append(len(data).to_bytes(4, "little"))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def deserialize_bytes(data: bytes | memoryview, count: int | None = None) -> np.ndarray:
+    """Parse Triton's serialised BYTES form into a flat object array of ``bytes``.
+
+    Args:
+        data: The serialised elements.
+        count: Elements expected; ``None`` reads to the end of ``data``.
+
+    Raises:
+        InputError: A length runs past the data, or the element count is wrong.
+    """
+    view = memoryview(data)
+    items = []
+    cursor = 0
+    while cursor < len(view) and (count is None or len(items) < count):
+        if cursor + 4 > len(view):
+            raise InputError("BYTES data ends inside an element's 4-byte length")
+        size = int.from_bytes(view[cursor : cursor + 4], "little")
+        cursor += 4
+        if cursor + size > len(view):
+            raise InputError("a BYTES element runs past the end of its data")
+        items.append(bytes(view[cursor : cursor + size]))
+        cursor += size
+    if count is not None and (len(items) != count or cursor != len(view)):
+        raise InputError(f"BYTES data does not hold exactly {count} elements")
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
+def _json_bytes(values: Any) -> np.ndarray:
+    flat = np.asarray(values, dtype=object).ravel()
+    out = np.empty(flat.size, dtype=object)
+    for i, item in enumerate(flat):
+        if not isinstance(item, str):
+            raise InputError(f"BYTES data in JSON must be strings, got {type(item).__name__}")
+        out[i] = item.encode("utf-8")
+    return out
+
+
 @dataclass(frozen=True)
 class DecodedRequest:
     """An inference request: inputs, the outputs asked for and how to send them back."""
@@ -163,7 +212,7 @@ def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
             raise InputError(f"input {name!r} is given twice")
         datatype = entry.get("datatype")
         dtype = TRITON_TO_NUMPY.get(datatype) if isinstance(datatype, str) else None
-        if dtype is None:
+        if dtype is None and datatype != "BYTES":
             raise InputError(f"input {name!r}: datatype {datatype!r} is not supported")
         shape = _shape(entry, name)
         count = math.prod(shape)
@@ -173,14 +222,22 @@ def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
                 raise InputError(f"input {name!r}: binary_data_size must be a non-negative integer")
             if cursor + size > len(body):
                 raise InputError(f"input {name!r}: binary data runs past the end of the body")
-            if size != count * dtype.itemsize:
-                raise InputError(
-                    f"input {name!r}: {size} bytes of binary data do not match shape {shape} of {datatype}"
-                )
-            array = np.frombuffer(body, dtype=dtype, count=count, offset=cursor)
+            if dtype is None:
+                array = deserialize_bytes(memoryview(body)[cursor : cursor + size])
+            else:
+                if size != count * dtype.itemsize:
+                    raise InputError(
+                        f"input {name!r}: {size} bytes of binary data do not match"
+                        f" shape {shape} of {datatype}"
+                    )
+                array = np.frombuffer(body, dtype=dtype, count=count, offset=cursor)
             cursor += size
         elif "data" in entry:
-            array = _json_tensor(entry["data"], name, datatype, dtype)
+            array = (
+                _json_bytes(entry["data"])
+                if dtype is None
+                else _json_tensor(entry["data"], name, datatype, dtype)
+            )
         else:
             raise InputError(f"input {name!r} has neither 'data' nor binary_data_size")
         if array.size != count:
@@ -225,14 +282,21 @@ def encode_response(
     blobs = []
     for name, array in outputs.items():
         array = np.ascontiguousarray(array)
+        is_bytes = array.dtype == object
         entry: dict[str, Any] = {
             "name": name,
-            "datatype": NUMPY_TO_TRITON[array.dtype],
+            "datatype": "BYTES" if is_bytes else NUMPY_TO_TRITON[array.dtype],
             "shape": list(array.shape),
         }
         if request.binary_outputs.get(name, request.default_binary):
-            entry["parameters"] = {"binary_data_size": array.nbytes}
-            blobs.append(array.tobytes())
+            blob = serialize_bytes(array) if is_bytes else array.tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        elif is_bytes:
+            entry["data"] = [
+                item.decode("utf-8", errors="replace") if isinstance(item, bytes) else str(item)
+                for item in array.flat
+            ]
         else:
             entry["data"] = array.ravel().tolist()
         entries.append(entry)

@@ -7,6 +7,8 @@ must accept, and whole slots are page aligned.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,6 +79,8 @@ class ModelLayout:
         batch_capacity: Largest batch a slot holds (1 when not batched).
         inputs / outputs: Tensor placements.
         slot_bytes: Size of one slot, page aligned.
+        fingerprint: :func:`config_fingerprint` of the model configuration the
+            layout was derived from ("" when unknown).
     """
 
     model: str
@@ -85,6 +89,7 @@ class ModelLayout:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     slot_bytes: int
+    fingerprint: str = ""
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -107,11 +112,104 @@ def _tensor_entries(
             )
         if datatype not in TRITON_TO_NUMPY:
             raise LayoutError(f"model {model!r} tensor {name!r} has unsupported type {datatype}")
-        if tensor.get("reshape"):
-            raise LayoutError(f"model {model!r} tensor {name!r} uses reshape, not supported")
         dims = tuple(int(d) for d in tensor.get("dims", []))
         entries.append((name, datatype, dims))
     return entries
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    """A tensor as the model configuration declares it, whatever its type.
+
+    Attributes:
+        name: Tensor name.
+        datatype: Triton datatype as the protocol spells it (``BYTES`` for ``TYPE_STRING``).
+        dims: Dims without the batch dim, as clients send them; -1 is variable.
+    """
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    """Every input and output of a model, for calls that need no slot layout (plain gRPC).
+
+    Attributes:
+        model: Model name.
+        batched: Whether tensors have a leading batch dim.
+        inputs / outputs: The tensors.
+    """
+
+    model: str
+    batched: bool
+    inputs: tuple[TensorSig, ...]
+    outputs: tuple[TensorSig, ...]
+
+    def input(self, name: str) -> TensorSig | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+
+def protocol_datatype(config_type: Any) -> str:
+    """``TYPE_FP32`` -> ``FP32``; ``TYPE_STRING`` -> ``BYTES`` (its name on the wire)."""
+    datatype = str(config_type).removeprefix("TYPE_")
+    return "BYTES" if datatype == "STRING" else datatype
+
+
+def signature_from_config(config: Mapping[str, Any]) -> ModelSignature:
+    """Read a model's tensors from its configuration; refuses nothing Triton serves.
+
+    Args:
+        config: The model configuration as JSON (``get_model_config(as_json=True)``).
+
+    Returns:
+        The signature.
+    """
+
+    def tensors(key: str) -> tuple[TensorSig, ...]:
+        return tuple(
+            TensorSig(
+                str(t["name"]),
+                protocol_datatype(t.get("data_type", "TYPE_INVALID")),
+                tuple(int(d) for d in t.get("dims", [])),
+            )
+            for t in config.get(key, [])
+        )
+
+    return ModelSignature(
+        model=str(config.get("name", "?")),
+        batched=int(config.get("max_batch_size", 0)) > 0,
+        inputs=tensors("input"),
+        outputs=tensors("output"),
+    )
+
+
+def config_fingerprint(config: Mapping[str, Any]) -> str:
+    """A short hash of what a slot layout depends on in a model configuration.
+
+    Name, batch size, and every input's and output's name, type, dims and
+    reshape; a config that differs in any of these gets another fingerprint.
+    """
+
+    def tensors(key: str) -> list[list[Any]]:
+        return [
+            [
+                str(t.get("name")),
+                protocol_datatype(t.get("data_type", "")),
+                [int(d) for d in t.get("dims", [])],
+                [int(d) for d in (t.get("reshape") or {}).get("shape", [])],
+            ]
+            for t in config.get(key, [])
+        ]
+
+    essence = [
+        str(config.get("name", "")),
+        int(config.get("max_batch_size", 0)),
+        tensors("input"),
+        tensors("output"),
+    ]
+    return hashlib.sha256(json.dumps(essence).encode()).hexdigest()[:16]
 
 
 def layout_from_config(config: Mapping[str, Any], pool: PoolConfig) -> ModelLayout:
@@ -166,6 +264,7 @@ def layout_from_config(config: Mapping[str, Any], pool: PoolConfig) -> ModelLayo
         inputs=inputs,
         outputs=outputs,
         slot_bytes=_align(max(offset, 1), SLOT_ALIGN),
+        fingerprint=config_fingerprint(config),
     )
 
 

@@ -24,7 +24,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private import metrics
-from ray_triton_shm._private.layout import layout_from_config
+from ray_triton_shm._private.layout import config_fingerprint, layout_from_config
 from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node_pools import CudaRegion, Grant, NodePools, pool_key
 from ray_triton_shm._private.node_registry import Reaper, Users
@@ -338,6 +338,48 @@ class _NodeActor:
             self._pools.close()
             self._grpc.close()
             self._reaper.close()
+
+    # == issue 15 (helper "models"): model control and server warnings =====
+    # Kept in one block at the end of the class so it merges cleanly with the lead's rework.
+
+    def server_warnings(self) -> list[str]:
+        """What ``ray-triton-shm status`` must shout about (e.g. a CPU-only fallback on a GPU node)."""
+        return list(self._server.warnings)
+
+    def load_model(self, model: str, config_json: str | None = None) -> dict[str, Any]:
+        """Load or reload ``model`` on this node's Triton (explicit model control).
+
+        Args:
+            model: Model name in the repository.
+            config_json: A model configuration (JSON) to load instead of the repository's.
+
+        Returns:
+            ``{"model": ..., "fingerprint": ...}``: the fingerprint of the configuration now served;
+            clients' slot layouts of an older one are refused with ``LayoutMismatchError``.
+
+        Raises:
+            TritonCallError: Triton refused (e.g. not started with explicit model control).
+        """
+        try:
+            self._grpc.load_model(model, config=config_json)
+        except InferenceServerException as e:
+            raise translate_error(e, model) from e
+        fingerprint = config_fingerprint(self._model_config(model))
+        logger.info("loaded %s (config %s)", model, fingerprint)
+        return {"model": model, "fingerprint": fingerprint}
+
+    def unload_model(self, model: str) -> dict[str, Any]:
+        """Unload ``model`` from this node's Triton (explicit model control).
+
+        Raises:
+            TritonCallError: Triton refused.
+        """
+        try:
+            self._grpc.unload_model(model)
+        except InferenceServerException as e:
+            raise translate_error(e, model) from e
+        logger.info("unloaded %s", model)
+        return {"model": model, "fingerprint": None}
 
 
 def _local_gpu_count() -> int:

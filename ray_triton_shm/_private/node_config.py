@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,9 +108,15 @@ class NodeConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
-    def for_repository(cls, model_repository: str, **kwargs: Any) -> NodeConfig:
-        """A config serving ``model_repository`` (made absolute) with default server settings."""
-        server = ServerConfig(model_repository=os.path.abspath(model_repository))
+    def for_repository(cls, model_repository: str | Sequence[str], **kwargs: Any) -> NodeConfig:
+        """A config serving ``model_repository`` with default server settings.
+
+        Local paths are made absolute; URIs Triton reads (``s3://``, ``gs://``,
+        ``as://``) pass through unchanged; a sequence serves several repositories.
+        """
+        from ray_triton_shm._private.repository import resolve_repositories
+
+        server = ServerConfig(model_repository=resolve_repositories(model_repository, must_exist=False))
         return cls(server=server, **kwargs)
 
     def pool_for(self, model: str) -> PoolConfig:

@@ -213,3 +213,37 @@ def find_tritonserver(config: ServerConfig, *, provision: bool = True) -> Launch
     if plan is None:
         raise ServerNotFoundError(f"provisioned {env_dir} but found no server in it")
     return plan
+
+
+NVIDIA_GPU_DIR = "/proc/driver/nvidia/gpus"
+"""One entry per GPU the NVIDIA driver knows (no cupy or CUDA runtime needed to count them)."""
+
+
+def machine_gpu_count() -> int:
+    """NVIDIA GPUs on this machine, as the driver lists them; 0 without a driver."""
+    try:
+        return len(os.listdir(NVIDIA_GPU_DIR))
+    except OSError:
+        return 0
+
+
+def cpu_fallback_warning(plan: LaunchPlan, gpus: int | None = None) -> str | None:
+    """A loud warning when a machine with GPUs falls back to the CPU-only embedded server.
+
+    Args:
+        plan: The server found.
+        gpus: GPUs on the machine; counted when ``None``.
+
+    Returns:
+        The warning, or ``None`` when there is nothing to warn about.
+    """
+    if not plan.source.startswith("embedded"):
+        return None
+    gpus = machine_gpu_count() if gpus is None else gpus
+    if gpus <= 0:
+        return None
+    return (
+        f"WARNING: this machine has {gpus} NVIDIA GPU(s), but the only Triton found is the CPU-only "
+        f"embedded server ({plan.binary}): models run on the CPU (Python backend only) and no GPU is used. "
+        f"For GPU models: {_HOW_TO_GET_ONE}"
+    )

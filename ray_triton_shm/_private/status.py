@@ -38,16 +38,20 @@ def collect(timeout_s: float = 30.0) -> list[dict[str, Any]]:
         node_id = name[len(_NAME_PREFIX) :].rsplit("-", 1)[0]
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
-            pending.append((node_id, actor.status.remote()))
+            pending.append((node_id, actor.status.remote(), actor.server_warnings.remote()))
         except ValueError:
             continue  # gone between listing and lookup
     nodes = []
-    for node_id, ref in pending:
+    for node_id, ref, warnings_ref in pending:
         entry: dict[str, Any] = {"node_id": node_id, "node_ip": ips.get(node_id, "")}
         try:
             entry.update(ray.get(ref, timeout=timeout_s))
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             entry["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        try:
+            entry["warnings"] = list(ray.get(warnings_ref, timeout=timeout_s))
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            entry["warnings"] = []
         nodes.append(entry)
     return nodes
 
@@ -87,6 +91,8 @@ def render(nodes: list[dict[str, Any]]) -> str:
             continue
         info = node["info"]
         out.append(head)
+        for warning in node.get("warnings", []):
+            out.append(f"  !!! {warning}")
         out.append(
             f"  Triton {info['version']}  grpc {info['grpc_url']}  http {info['http_url']}  "
             f"metrics {info['metrics_url']}  pid {info['triton_pid']}  restarts {info['restarts']}"

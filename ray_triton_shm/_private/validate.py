@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ray_triton_shm._private.cuda import as_cupy, is_device_array
-from ray_triton_shm._private.layout import NUMPY_TO_TRITON, ModelLayout
+from ray_triton_shm._private.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY, ModelLayout, ModelSignature
 from ray_triton_shm.errors import InputError
 
 
@@ -114,3 +114,94 @@ def check_inputs(layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInput
     if batch < 1 or any(a.size == 0 for a in arrays.values()):
         raise InputError(f"inputs of {layout.model!r} are empty")
     return CheckedInputs(arrays=arrays, batch=batch, nbytes=nbytes, on_device=on_device)
+
+
+def as_bytes_array(name: str, value: Any) -> np.ndarray:
+    """A BYTES tensor as a numpy object array of ``bytes`` (``str`` encoded as UTF-8).
+
+    Raises:
+        InputError: An element is neither ``bytes`` nor ``str``.
+    """
+    array = np.asarray(value)
+    if array.dtype.kind == "S":
+        return array.astype(object)
+    if array.dtype.kind not in "OU":
+        raise InputError(f"{name}: a BYTES tensor takes bytes or str elements, got dtype {array.dtype}")
+    out = np.empty(array.shape, dtype=object)
+    for index, item in np.ndenumerate(array):
+        if isinstance(item, str):
+            out[index] = item.encode("utf-8")
+        elif isinstance(item, (bytes, bytearray, memoryview)):
+            out[index] = bytes(item)
+        else:
+            raise InputError(f"{name}: a BYTES tensor takes bytes or str elements, got {type(item).__name__}")
+    return out
+
+
+def bytes_nbytes(array: np.ndarray) -> int:
+    """Bytes of a BYTES tensor in Triton's serialised form (4-byte length prefix per element)."""
+    return sum(4 + len(item) for item in array.flat)
+
+
+def check_signature_inputs(signature: ModelSignature, inputs: Mapping[str, Any]) -> CheckedInputs:
+    """Validate ``inputs`` against a model's declared tensors, for a call without slots (plain gRPC).
+
+    Names, dtypes, ranks and fixed dims are checked; variable dims take any size.
+    BYTES inputs are returned as object arrays of ``bytes``; GPU arrays are copied to host.
+
+    Raises:
+        InputError: Not a mapping, unknown or missing names, wrong dtype, rank or
+            shape, inconsistent batch sizes, or an empty batch.
+    """
+    if not isinstance(inputs, Mapping):
+        raise InputError(f"inputs must be a mapping of name to array, got {type(inputs).__name__}")
+    expected = [spec.name for spec in signature.inputs]
+    unknown = sorted(set(inputs) - set(expected))
+    missing = [name for name in expected if name not in inputs]
+    if unknown or missing:
+        raise InputError(
+            f"model {signature.model!r} takes inputs {expected}; unknown: {unknown}, missing: {missing}"
+        )
+    arrays: dict[str, Any] = {}
+    batches = set()
+    nbytes = 0
+    for spec in signature.inputs:
+        value = inputs[spec.name]
+        if is_device_array(value):
+            from ray_triton_shm._private.cuda import to_host
+
+            value = to_host(value)
+        elif not hasattr(value, "__array__") and spec.datatype != "BYTES":
+            kind = type(value).__name__
+            raise InputError(f"{spec.name}: expected a numpy, cupy or DLPack array, got {kind}")
+        if spec.datatype == "BYTES":
+            value = as_bytes_array(spec.name, value)
+            size = bytes_nbytes(value)
+        else:
+            value = np.asarray(value)
+            dtype = TRITON_TO_NUMPY.get(spec.datatype)
+            if dtype is None or value.dtype != dtype:
+                raise InputError(
+                    f"{spec.name}: expected dtype {spec.datatype}, got {_describe(value.dtype)}; "
+                    "convert it explicitly (no silent casts)"
+                )
+            size = value.nbytes
+        rank = len(spec.dims) + (1 if signature.batched else 0)
+        if value.ndim != rank:
+            shape_hint = (["batch"] if signature.batched else []) + list(spec.dims)
+            raise InputError(f"{spec.name}: expected rank {rank} {shape_hint}, got shape {list(value.shape)}")
+        inner = value.shape[1:] if signature.batched else value.shape
+        if any(fixed >= 0 and got != fixed for got, fixed in zip(inner, spec.dims)):
+            raise InputError(
+                f"{spec.name}: shape {list(value.shape)} does not match model dims {list(spec.dims)}"
+            )
+        if signature.batched:
+            batches.add(value.shape[0])
+        arrays[spec.name] = value
+        nbytes += size
+    if len(batches) > 1:
+        raise InputError(f"inputs of {signature.model!r} have different batch sizes: {sorted(batches)}")
+    batch = batches.pop() if batches else 1
+    if batch < 1 or any(a.size == 0 for a in arrays.values()):
+        raise InputError(f"inputs of {signature.model!r} are empty")
+    return CheckedInputs(arrays=arrays, batch=batch, nbytes=nbytes)

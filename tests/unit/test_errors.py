@@ -17,6 +17,7 @@ ARGS: dict[str, tuple] = {
     "NoGpuError": ("this process sees no GPU",),
     "InputError": ("INPUT0: expected dtype FP32 (float32), got INT64 (int64)",),
     "LayoutError": ("model 'strings' tensor 'TEXT' is BYTES/STRING",),
+    "LayoutMismatchError": ("add_sub", "0123456789abcdef", "fedcba9876543210"),
     "LeaseReleasedError": ("this lease was released",),
     "PoolClosedError": ("pool of 'identity' is closed",),
     "PoolTimeoutError": ("identity", 0.25),
@@ -31,6 +32,7 @@ ARGS: dict[str, tuple] = {
 
 ATTRS: dict[str, tuple[str, ...]] = {
     "PoolTimeoutError": ("model", "timeout_s"),
+    "LayoutMismatchError": ("model", "layout_fingerprint", "server_fingerprint"),
     "ServerStartError": ("message", "log_tail"),
     "TritonCallError": ("message", "status", "model"),
     "UnavailableError": ("message", "status", "model"),

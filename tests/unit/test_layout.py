@@ -7,7 +7,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.layout import SLOT_ALIGN, TENSOR_ALIGN, ModelLayout, layout_from_config
+from ray_triton_shm._private.layout import (
+    SLOT_ALIGN,
+    TENSOR_ALIGN,
+    ModelLayout,
+    TensorSig,
+    layout_from_config,
+    signature_from_config,
+)
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import LayoutError
 
@@ -167,10 +174,24 @@ def test_unsupported_type_refused(identity_config: dict[str, Any]) -> None:
         layout_from_config(identity_config, PoolConfig())
 
 
-def test_reshape_refused(identity_config: dict[str, Any]) -> None:
+def test_reshape_lays_out_the_dims_clients_send(identity_config: dict[str, Any]) -> None:
+    # `dims` is the shape on the wire (and in the slot); `reshape` is what the model sees.
+    identity_config["input"][0]["dims"] = ["4"]
     identity_config["input"][0]["reshape"] = {"shape": ["2", "2"]}
-    with pytest.raises(LayoutError, match="reshape"):
-        layout_from_config(identity_config, PoolConfig())
+    identity_config["output"][0]["dims"] = ["4"]
+    layout = layout_from_config(identity_config, PoolConfig(max_batch_size=2))
+    assert layout.input("INPUT0").max_dims == (4,)
+    assert layout.input("INPUT0").capacity == 2 * 4 * 4
+
+
+def test_signature_reads_every_model(identity_config: dict[str, Any]) -> None:
+    identity_config["input"][0]["data_type"] = "TYPE_STRING"
+    identity_config["input"][0]["reshape"] = {"shape": []}
+    signature = signature_from_config(identity_config)
+    assert signature.batched
+    assert signature.input("INPUT0") == TensorSig("INPUT0", "BYTES", (4,))
+    assert [t.datatype for t in signature.outputs] == ["FP32"]
+    assert signature.input("nope") is None
 
 
 @pytest.mark.parametrize("key", ["input", "output"])

@@ -70,3 +70,12 @@ def test_a_failing_observer_never_breaks_the_caller(caplog: pytest.LogCaptureFix
     calls: list[tuple[object, ...]] = []
     observe.safely(lambda *args: calls.append(args), "m", "shm", 1, 0.1)  # a working one is called once
     assert calls == [("m", "shm", 1, 0.1)]
+
+
+def test_render_shouts_server_warnings() -> None:
+    from ray_triton_shm._private.server_env import LaunchPlan, cpu_fallback_warning
+
+    warning = cpu_fallback_warning(LaunchPlan("/c/tritonserver", "embedded (/c)"), gpus=8)  # a faked GPU node
+    text = status.render([{**NODE, "warnings": [warning]}])
+    assert f"  !!! {warning}" in text.splitlines()
+    assert "!!!" not in status.render([NODE])

@@ -153,3 +153,46 @@ def test_ray_data_pandas_batches(serve_app):
     assert len(out) == 300
     for row in out:
         np.testing.assert_array_equal(row["OUTPUT0"], row["INPUT0"] + np.arange(16))
+
+
+def test_bytes_model_through_handle_http_and_ray_data(serve_app):
+    """A BYTES (text) model through every entry point: it has no slot layout, so plain gRPC."""
+    import ray
+
+    from ray_triton_shm.data import TritonPredictor
+
+    handle, address = serve_app
+    texts = np.array([["hello", "wörld"]], dtype=object)
+    outputs, origin = handle.infer_with_origin.remote("strings", {"TEXT": texts}).result()
+    assert origin["path"] == "grpc"
+    assert outputs["UPPER"].tolist() == [[b"HELLO", "wörld".encode().upper()]]
+    assert outputs["LENGTH"].tolist() == [[5, 6]]
+    assert handle.infer.remote("strings", {"TEXT": texts}).result()["LENGTH"].tolist() == [[5, 6]]
+
+    client = httpclient.InferenceServerClient(address)
+    for binary in (False, True):
+        tensor = httpclient.InferInput("TEXT", [1, 2], "BYTES")
+        tensor.set_data_from_numpy(texts, binary_data=binary)
+        wanted = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("UPPER", "LENGTH")]
+        result = client.infer("strings", [tensor], outputs=wanted)
+        # tritonclient gives JSON BYTES back as str, binary ones as bytes (as against Triton itself)
+        upper = [u if isinstance(u, bytes) else u.encode() for u in result.as_numpy("UPPER").ravel()]
+        assert upper == [b"HELLO", "wörld".encode().upper()]
+        assert result.as_numpy("LENGTH").tolist() == [[5, 6]]
+
+    items = [{"TEXT": np.array([f"row{i}", "x" * (i % 5)], dtype=object)} for i in range(50)]
+    rows = (
+        ray.data.from_items(items)
+        .map_batches(
+            TritonPredictor,
+            fn_constructor_kwargs={"model": "strings"},
+            compute=ray.data.ActorPoolStrategy(size=1),
+            num_cpus=0.25,
+            batch_size=8,
+        )
+        .take_all()
+    )
+    assert len(rows) == 50
+    for row in rows:
+        assert [t.upper() for t in row["TEXT"]] == [u.decode() for u in row["UPPER"]]
+        assert row["LENGTH"].tolist() == [len(t) for t in row["TEXT"]]
