@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_triton_shm.config import PoolConfig, ServerConfig
+from ray_triton_shm.config import PoolConfig, ServerConfig, env_field
 from ray_triton_shm.errors import ConfigError
 
 NAMESPACE = "ray_triton_shm"
@@ -36,6 +36,14 @@ class NodeConfig:
             config says ``memory="cuda"``) on nodes with GPUs, ``"always"``
             for every model on nodes with GPUs, ``"never"``. Others get
             system-memory pools.
+        unhealthy_after_s: How long Triton may fail its readiness probe (live
+            and ready over HTTP) before it is killed and restarted; a dead
+            Triton is restarted at once. Env ``RAY_TRITON_SHM_UNHEALTHY_AFTER_S``.
+        restart_backoff_s: Wait before the second restart in a row; it doubles
+            for each further one. Env ``RAY_TRITON_SHM_RESTART_BACKOFF_S``.
+        restart_backoff_max_s: Longest wait between restarts; a Triton that
+            stays ready this long after a restart ends the streak. Env
+            ``RAY_TRITON_SHM_RESTART_BACKOFF_MAX_S``.
     """
 
     server: ServerConfig
@@ -45,6 +53,9 @@ class NodeConfig:
     quarantine_s: float = 30.0
     health_interval_s: float = 0.5
     cuda_pools: str = "auto"
+    unhealthy_after_s: float = env_field("UNHEALTHY_AFTER_S", 15.0)
+    restart_backoff_s: float = env_field("RESTART_BACKOFF_S", 1.0)
+    restart_backoff_max_s: float = env_field("RESTART_BACKOFF_MAX_S", 60.0)
 
     def __post_init__(self) -> None:
         if self.cuda_pools not in ("auto", "always", "never"):
@@ -53,6 +64,17 @@ class NodeConfig:
             raise ConfigError("NodeConfig.quarantine_s must be >= 0")
         if self.health_interval_s <= 0:
             raise ConfigError("NodeConfig.health_interval_s must be > 0")
+        for name in ("unhealthy_after_s", "restart_backoff_s", "restart_backoff_max_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"NodeConfig.{name} must be a number, got {value!r}")
+        if not 0 < self.unhealthy_after_s < float("inf"):
+            raise ConfigError(f"NodeConfig.unhealthy_after_s must be > 0, got {self.unhealthy_after_s!r}")
+        if not 0 <= self.restart_backoff_s <= self.restart_backoff_max_s < float("inf"):
+            raise ConfigError(
+                "NodeConfig needs 0 <= restart_backoff_s <= restart_backoff_max_s, got "
+                f"{self.restart_backoff_s!r} and {self.restart_backoff_max_s!r}"
+            )
         object.__setattr__(self, "pools", dict(self.pools))
         object.__setattr__(self, "preload", tuple(self.preload))
 
