@@ -318,7 +318,8 @@ class _NodeActor:
             grpc = self._grpc
         health = self._health.snapshot()
         try:
-            self._require_healthy()
+            if health["state"] != "ok":  # do not wait on a Triton that does not answer its probe
+                raise UnavailableError(f"Triton is {health['state']}", "UNAVAILABLE")
             index = grpc.get_model_repository_index(as_json=True, client_timeout=1.0).get("models", [])
             models = [
                 {"name": m.get("name", ""), "version": m.get("version", ""), "state": m.get("state", "")}
