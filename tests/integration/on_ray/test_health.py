@@ -136,10 +136,7 @@ def test_hung_triton_is_killed_restarted_and_clients_recover(node):
         assert "unready" in states or "restarting" in states, states
         for value in range(5):  # keeps answering, correctly
             _add_sub(client, 10 + value)
-        # Same ports: the client went on with its kept connection replaced; new ports: it reconnected.
-        assert (
-            client.info.epoch > before.epoch or client.info.grpc_url == ray.get(actor.info.remote()).grpc_url
-        )
+        assert client.info.epoch > before.epoch  # it reconnected to the new Triton
 
     after = ray.get(actor.info.remote())
     assert after.triton_pid != pid and after.epoch == before.epoch + 1
