@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -175,9 +176,10 @@ class _NodeActor:
         restarted = 0
         if not self._stopping.is_set():
             server = self._server
+            started = time.monotonic()
             alive = server.is_alive()
             ready = alive and server.probe(timeout=_probe_timeout(self.config))
-            if self._health.observe(ready=ready, alive=alive):
+            if self._health.observe(ready=ready, alive=alive, started_at=started):
                 restarted = self._restart_triton(alive)
         return {"restarted": restarted, "reclaimed": self._pools.reclaim()}
 

@@ -20,7 +20,9 @@ States:
     ``restarting``: a restart is under way.
 
 A dead process is unhealthy at once; a live one that does not answer
-readiness is unhealthy once no probe has succeeded for ``unhealthy_after_s``.
+readiness is unhealthy once its probes have failed for ``unhealthy_after_s``,
+counted from the start of the first failed probe of the run (so a health
+thread that got no CPU for a while does not count as a failing server).
 The first restart of a streak happens at once; each further one waits
 ``backoff_s * 2**(n - 1)`` (at most ``backoff_max_s``) after the end of the
 previous one, ``n`` being the restarts so far in the streak. The streak ends
@@ -78,7 +80,7 @@ class HealthMonitor:
         self._lock = threading.Lock()
         now = clock()
         self._state = "ok"
-        self._last_ready = now  # a fresh server counts as ready from its start
+        self._failing_since: float | None = None  # start of the first failed probe of this run
         self._failures = 0  # restarts (successful or not) in the current streak
         self._restarts = 0  # restarts that brought a server up, ever
         self._last_restart_end: float | None = None
@@ -93,12 +95,13 @@ class HealthMonitor:
             return 0.0
         return min(self.backoff_max_s, self.backoff_s * 2.0 ** (failures - 1))
 
-    def observe(self, *, ready: bool, alive: bool) -> bool:
+    def observe(self, *, ready: bool, alive: bool, started_at: float | None = None) -> bool:
         """Record one probe; return whether to restart now.
 
         Args:
             ready: The server answered live and ready within the probe's timeout.
             alive: Its process exists (a stopped process is alive).
+            started_at: When the probe started (the monitor's clock); default now.
 
         Returns:
             True when the caller should restart Triton now; the monitor is then
@@ -110,12 +113,14 @@ class HealthMonitor:
                 return False
             if ready and alive:
                 self._state = "ok"
-                self._last_ready = now
+                self._failing_since = None
                 ended = self._last_restart_end
                 if self._failures and ended is not None and now - ended >= self.stable_after_s:
                     self._failures = 0
                 return False
-            unhealthy = not alive or now - self._last_ready >= self.unhealthy_after_s
+            if self._failing_since is None:
+                self._failing_since = now if started_at is None else min(started_at, now)
+            unhealthy = not alive or now - self._failing_since >= self.unhealthy_after_s
             if not unhealthy:
                 self._state = "unready"
                 return False
@@ -146,10 +151,10 @@ class HealthMonitor:
             self._last_restart_s = round(now - self._started, 3)
             self._next_attempt = now + self.delay_after(self._failures)
             self._last_error = error
+            self._failing_since = None  # the new server gets the full unhealthy_after_s
             if ok:
                 self._restarts += 1
                 self._state = "ok"
-                self._last_ready = now
             else:
                 self._state = "backoff"
 
@@ -170,8 +175,9 @@ class HealthMonitor:
         with self._lock:
             now = self._clock()
             ended = self._last_restart_end
-            if self._state == "unready":
-                next_at = max(self._next_attempt, self._last_ready + self.unhealthy_after_s)
+            failing = self._failing_since
+            if self._state == "unready" and failing is not None:
+                next_at = max(self._next_attempt, failing + self.unhealthy_after_s)
             elif self._state == "backoff":
                 next_at = self._next_attempt
             else:
@@ -182,7 +188,7 @@ class HealthMonitor:
                 "restarts": self._restarts,
                 "last_restart_s": self._last_restart_s,
                 "since_last_restart_s": None if ended is None else round(now - ended, 3),
-                "unready_for_s": round(now - self._last_ready, 3) if self._state != "ok" else 0.0,
+                "unready_for_s": 0.0 if failing is None else round(now - failing, 3),
                 "next_attempt_in_s": round(max(0.0, next_at - now), 3),
                 "unhealthy_after_s": self.unhealthy_after_s,
                 "last_error": self._last_error,

@@ -50,15 +50,33 @@ def test_unready_live_server_is_restarted_only_after_unhealthy_after_s():
     monitor.observe(ready=True, alive=True)
     clock.advance(0.5)
     decisions = []
-    for _ in range(5):  # 0.5 .. 2.5 s without a ready answer
+    for _ in range(6):  # failing probes at 0 .. 2.5 s into the run
         decisions.append(monitor.observe(ready=False, alive=True))
         assert monitor.state == "unready"
         clock.advance(0.5)
-    assert decisions == [False] * 5
+    assert decisions == [False] * 6
     snap = monitor.snapshot()
     assert snap["unready_for_s"] == pytest.approx(3.0)
     assert snap["next_attempt_in_s"] == pytest.approx(0.0)
-    assert monitor.observe(ready=False, alive=True) is True  # 3 s since the last ready answer
+    assert monitor.observe(ready=False, alive=True) is True  # 3 s since the first failed probe
+
+
+def test_unready_time_counts_from_the_start_of_the_first_failed_probe():
+    monitor, clock = make()
+    started = clock.now
+    clock.advance(1.0)  # the probe timed out after 1 s
+    assert monitor.observe(ready=False, alive=True, started_at=started) is False
+    assert monitor.snapshot()["unready_for_s"] == pytest.approx(1.0)
+    clock.advance(2.0)
+    assert monitor.observe(ready=False, alive=True, started_at=clock.now) is True
+
+
+def test_a_stalled_health_thread_is_not_a_failing_server():
+    monitor, clock = make()
+    monitor.observe(ready=True, alive=True)
+    clock.advance(60.0)  # no probe for a minute (no CPU): one failure is not 3 s of failing
+    assert monitor.observe(ready=False, alive=True) is False
+    assert monitor.snapshot()["state"] == "unready"
 
 
 def test_a_ready_answer_resets_the_unready_clock():
@@ -66,6 +84,9 @@ def test_a_ready_answer_resets_the_unready_clock():
     monitor.observe(ready=False, alive=True)
     clock.advance(2.5)
     assert monitor.observe(ready=True, alive=True) is False
+    assert monitor.snapshot()["unready_for_s"] == 0.0
+    clock.advance(0.5)
+    assert monitor.observe(ready=False, alive=True) is False
     clock.advance(2.5)
     assert monitor.observe(ready=False, alive=True) is False
     assert monitor.snapshot()["next_attempt_in_s"] == pytest.approx(0.5)
@@ -132,6 +153,7 @@ def test_hung_again_soon_after_a_restart_waits_for_backoff():
     monitor, clock = make(unhealthy_after_s=1.0, backoff_s=5.0, backoff_max_s=20.0)
     assert monitor.observe(ready=False, alive=False)
     restart(monitor, clock)
+    assert monitor.observe(ready=False, alive=True) is False  # hung again at once
     clock.advance(1.0)
     assert monitor.observe(ready=False, alive=True) is False  # unhealthy, but 5 s backoff
     snap = monitor.snapshot()
