@@ -92,6 +92,19 @@ def _popen_from_launcher(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
     return done.result()
 
 
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` and its process group (its Python-backend stubs), then reap it.
+
+    The server leads its own group (``start_new_session``); it is our unreaped
+    child here, so its pid (the group id) cannot have been reused.
+    """
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -204,8 +217,24 @@ class TritonServer:
         return [fallback] if fallback else []
 
     def is_alive(self) -> bool:
-        """Whether the process is running."""
+        """Whether the process exists (a stopped or hung one counts as alive; see :meth:`probe`)."""
         return self._proc is not None and self._proc.poll() is None
+
+    def probe(self, timeout: float = 1.0) -> bool:
+        """Whether the server answers live and ready over HTTP, each within ``timeout`` seconds.
+
+        A fresh connection per probe: a hung (or stopped) server accepts it in
+        the kernel but never answers, so this returns False after ``timeout``.
+        Never raises for an unreachable or unready server.
+        """
+        if self._resolved is None or not self.is_alive():
+            return False
+        try:
+            self._http_json("/v2/health/live", timeout=timeout)
+            self._http_json("/v2/health/ready", timeout=timeout)
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+            return False
+        return True
 
     def log_tail(self, lines: int | None = None) -> str:
         """The last ``lines`` lines the server printed (all kept lines by default)."""
@@ -257,21 +286,35 @@ class TritonServer:
                     logger.warning("tritonserver could not bind its ports; retrying")
         raise AssertionError("unreachable")
 
-    def restart(self) -> TritonServer:
+    def restart(self, *, kill: bool = False) -> TritonServer:
         """Stop (if running) and start again, keeping the ports when possible.
+
+        Args:
+            kill: SIGKILL the old process at once (for a hung server) instead of
+                asking it to stop first.
 
         Returns:
             self.
+
+        Raises:
+            ServerNotFoundError / ServerStartError: As :meth:`start`.
         """
         with self._lock:
-            self._terminate()
+            self._terminate(kill=kill)
             self.restarts += 1
             return self.start()
 
     def stop(self) -> None:
-        """Stop with SIGINT, then SIGKILL after ``stop_timeout_s``. Idempotent."""
+        """Stop with SIGINT (a stopped process is continued to see it), then SIGKILL after
+        ``stop_timeout_s``. Idempotent."""
         with self._lock:
             self._terminate()
+
+    def kill(self) -> None:
+        """SIGKILL the server and its process group (works on a stopped or hung one), reap it,
+        remove its Python-backend segments. Idempotent."""
+        with self._lock:
+            self._terminate(kill=True)
 
     close = stop
 
@@ -423,16 +466,19 @@ class TritonServer:
         if self._reader is not None:
             self._reader.join(timeout=5)
 
-    def _terminate(self) -> None:
+    def _terminate(self, kill: bool = False) -> None:
         proc = self._proc
         if proc is not None and proc.poll() is None:
             try:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(timeout=self.config.stop_timeout_s)
+                if kill:
+                    _kill_group(proc)
+                else:
+                    proc.send_signal(signal.SIGINT)
+                    proc.send_signal(signal.SIGCONT)  # a stopped process handles SIGINT only once continued
+                    proc.wait(timeout=self.config.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 logger.warning("tritonserver ignored SIGINT for %gs; killing", self.config.stop_timeout_s)
-                proc.kill()
-                proc.wait()
+                _kill_group(proc)
             except ProcessLookupError:
                 pass
         if proc is not None:

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 from ray_triton_shm._private import metrics
 from ray_triton_shm._private.layout import config_fingerprint, layout_from_config
 from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
+from ray_triton_shm._private.node_health import HealthMonitor
 from ray_triton_shm._private.node_pools import CudaRegion, Grant, NodePools, pool_key
 from ray_triton_shm._private.node_registry import Reaper, Users
 from ray_triton_shm._private.segment import check_span, new_segment_name, redact
@@ -34,6 +36,10 @@ from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import CudaError, CudaUnavailableError, UnavailableError
 
 logger = logging.getLogger(__name__)
+
+# Longest a control call to Triton (model config, region registration) may take: a hung
+# Triton must not hold a caller (or the actor's lock) longer than this.
+_CONTROL_TIMEOUT_S = 5.0
 
 
 class _NodeActor:
@@ -51,6 +57,7 @@ class _NodeActor:
         self._retiring = False
         # Cleans up if this process dies without shutdown(): kills Triton, unlinks our segments.
         self._reaper = Reaper()
+        self._health, self._restart_lock = _new_health(config), threading.Lock()
         # Only this actor registers regions, so the shm endpoints can always be keyed.
         protect = config.server.protect_shm_api is not False
         self._server = TritonServer(config.server, protect_shm_api=protect)
@@ -87,11 +94,16 @@ class _NodeActor:
             if isinstance(region, CudaRegion):
                 buffer = region.buffer
                 self._grpc.register_cuda_shared_memory(
-                    region.name, buffer.handle_b64, region.server_device, region.size, headers=headers
+                    region.name,
+                    buffer.handle_b64,
+                    region.server_device,
+                    region.size,
+                    headers=headers,
+                    client_timeout=_CONTROL_TIMEOUT_S,
                 )
             else:
                 self._grpc.register_system_shared_memory(
-                    region.name, region.key, region.size, headers=headers
+                    region.name, region.key, region.size, headers=headers, client_timeout=_CONTROL_TIMEOUT_S
                 )
         except InferenceServerException as e:
             if isinstance(region, CudaRegion):
@@ -101,10 +113,11 @@ class _NodeActor:
 
     def _unregister(self, region: Any) -> None:
         headers = self._server.shm_api_headers
+        timeout = _CONTROL_TIMEOUT_S
         if isinstance(region, CudaRegion):
-            self._grpc.unregister_cuda_shared_memory(region.name, headers=headers)
+            self._grpc.unregister_cuda_shared_memory(region.name, headers=headers, client_timeout=timeout)
         else:
-            self._grpc.unregister_system_shared_memory(region.name, headers=headers)
+            self._grpc.unregister_system_shared_memory(region.name, headers=headers, client_timeout=timeout)
 
     def _ensure_pool(self, model: str, device: int | None = None, force_cuda: bool = False) -> str:
         """Create ``model``'s pool (a CUDA one on Triton's GPU ``device`` if allowed); return its key."""
@@ -126,8 +139,10 @@ class _NodeActor:
         return key
 
     def _model_config(self, model: str) -> dict[str, Any]:
+        self._require_healthy()
+        timeout = _CONTROL_TIMEOUT_S
         try:
-            return self._grpc.get_model_config(model, as_json=True)["config"]
+            return self._grpc.get_model_config(model, as_json=True, client_timeout=timeout)["config"]
         except InferenceServerException as e:
             raise translate_error(e, model) from e
 
@@ -170,27 +185,84 @@ class _NodeActor:
                 logger.debug("pool gauges failed", exc_info=True)
 
     def check(self) -> dict[str, int]:
-        """Restart Triton if it died (re-registering every region).
+        """Probe Triton; restart it if dead or unready too long (see ``_private.node_health``).
 
         Returns:
             ``{"restarted": 0|1}``.
         """
         restarted = 0
-        with self._lock:
-            if not self._stopping.is_set() and not self._server.is_alive():
-                logger.warning("Triton on node %s died; restarting", self.node_id)
-                self._server.restart()
-                self._reaper.watch_triton(self._server.pid)
-                self._grpc.close()
-                self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
-                self._pools.register_all()
-                self._epoch += 1
-                restarted = 1
-                try:
-                    metrics.record_restart(self.node_id)
-                except Exception:
-                    logger.debug("restart metric failed", exc_info=True)
+        if not self._stopping.is_set():
+            server = self._server
+            started = time.monotonic()
+            alive = server.is_alive()
+            ready = alive and server.probe(timeout=_probe_timeout(self.config))
+            if self._health.observe(ready=ready, alive=alive, started_at=started):
+                restarted = self._restart_triton(alive)
         return {"restarted": restarted}
+
+    def _restart_triton(self, alive: bool) -> int:
+        """SIGKILL (if still there) and start Triton again, outside the actor's lock; then swap in
+        a client for it, re-register every region and bump the epoch under the lock.
+
+        Returns:
+            1 if a new Triton is up, 0 if another thread is restarting or the start failed.
+        """
+        if not self._restart_lock.acquire(blocking=False):
+            return 0
+        try:
+            self._health.restart_started()
+            pid = self._server.pid
+            if alive:
+                logger.warning("Triton (pid %s) on node %s stopped answering; killing it", pid, self.node_id)
+            else:
+                logger.warning("Triton (pid %s) on node %s died; restarting", pid, self.node_id)
+            try:
+                self._server.restart(kill=True)  # SIGKILL works on a stopped or hung process too
+                self._reaper.watch_triton(self._server.pid)
+                grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
+                with self._lock:
+                    if self._stopping.is_set():
+                        grpc.close()
+                        self._health.restart_finished(False, "node is shutting down")
+                        return 0
+                    old, self._grpc = self._grpc, grpc
+                    self._forget_regions()
+                    self._pools.register_all()
+                    self._epoch += 1
+                old.close()
+            except Exception as e:
+                logger.exception("restarting Triton on node %s failed", self.node_id)
+                self._health.restart_finished(False, redact(f"{type(e).__name__}: {e}")[:500])
+                return 0
+            self._health.restart_finished(True)
+            try:
+                metrics.record_restart(self.node_id)
+            except Exception:
+                logger.debug("restart metric failed", exc_info=True)
+            return 1
+        finally:
+            self._restart_lock.release()
+
+    def _forget_regions(self) -> None:
+        """Unregister every region on the new Triton: a grant racing the restart may have
+        registered one already, and ``register_all`` registers them all again."""
+        headers, timeout = self._server.shm_api_headers, _CONTROL_TIMEOUT_S
+        for unregister in (
+            self._grpc.unregister_system_shared_memory,
+            self._grpc.unregister_cuda_shared_memory,
+        ):
+            try:
+                unregister(headers=headers, client_timeout=timeout)
+            except InferenceServerException as e:
+                logger.debug("unregistering all regions failed: %s", e)
+
+    def _require_healthy(self) -> None:
+        """Fail fast (instead of waiting on a hung Triton) while Triton is not answering."""
+        state = self._health.state
+        if state in ("backoff", "restarting"):
+            raise UnavailableError(
+                f"Triton on node {self.node_id} is {state}; try again shortly", "UNAVAILABLE"
+            )
 
     # -- API ---------------------------------------------------------------
     def info(self) -> NodeInfo:
@@ -297,16 +369,22 @@ class _NodeActor:
                 for (model, path), v in sorted(self._traffic.items())
             ]
             grpc = self._grpc
+        health = self._health.snapshot()
         try:
-            index = grpc.get_model_repository_index(as_json=True).get("models", [])
+            if health["state"] != "ok":  # do not wait on a Triton that does not answer its probe
+                raise UnavailableError(f"Triton is {health['state']}", "UNAVAILABLE")
+            index = grpc.get_model_repository_index(as_json=True, client_timeout=1.0).get("models", [])
             models = [
                 {"name": m.get("name", ""), "version": m.get("version", ""), "state": m.get("state", "")}
                 for m in index
             ]
         except InferenceServerException as e:
             models = [{"name": "?", "version": "", "state": f"unavailable: {e.message()}"}]
+        except UnavailableError as e:
+            models = [{"name": "?", "version": "", "state": f"unavailable: {e.message}"}]
         return {
             "info": dataclasses.asdict(self.info()),
+            "health": health,
             "pools": self._pools.stats(),
             "users": self._users.snapshot(),
             "idle_shutdown_s": self.config.idle_shutdown_s,
@@ -380,6 +458,18 @@ class _NodeActor:
             raise translate_error(e, model) from e
         logger.info("unloaded %s", model)
         return {"model": model, "fingerprint": None}
+
+def _new_health(config: NodeConfig) -> HealthMonitor:
+    return HealthMonitor(
+        config.unhealthy_after_s,
+        backoff_s=config.restart_backoff_s,
+        backoff_max_s=config.restart_backoff_max_s,
+    )
+
+
+def _probe_timeout(config: NodeConfig) -> float:
+    """Per-probe timeout: short, so that several probes fit in ``unhealthy_after_s``."""
+    return min(2.0, max(0.2, config.unhealthy_after_s / 3))
 
 
 def _local_gpu_count() -> int:

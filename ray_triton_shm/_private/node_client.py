@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from ray_triton_shm._private import metrics
+from ray_triton_shm._private.call_errors import region_unknown
 from ray_triton_shm._private.node_actor import _local_gpu_count
 from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node_lifecycle import attach, get_node_actor
@@ -195,6 +196,7 @@ class NodeClient:
         self._observer: metrics.RayMetricsObserver | None = None
         self.info: NodeInfo | None = None
         self._closed = False
+        self._recheck = False  # a call failed as if Triton were down: look for a restart before the next
         self._connect()
 
     def _pool_config(self, base: PoolConfig) -> PoolConfig:
@@ -258,6 +260,17 @@ class NodeClient:
             self._connect()
             return True
 
+    def _before_call(self) -> None:
+        # The node restarts Triton without blocking ``info``: a failure during the restart saw the
+        # old epoch, so look again once before the next call (one actor round trip, only then).
+        if self._recheck:
+            self._recheck = False
+            self._reconnect_if_changed()
+
+    def _after_failure(self, error: TritonCallError) -> None:
+        if not self._reconnect_if_changed() and _looks_down(error):
+            self._recheck = True
+
     @property
     def client(self) -> TritonShmClient:
         """The underlying client for the current connection.
@@ -282,10 +295,11 @@ class NodeClient:
         Raises:
             InputError, PoolTimeoutError, TritonCallError, UnavailableError.
         """
+        self._before_call()
         try:
             return self.client.infer(model, inputs, outputs=outputs, copy=copy)
-        except (UnavailableError, TritonCallError):
-            self._reconnect_if_changed()
+        except (UnavailableError, TritonCallError) as e:
+            self._after_failure(e)
             raise
 
     async def ainfer(
@@ -299,10 +313,12 @@ class NodeClient:
         """See :meth:`TritonShmClient.ainfer`."""
         import asyncio
 
+        if self._recheck:
+            await asyncio.to_thread(self._before_call)
         try:
             return await self.client.ainfer(model, inputs, outputs=outputs, copy=copy)
-        except (UnavailableError, TritonCallError):
-            await asyncio.to_thread(self._reconnect_if_changed)
+        except (UnavailableError, TritonCallError) as e:
+            await asyncio.to_thread(self._after_failure, e)
             raise
 
     def infer_grpc(self, model: str, inputs: Mapping[str, Any]) -> InferResult:
@@ -353,3 +369,12 @@ class NodeClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _looks_down(error: TritonCallError) -> bool:
+    """Whether a call failed as it does while Triton is down, hung or restarting."""
+    return (
+        isinstance(error, UnavailableError)
+        or error.status in ("DEADLINE_EXCEEDED", "UNAVAILABLE")
+        or region_unknown(error)
+    )

@@ -57,6 +57,14 @@ class NodeConfig:
             config says ``memory="cuda"``) on nodes with GPUs, ``"always"``
             for every model on nodes with GPUs, ``"never"``. Others get
             system-memory pools.
+        unhealthy_after_s: How long Triton may fail its readiness probe (live
+            and ready over HTTP) before it is killed and restarted; a dead
+            Triton is restarted at once. Env ``RAY_TRITON_SHM_UNHEALTHY_AFTER_S``.
+        restart_backoff_s: Wait before the second restart in a row; it doubles
+            for each further one. Env ``RAY_TRITON_SHM_RESTART_BACKOFF_S``.
+        restart_backoff_max_s: Longest wait between restarts; a Triton that
+            stays ready this long after a restart ends the streak. Env
+            ``RAY_TRITON_SHM_RESTART_BACKOFF_MAX_S``.
     """
 
     server: ServerConfig
@@ -68,6 +76,9 @@ class NodeConfig:
     cuda_pools: str = env_field("CUDA_POOLS", "auto")
     idle_shutdown_s: float | None = env_field("IDLE_SHUTDOWN_S", 30.0, _optional_float)
     request_timeout_s: float | None = env_field("REQUEST_TIMEOUT_S", 60.0, _optional_float)
+    unhealthy_after_s: float = env_field("UNHEALTHY_AFTER_S", 15.0)
+    restart_backoff_s: float = env_field("RESTART_BACKOFF_S", 1.0)
+    restart_backoff_max_s: float = env_field("RESTART_BACKOFF_MAX_S", 60.0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.server, ServerConfig):
@@ -82,6 +93,17 @@ class NodeConfig:
             raise ConfigError("NodeConfig.quarantine_s must be >= 0")
         if self.health_interval_s <= 0:
             raise ConfigError("NodeConfig.health_interval_s must be > 0")
+        for name in ("unhealthy_after_s", "restart_backoff_s", "restart_backoff_max_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"NodeConfig.{name} must be a number, got {value!r}")
+        if not 0 < self.unhealthy_after_s < float("inf"):
+            raise ConfigError(f"NodeConfig.unhealthy_after_s must be > 0, got {self.unhealthy_after_s!r}")
+        if not 0 <= self.restart_backoff_s <= self.restart_backoff_max_s < float("inf"):
+            raise ConfigError(
+                "NodeConfig needs 0 <= restart_backoff_s <= restart_backoff_max_s, got "
+                f"{self.restart_backoff_s!r} and {self.restart_backoff_max_s!r}"
+            )
         if self.idle_shutdown_s is not None and self.idle_shutdown_s < 0:
             raise ConfigError("NodeConfig.idle_shutdown_s must be >= 0 or None")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:

@@ -75,6 +75,24 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list
     return [line(header), indent + "-" * (sum(widths) + 2 * (len(widths) - 1)), *(line(r) for r in rows)]
 
 
+def _health_lines(health: dict[str, Any] | None) -> list[str]:
+    """One line on Triton's health (see ``_private.node_health``); none from nodes that do not report it."""
+    if not health:
+        return []
+    line = f"  health {health['state']}"
+    if health["state"] != "ok":
+        line += f" for {health.get('unready_for_s') or 0:.1f}s"
+    if health.get("consecutive_failures"):
+        line += f"  consecutive failures {health['consecutive_failures']}"
+    if health.get("next_attempt_in_s"):
+        line += f"  next restart in {health['next_attempt_in_s']:.1f}s"
+    if health.get("last_restart_s") is not None:
+        line += f"  last restart took {health['last_restart_s']:.1f}s"
+    if health.get("last_error"):
+        line += f"  last error: {health['last_error']}"
+    return [line]
+
+
 def render(nodes: list[dict[str, Any]]) -> str:
     """A readable report of :func:`collect`'s result."""
     if not nodes:
@@ -97,6 +115,7 @@ def render(nodes: list[dict[str, Any]]) -> str:
             f"  Triton {info['version']}  grpc {info['grpc_url']}  http {info['http_url']}  "
             f"metrics {info['metrics_url']}  pid {info['triton_pid']}  restarts {info['restarts']}"
         )
+        out += _health_lines(node.get("health"))
         ready = [m["name"] for m in node["models"] if m.get("state") == "READY"]
         other = [
             f"{m['name']} ({m.get('state') or 'not loaded'})"
