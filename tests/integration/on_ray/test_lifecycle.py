@@ -95,20 +95,7 @@ def _client_actor():
     return Caller
 
 
-@pytest.fixture(scope="module")
-def ray_up():
-    import ray
-
-    from .conftest import teardown_ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        teardown_ray()
-
-
-def test_six_processes_share_a_two_slot_pool(ray_up):
+def test_six_processes_share_a_two_slot_pool(ray_local):
     import ray
 
     from ray_triton_shm.node import NodeClient, get_node_actor
@@ -139,7 +126,7 @@ def test_six_processes_share_a_two_slot_pool(ray_up):
     ray.kill(actor, no_restart=True)
 
 
-def test_a_timed_out_slot_is_not_handed_to_another_process(ray_up):
+def test_a_timed_out_slot_is_not_handed_to_another_process(ray_local):
     """A times out on a 3 s request and closes; B must not get the slot while Triton may still write it."""
     import ray
 
@@ -165,7 +152,7 @@ def test_a_timed_out_slot_is_not_handed_to_another_process(ray_up):
     _wait_for(lambda: _gone(info), 30, "actor, Triton and segments gone")
 
 
-def test_node_actor_goes_when_its_last_user_does(ray_up):
+def test_node_actor_goes_when_its_last_user_does(ray_local):
     import ray
 
     from ray_triton_shm._private.node_lifecycle import node_actor_names
@@ -195,7 +182,7 @@ def test_node_actor_goes_when_its_last_user_does(ray_up):
 
 
 @pytest.mark.parametrize("how", ["sigkill", "ray.kill"])
-def test_a_killed_node_actor_leaves_no_triton_and_no_segments(ray_up, how):
+def test_a_killed_node_actor_leaves_no_triton_and_no_segments(ray_local, how):
     import ray
 
     from ray_triton_shm.node import NodeClient, get_node_actor
@@ -237,7 +224,7 @@ def _repository(tmp: Path, *models: str) -> str:
     return str(tmp)
 
 
-def test_redeploy_two_apps_and_delete(ray_up, tmp_path):
+def test_redeploy_two_apps_and_delete(ray_local, tmp_path):
     """Each config gets its Triton; a redeploy serves the new one; delete leaves nothing."""
     import ray
     from ray import serve
