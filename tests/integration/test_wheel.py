@@ -98,6 +98,6 @@ def test_wheel_in_a_new_venv_runs_the_demo_from_elsewhere(
     assert setup.returncode == 0 and "tritonserver:" in setup.stdout, setup.stderr
     demo = _run([str(cli), "demo", "--quick", "--core-only"], elsewhere)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
-    assert f"starting Triton from {examples}" in demo.stdout
+    assert f"starting Triton (python backend) from {examples}" in demo.stdout
     assert "speedup" in demo.stdout and " NO" not in demo.stdout
     print(demo.stdout)  # quoted in the closing note
