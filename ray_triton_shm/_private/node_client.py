@@ -200,7 +200,7 @@ class NodeClient:
         self._connect()
 
     def _pool_config(self, base: PoolConfig) -> PoolConfig:
-        fields = {"memory": self._memory, "device_id": self._device_id}
+        fields: dict[str, Any] = {"memory": self._memory, "device_id": self._device_id}
         if self._lease_timeout is not None:
             fields["lease_timeout_s"] = self._lease_timeout
         return dataclasses.replace(base, **fields)

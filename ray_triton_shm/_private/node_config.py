@@ -32,6 +32,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 # Settings that only the clients use: they do not change what a node's Triton runs.
 _CLIENT_ONLY = ("request_timeout_s",)
+_CLIENT_ONLY_POOL = ("lease_timeout_s", "min_shm_bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +126,9 @@ class NodeConfig:
         fields = dataclasses.asdict(self)
         for name in _CLIENT_ONLY:
             fields.pop(name)
+        for pool in (fields["default_pool"], *fields["pools"].values()):
+            for name in _CLIENT_ONLY_POOL:
+                pool.pop(name)
         fields["pools"] = dict(sorted(fields["pools"].items()))
         text = json.dumps(fields, sort_keys=True, default=repr)
         return hashlib.sha256(text.encode()).hexdigest()[:16]

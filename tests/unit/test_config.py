@@ -492,6 +492,8 @@ def test_node_config_fingerprint_follows_what_triton_runs() -> None:
     same = config(pools={"n": PoolConfig(slots=3), "m": PoolConfig(slots=2)})
     assert base.fingerprint() == same.fingerprint() == pickle.loads(pickle.dumps(base)).fingerprint()
     assert config(pools=base.pools, request_timeout_s=5.0).fingerprint() == base.fingerprint()
+    client_side = {"m": PoolConfig(slots=2, lease_timeout_s=3.0, min_shm_bytes=0), "n": PoolConfig(slots=3)}
+    assert config(pools=client_side).fingerprint() == base.fingerprint()
     for other in (
         config("/b", pools=base.pools),
         config(pools={"m": PoolConfig(slots=4), "n": PoolConfig(slots=3)}),

@@ -11,6 +11,7 @@ need shared memory for tiny tensors set it in this process only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -55,6 +56,7 @@ def node():
         REPO_MODELS,
         quarantine_s=1.0,
         health_interval_s=0.2,
+        idle_shutdown_s=None,  # the module holds the actor's handle across tests
         pools={
             "sleep": PoolConfig(slots=4),
             "affine": PoolConfig(
@@ -174,7 +176,7 @@ def test_triton_killed_while_node_client_requests_hold_leases(node, tiny_over_sh
             assert "error" not in box, repr(box.get("error"))
             assert box["result"].path == "shm"
             np.testing.assert_allclose(box["result"]["OUTPUT0"], [[0.2 + i / 1000]], rtol=1e-6)
-    wait_for(lambda: pool_stats(actor, "sleep")["granted"] == 0, what="every grant back")
+    wait_for(lambda: pool_stats(actor, "sleep")["in_use"] == 0, what="every slot back")
 
 
 # -- case 13: NodeClient.close() while another thread is inside infer() ----------------------
@@ -203,7 +205,7 @@ def test_node_client_closed_while_another_thread_is_inside_infer(node, tiny_over
     with pytest.raises(PoolClosedError):
         client.infer("sleep", sleep_input(0.0))
     assert ray.get(actor.info.remote()).instance_id == instance
-    wait_for(lambda: pool_stats(actor, "sleep")["granted"] == 0, what="the grant back")
+    wait_for(lambda: pool_stats(actor, "sleep")["in_use"] == 0, what="the slot back")
 
 
 # -- case 14: a zero-copy view outliving its NodeClient ----------------------------------------
@@ -218,8 +220,9 @@ def test_view_outliving_its_node_client_keeps_its_values(node, tiny_over_shm) ->
     view = first.infer("affine", {"INPUT0": x}, copy=False)["OUTPUT0"]
     assert not view.flags.owndata
     first.close()
-    wait_for(lambda: pool_stats(actor, "affine")["free"] == 2, what="the slots back at the node")
-    # The next client gets the very same slots and writes its own answers into them.
+    # The viewed slot stays held while the view lives; the other one is free for the next client.
+    wait_for(lambda: pool_stats(actor, "affine")["in_use"] == 1, what="only the viewed slot held")
+    # The next client writes its own answers into the node's slots.
     with NodeClient(config, slots_per_model=2) as second:
         for seed in range(4):
             y = np.full((1, 4096), float(seed + 10), np.float32)
@@ -257,14 +260,16 @@ def test_node_client_with_the_shipped_switch_sends_every_size_through_shm(node) 
     assert "grpc" not in traffic()
 
 
-def test_node_client_switch_set_to_64_kib_splits_by_size(node, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_node_client_switch_set_to_64_kib_splits_by_size(node) -> None:
     """The gRPC transport's shipped crossover (64 KiB), asked of a node client: both sides of it."""
     import ray
 
     from ray_triton_shm.node import NodeClient
 
     config, actor = node
-    monkeypatch.setenv(ENV, str(GRPC_MIN_SHM_BYTES))
+    # Client-side pool settings: the same node actor (and its traffic counts) serves this config.
+    affine_pool = dataclasses.replace(config.pools["affine"], min_shm_bytes=GRPC_MIN_SHM_BYTES)
+    config = dataclasses.replace(config, pools={**config.pools, "affine": affine_pool})
     below = np.ones((1, GRPC_MIN_SHM_BYTES // 4 - 1), np.float32)
     at = np.ones((1, GRPC_MIN_SHM_BYTES // 4), np.float32)
     rows = ray.get(actor.status.remote())["traffic"]
@@ -289,7 +294,17 @@ def test_serve_with_the_shipped_switch(node) -> None:
 
     from ray_triton_shm.serve import _build
 
-    args = {"model_repository": REPO_MODELS, "slots_per_model": 1}
+    args = {
+        "model_repository": REPO_MODELS,
+        "slots_per_model": 1,
+        "pools": {
+            "affine": {
+                "slots": 2,
+                "max_batch_size": 1,
+                "max_shapes": {"INPUT0": [1 << 16], "OUTPUT0": [1 << 16]},
+            }
+        },
+    }
     handle = serve.run(_build(args, {"num_replicas": 1}), name="switch", route_prefix="/switch")
     try:
         for n in (16, 1 << 15):  # 64 bytes and 128 KiB
@@ -307,7 +322,7 @@ def test_ray_data_with_the_shipped_switch(node) -> None:
 
     from ray_triton_shm.data import TritonPredictor
 
-    _, actor = node
+    config, actor = node
 
     def shm_requests() -> int:
         rows = ray.get(actor.status.remote())["traffic"]
@@ -324,7 +339,7 @@ def test_ray_data_with_the_shipped_switch(node) -> None:
         ds = ray.data.from_items([{"INPUT0": row} for row in x])
         out = ds.map_batches(
             TritonPredictor,
-            fn_constructor_kwargs={"model": "affine", "slots_per_model": 1},
+            fn_constructor_kwargs={"model": "affine", "slots_per_model": 1, "node_config": config},
             batch_size=1,
             concurrency=1,
         ).take_all()
