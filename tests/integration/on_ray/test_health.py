@@ -35,6 +35,7 @@ def node():
         unhealthy_after_s=UNHEALTHY_S,
         restart_backoff_s=BACKOFF_S,
         restart_backoff_max_s=60.0,
+        idle_shutdown_s=None,  # the module holds the actor's handle across tests
         pools={"add_sub": PoolConfig(slots=4)},
     )
     try:
