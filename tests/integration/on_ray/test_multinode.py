@@ -139,14 +139,13 @@ def test_ray_data_workers_use_the_triton_of_their_own_node(two_nodes):
     )
     infos = ensure_node_actors(config)
     rows = 400
-    # One stage only, and fractional CPUs: each node has one CPU, and a worker holding a
-    # node's CPU would leave no room for another stage's tasks there.
+    # One stage only: its two workers take 0.6 of a node's one CPU each, so one lands on each node.
     ds = ray.data.from_numpy(np.arange(rows * 32, dtype=np.float32).reshape(rows, 32))
     out = ds.map_batches(
         _Where,
         fn_constructor_kwargs={"config": config},
         compute=ray.data.ActorPoolStrategy(size=2),
-        num_cpus=0.25,
+        num_cpus=0.6,  # one worker per node: each node has one CPU
         batch_size=20,
         batch_format="numpy",
         scheduling_strategy="SPREAD",
