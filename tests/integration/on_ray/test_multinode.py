@@ -135,12 +135,15 @@ def test_ray_data_workers_use_the_triton_of_their_own_node(two_nodes):
     from ray_triton_shm.node import NodeConfig, ensure_node_actors
 
     config = NodeConfig.for_repository(
-        REPO_MODELS, pools={"whoami": PoolConfig(slots=2, max_shapes={"INPUT0": (32,), "OUTPUT0": (32,)})}
+        REPO_MODELS,
+        idle_shutdown_s=None,  # compared with ensure_node_actors' answer after the job
+        pools={"whoami": PoolConfig(slots=2, max_shapes={"INPUT0": (32,), "OUTPUT0": (32,)})},
     )
     infos = ensure_node_actors(config)
     rows = 400
     # One stage only: its two workers take 0.6 of a node's one CPU each, so one lands on each node.
-    ds = ray.data.from_numpy(np.arange(rows * 32, dtype=np.float32).reshape(rows, 32))
+    data = np.arange(rows * 32, dtype=np.float32).reshape(rows, 32)
+    ds = ray.data.from_numpy(np.split(data, 10))  # ten blocks, so both workers get some
     out = ds.map_batches(
         _Where,
         fn_constructor_kwargs={"config": config},
