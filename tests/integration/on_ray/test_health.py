@@ -182,7 +182,7 @@ def test_repeated_hangs_back_off_and_grants_fail_fast_meanwhile(node):
                     # Grants do not wait on a restart: a typed error at once.
                     started = time.monotonic()
                     with pytest.raises(UnavailableError):
-                        ray.get(actor.acquire.remote("add_sub", 1, os.getpid(), 1.0), timeout=30)
+                        ray.get(actor.acquire.remote("add_sub"), timeout=30)
                     acquire_s = time.monotonic() - started
                 if now_info.epoch > info.epoch:
                     break
