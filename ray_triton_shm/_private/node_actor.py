@@ -459,6 +459,7 @@ class _NodeActor:
         logger.info("unloaded %s", model)
         return {"model": model, "fingerprint": None}
 
+
 def _new_health(config: NodeConfig) -> HealthMonitor:
     return HealthMonitor(
         config.unhealthy_after_s,

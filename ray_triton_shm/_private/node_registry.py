@@ -97,25 +97,40 @@ class Users:
             return len(self._users)
 
 
-# The reaper: waits for EOF on stdin (its owner died or let go), then SIGKILLs the Triton it
-# was last told about (if that pid still runs tritonserver) and unlinks the owner's segments.
+# The reaper: forks once more and lets its parent exit, so it is nobody's child: Ray kills the
+# children of a worker it kills (``ray.kill``), and the reaper must outlive the actor. It reports
+# its pid on stdout, then waits for EOF on stdin (its owner died or let go), SIGKILLs the process
+# group of the Triton it was last told about, and unlinks the owner's segments.
 # -I -S: no site, no user paths; it must start fast and import nothing of ours.
 _REAPER = r"""
 import os, signal, sys
+if os.fork():
+    os._exit(0)
+os.setsid()
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sys.stdout.write("%d\n" % os.getpid())
+sys.stdout.flush()
+devnull = os.open(os.devnull, os.O_WRONLY)
+os.dup2(devnull, 1)
 prefix, triton = sys.argv[1], 0
 for line in sys.stdin:
     word, _, value = line.strip().partition(" ")
     if word == "triton":
         triton = int(value)
 if triton > 0:
+    # Triton may be dead already (Ray kills a killed worker's children) while its backend
+    # stubs live on in its group; a pid is not reused while its group has members.
     try:
         with open("/proc/%d/cmdline" % triton, "rb") as f:
-            if b"tritonserver" in f.read():
-                os.killpg(triton, signal.SIGKILL)
-    except (OSError, ProcessLookupError):
-        pass
+            ours = b"tritonserver" in f.read()
+    except OSError:
+        ours = True
+    if ours:
+        try:
+            os.killpg(triton, signal.SIGKILL)
+        except OSError:
+            pass
 for name in os.listdir("/dev/shm"):
     if name.startswith(prefix):
         try:
@@ -125,34 +140,57 @@ for name in os.listdir("/dev/shm"):
 """
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
 class Reaper:
     """A process that cleans up after this one when it dies (see the module docstring).
 
     It removes every ``/dev/shm`` entry named with this process's owner tag,
     so it must only be started by a process whose segments all go with it
-    (the node actor).
+    (the node actor). It is not this process's child (it forks away), so a
+    Ray that kills a killed actor's children leaves it running.
+
+    Raises:
+        RuntimeError: The reaper did not start.
     """
 
     def __init__(self) -> None:
         self.prefix = f"{owner_tag()}_"
         if not self.prefix.startswith(SEGMENT_PREFIX + "_"):
             raise RuntimeError(f"unexpected owner tag {self.prefix!r}")
-        self._proc = subprocess.Popen(
+        launcher = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _REAPER, self.prefix],
             stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             start_new_session=True,  # signals to our process group do not reach it
         )
+        line = launcher.stdout.readline() if launcher.stdout is not None else b""
+        if launcher.stdout is not None:
+            launcher.stdout.close()
+        launcher.wait()
+        if not line.strip().isdigit():
+            if launcher.stdin is not None:
+                launcher.stdin.close()
+            raise RuntimeError("the reaper process did not start")
+        self._pid = int(line)
+        self._stdin = launcher.stdin
         self._lock = threading.Lock()
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        return self._pid
 
     def watch_triton(self, pid: int | None) -> None:
         """Tell the reaper which Triton to kill if this process dies (its process group leader)."""
         with self._lock:
-            stdin = self._proc.stdin
+            stdin = self._stdin
             if stdin is None or stdin.closed:
                 return
             try:
@@ -165,10 +203,12 @@ class Reaper:
         """Let the reaper run now (after an orderly shutdown it finds nothing) and wait for it. Idempotent."""
         self.watch_triton(0)  # stopped already: its pid may belong to someone else by now
         with self._lock:
-            stdin = self._proc.stdin
+            stdin = self._stdin
             if stdin is not None and not stdin.closed:
                 stdin.close()
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            logger.warning("reaper %d did not finish in %gs", self._proc.pid, timeout)
+        deadline = time.monotonic() + timeout
+        while _running(self._pid):
+            if time.monotonic() > deadline:
+                logger.warning("reaper %d did not finish in %gs", self._pid, timeout)
+                return
+            time.sleep(0.01)

@@ -110,9 +110,7 @@ def _drive(callers: Sequence[tuple[Call, SoakReport]], duration_s: float) -> Non
                 if not good:
                     report.mismatches += 1
 
-    threads = [
-        threading.Thread(target=caller, args=pair, name=f"soak-{i}") for i, pair in enumerate(callers)
-    ]
+    threads = [threading.Thread(target=caller, args=pair, name=f"soak-{i}") for i, pair in enumerate(callers)]
     began = time.monotonic()
     for t in threads:
         t.start()
