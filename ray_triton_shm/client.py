@@ -293,6 +293,10 @@ class LocalPools:
         self._pools.clear()
 
 
+# Threads for ainfer's calls: a call waiting for a slot holds one while it waits.
+_ASYNC_THREADS = 64
+
+
 class TritonShmClient:
     """Inference through shared memory against one Triton server on this machine.
 
@@ -337,6 +341,7 @@ class TritonShmClient:
         self._lock = threading.Lock()
         self._model_locks: dict[str, threading.Lock] = {}
         self._executor: ThreadPoolExecutor | None = None
+        self._async_executor: ThreadPoolExecutor | None = None
         self._copier = BulkCopier(config.copy_threads or default_copy_threads())
         self._closed = False
 
@@ -353,9 +358,11 @@ class TritonShmClient:
             if self._closed:
                 return
             self._closed = True
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+            executors = (self._async_executor, self._executor)
+            self._async_executor = self._executor = None
+        for executor in executors:
+            if executor is not None:
+                executor.shutdown(wait=True)
         self._copier.close()
         self._source.close()
         self._pools.clear()
@@ -609,7 +616,18 @@ class TritonShmClient:
         """
         loop = asyncio.get_running_loop()
         call = functools.partial(self.infer, model, inputs, outputs=outputs, timeout=timeout, copy=copy)
-        return await loop.run_in_executor(None, call)
+        return await loop.run_in_executor(self._threads_for_async(), call)
+
+    def _threads_for_async(self) -> ThreadPoolExecutor:
+        # Not the event loop's default executor: a call waiting there for a slot would hold one of
+        # its few threads, and code that lets a slot go (the end of an HTTP answer that reads the
+        # outputs in place) may need one of them: every slot then waits out its lease timeout.
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("the client is closed")
+            if self._async_executor is None:
+                self._async_executor = ThreadPoolExecutor(_ASYNC_THREADS, thread_name_prefix="rtshm-ainfer")
+            return self._async_executor
 
     @contextlib.contextmanager
     def infer_views(

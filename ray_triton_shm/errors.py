@@ -117,17 +117,20 @@ class PoolTimeoutError(RayTritonShmError, TimeoutError):
     Args:
         model: The model whose pool was exhausted.
         timeout_s: How long the caller waited.
+        detail: Where the slots were when it gave up (in use here or elsewhere, pinned, held back).
     """
 
-    def __init__(self, model: str, timeout_s: float) -> None:
-        super().__init__(model, timeout_s)
+    def __init__(self, model: str, timeout_s: float, detail: str = "") -> None:
+        super().__init__(model, timeout_s, detail)
         self.model = model
         self.timeout_s = timeout_s
+        self.detail = detail
 
     def __str__(self) -> str:
+        where = f" ({self.detail})" if self.detail else ""
         return (
             f"no shared-memory slot of model {self.model!r} became free within "
-            f"{self.timeout_s:g} s; raise the pool's slot count or the lease timeout"
+            f"{self.timeout_s:g} s{where}; raise the pool's slot count or the lease timeout"
         )
 
 

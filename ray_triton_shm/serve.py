@@ -243,11 +243,13 @@ class TritonDeployment:
         body = await _request_body(request)
         header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
         decoded = kserve.decode_request(body, header_length)
-        # Encoding the answer copies the outputs: read them straight from the slot.
+        version = await self._served_version(model)
+        # Encoding the answer copies the outputs: read them straight from the slot, which stays
+        # pinned only until the answer is encoded (nothing awaited in between).
         outputs = await self._client.ainfer(model, decoded.inputs, outputs=decoded.outputs, copy=False)
         host = {name: to_host(value) for name, value in outputs.items()}
-        version = await self._served_version(model)
         payload, headers = kserve.encode_response(model, decoded, host, version)
+        del outputs, host
         return Response(payload, headers=headers)
 
     async def _served_version(self, model: str) -> str:

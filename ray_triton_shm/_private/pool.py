@@ -247,7 +247,7 @@ class SlotPool:
                         raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise PoolTimeoutError(self.layout.model, timeout)
+                        raise PoolTimeoutError(self.layout.model, timeout, self._where_locked())
                     # Pinned and quarantined slots, and slots other processes use, free
                     # themselves without a notify.
                     poll = 0.05 if (self._pinned or self._quarantined) else remaining
@@ -282,13 +282,29 @@ class SlotPool:
                     elif self._closed:
                         raise PoolClosedError(f"pool of {self.layout.model!r} is closed")
                 if time.monotonic() >= deadline:
-                    raise PoolTimeoutError(self.layout.model, timeout)
+                    with self._cond:
+                        where = self._where_locked()
+                    raise PoolTimeoutError(self.layout.model, timeout, where)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.01)
         finally:
             with self._cond:
                 self._waiters.remove(me)
                 self._cond.notify_all()
+
+    def _where_locked(self) -> str:
+        """Where this pool's slots are, for a timeout's message."""
+        held = len(self._slots) - len(self._free) - len(self._pinned) - len(self._quarantined)
+        where = (
+            f"of {len(self._slots)} slots: {held} in use by this process, {len(self._pinned)} kept by live "
+            f"output views, {len(self._quarantined)} held back after timeouts"
+        )
+        if self._table is not None:
+            state = self._table.state()
+            where += f"; {state['in_use'] - held} in use by other processes, {state['protected']} protected"
+        if self._max_in_use is not None:
+            where += f"; at most {self._max_in_use} per process"
+        return where
 
     def _give_back(self, slot: Slot, anchor: weakref.ref[np.ndarray] | None, quarantine: bool) -> None:
         with self._cond:

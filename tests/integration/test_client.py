@@ -498,6 +498,42 @@ def test_ainfer_runs_concurrently_under_asyncio(client: TritonShmClient) -> None
     assert_all_free(client, "add_sub")
 
 
+def test_ainfer_waiting_for_a_slot_leaves_the_loops_threads_free(make_client: Any) -> None:
+    """Callers waiting for a slot must not hold the event loop's default threads.
+
+    One slot; the caller holding it keeps views of its outputs until it has
+    run something on the loop's default executor (as the Serve ingress does
+    before encoding its answer). With the waiters in that executor, all of its
+    threads waited for the slot the holder could not let go: every request
+    waited out its lease timeout.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = make_client(pools={"add_sub": PoolConfig(slots=1, lease_timeout_s=20.0)})
+    inputs = add_sub_inputs(3, 4)
+    expected = add_sub_expected(inputs)
+
+    async def holder() -> None:
+        outputs = await client.ainfer("add_sub", inputs, copy=False)  # views: the slot stays pinned
+        await asyncio.sleep(0.2)  # the waiters queue up meanwhile
+        await asyncio.to_thread(time.sleep, 0.01)  # needs one of the loop's default threads
+        assert_outputs(outputs, expected)
+        del outputs
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(2))
+        started = time.monotonic()
+        results = await asyncio.gather(holder(), *(client.ainfer("add_sub", inputs) for _ in range(4)))
+        for result in results[1:]:
+            assert_outputs(result, expected)
+        return time.monotonic() - started
+
+    took = asyncio.run(main())
+    assert took < 15, f"the waiters waited out their lease timeout: {took:.1f} s"
+    assert_all_free(client, "add_sub")
+
+
 def test_a_released_lease_cannot_be_used(client: TritonShmClient) -> None:
     with client.lease("add_sub") as lease:
         lease.input("INPUT0", (1, 16))[:] = 1

@@ -20,7 +20,7 @@ ARGS: dict[str, tuple] = {
     "LayoutMismatchError": ("add_sub", "0123456789abcdef", "fedcba9876543210"),
     "LeaseReleasedError": ("this lease was released",),
     "PoolClosedError": ("pool of 'identity' is closed",),
-    "PoolTimeoutError": ("identity", 0.25),
+    "PoolTimeoutError": ("identity", 0.25, "of 1 slots: 1 in use by this process"),
     "ServerError": ("tritonserver exited with code 1",),
     "ServerNotFoundError": ("no tritonserver binary found",),
     "ServerStartError": ("tritonserver did not become ready in 5 s", "E0101 line one\nE0101 line two"),
@@ -31,7 +31,7 @@ ARGS: dict[str, tuple] = {
 }
 
 ATTRS: dict[str, tuple[str, ...]] = {
-    "PoolTimeoutError": ("model", "timeout_s"),
+    "PoolTimeoutError": ("model", "timeout_s", "detail"),
     "LayoutMismatchError": ("model", "layout_fingerprint", "server_fingerprint"),
     "ServerStartError": ("message", "log_tail"),
     "TritonCallError": ("message", "status", "model"),

@@ -151,6 +151,8 @@ def test_exhaustion_times_out(make_pool: MakePool, identity_layout: ModelLayout)
     elapsed = time.monotonic() - t0
     assert 0.19 <= elapsed < 10  # never early; late only by what a loaded machine costs
     assert info.value.model == "identity" and info.value.timeout_s == 0.2
+    # It says where the slots are: here, the only one is in use by this process.
+    assert "of 1 slots: 1 in use by this process, 0 kept by live output views" in str(info.value)
     lease.release()
 
 
