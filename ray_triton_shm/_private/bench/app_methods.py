@@ -47,7 +47,12 @@ def image_module() -> Any:
     """
     if str(_REPO) not in sys.path:
         sys.path.insert(0, str(_REPO))
-    return importlib.import_module("deployments.image_app")
+    module = importlib.import_module("deployments.image_app")
+    # Replicas get the module's code from here: they need not run from the repository root.
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+    return module
 
 
 def make_image(seed: int = 18) -> tuple[bytes, list[int]]:
