@@ -80,6 +80,7 @@ def image_app():
         _wait_running(["images", "images-grpc"], 300)
         handle = serve.get_deployment_handle("ImageEmbedder", app_name="images")
         actor_pid = handle.node.remote().result()["actor_pid"]
+        assert _segments(actor_pid), "the node actor's pools should be in /dev/shm while it runs"
         base = f"http://127.0.0.1:{port}"
         yield handle, base + "/embed", base + "/embed-grpc"
     finally:
