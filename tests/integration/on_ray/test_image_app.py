@@ -52,7 +52,7 @@ def _segments(pid: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def image_app():
-    """(handle of the shm app, URL of the shm app, URL of the grpc app)."""
+    """(handle of the shm app, URL of the shm app, URL of the grpc app, the node actor's pid)."""
     import ray
     from ray import serve
     from ray.serve._private import api as serve_api
@@ -80,9 +80,8 @@ def image_app():
         _wait_running(["images", "images-grpc"], 300)
         handle = serve.get_deployment_handle("ImageEmbedder", app_name="images")
         actor_pid = handle.node.remote().result()["actor_pid"]
-        assert _segments(actor_pid), "the node actor's pools should be in /dev/shm while it runs"
         base = f"http://127.0.0.1:{port}"
-        yield handle, base + "/embed", base + "/embed-grpc"
+        yield handle, base + "/embed", base + "/embed-grpc", actor_pid
     finally:
         teardown_ray()
     deadline = time.monotonic() + 60
@@ -130,7 +129,7 @@ def _check(answer: dict, pixels: np.ndarray) -> None:
 
 
 def test_known_png(image_app, known):
-    _, url, _ = image_app
+    _, url, _, _ = image_app
     pixels, data = known
     response = requests.post(url, data=data, headers={"content-type": "image/png"}, timeout=60)
     assert response.status_code == 200, response.text
@@ -138,7 +137,7 @@ def test_known_png(image_app, known):
 
 
 def test_grpc_transport_gives_the_same_answer(image_app, known):
-    _, url, grpc_url = image_app
+    _, url, grpc_url, _ = image_app
     pixels, data = known
     answers = [requests.post(u, data=data, timeout=60) for u in (url, grpc_url)]
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
@@ -147,7 +146,7 @@ def test_grpc_transport_gives_the_same_answer(image_app, known):
 
 
 def test_jpeg_of_another_size_is_resized(image_app):
-    _, url, _ = image_app
+    _, url, _, _ = image_app
     pixels = np.random.default_rng(5).integers(0, 256, (200, 320, 3), dtype=np.uint8)
     response = requests.post(url, data=_encode(pixels, "JPEG"), timeout=60)
     assert response.status_code == 200, response.text
@@ -166,28 +165,28 @@ def test_jpeg_of_another_size_is_resized(image_app):
     ],
 )
 def test_bad_body_is_a_400_with_a_message(image_app, body, words):
-    _, url, _ = image_app
+    _, url, _, _ = image_app
     response = requests.post(url, data=body, timeout=60)
     assert response.status_code == 400
     assert words in response.json()["error"]
 
 
 def test_truncated_png_is_a_400(image_app, known):
-    _, url, _ = image_app
+    _, url, _, _ = image_app
     response = requests.post(url, data=known[1][: len(known[1]) // 2], timeout=60)
     assert response.status_code == 400
     assert "cannot decode the image" in response.json()["error"]
 
 
 def test_get_is_refused(image_app):
-    _, url, _ = image_app
+    _, url, _, _ = image_app
     response = requests.get(url, timeout=60)
     assert response.status_code == 405
     assert "POST" in response.json()["error"]
 
 
 def test_concurrent_requests_return_every_slot(image_app, known):
-    handle, url, _ = image_app
+    handle, url, _, actor_pid = image_app
     pixels, data = known
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: requests.post(url, data=data, timeout=120), range(32)))
@@ -195,3 +194,4 @@ def test_concurrent_requests_return_every_slot(image_app, known):
     for answer in answers:
         _check(answer.json(), pixels)
     assert handle.busy_slots.remote().result() == {"multi_io": 0}
+    assert _segments(actor_pid)  # the pools live in /dev/shm until the node actor stops (checked after)
