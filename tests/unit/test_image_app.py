@@ -73,3 +73,16 @@ def test_summarise(image_app):
     assert [e["index"] for e in answer["top5"]] == [511, 510, 509, 508, 507]
     assert answer["histogram"] == [1, 2, 3, 4, 5]
     assert answer["norm"] == pytest.approx(float(np.linalg.norm(embedding)))
+
+
+def test_config_file_parses_and_builds(image_app):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    spec = yaml.safe_load((REPO / "deployments" / "image_app.yaml").read_text())
+    ServeDeploySchema.model_validate(spec)
+    (application,) = spec["applications"]
+    assert application["import_path"] == "deployments.image_app:app"
+    built = image_app.app(application["args"])
+    assert type(built).__name__ == "Application"
+    assert [d["name"] for d in application["deployments"]] == ["ImageEmbedder"]
