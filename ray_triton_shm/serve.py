@@ -20,7 +20,6 @@ against Serve unchanged, and Python code can call the deployment handle::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import http.client
 import json
 import logging
@@ -39,10 +38,10 @@ from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private import kserve
 from ray_triton_shm._private.cuda import to_host
+from ray_triton_shm._private.node_client import split_app_args
 from ray_triton_shm._private.repository import resolve_repositories
 from ray_triton_shm._private.segment import redact
-from ray_triton_shm.config import PoolConfig, ServerConfig
-from ray_triton_shm.errors import ConfigError, InputError, RayTritonShmError
+from ray_triton_shm.errors import InputError, RayTritonShmError
 from ray_triton_shm.node import NodeClient, NodeConfig
 
 __all__ = [
@@ -82,6 +81,8 @@ def build_node_config(
 ) -> NodeConfig:
     """A :class:`NodeConfig` from plain values, as found in a Serve config file.
 
+    Same as :meth:`NodeConfig.from_args` (kept for existing callers).
+
     Args:
         model_repository: Path (or ``examples``).
         pools: Model name -> :class:`PoolConfig` fields.
@@ -95,23 +96,9 @@ def build_node_config(
     Raises:
         ConfigError: A value is invalid or unknown.
     """
-    server_fields = dict(server or {})
-    server_fields["model_repository"] = resolve_model_repository(model_repository)
-    known = {f.name for f in dataclasses.fields(NodeConfig)} - {"server", "pools", "default_pool"}
-    unknown = sorted(set(node_fields) - known)
-    if unknown:
-        raise ConfigError(f"unknown node settings {unknown}; known: {sorted(known)}")
-    if "preload" in node_fields:
-        node_fields["preload"] = tuple(node_fields["preload"])
-    try:
-        return NodeConfig(
-            server=ServerConfig(**server_fields),
-            pools={name: PoolConfig(**dict(fields)) for name, fields in (pools or {}).items()},
-            default_pool=PoolConfig(**dict(default_pool or {})),
-            **node_fields,
-        )
-    except TypeError as e:
-        raise ConfigError(f"invalid node settings: {e}") from e
+    return NodeConfig.from_args(
+        model_repository, pools=pools, default_pool=default_pool, server=server, **node_fields
+    )
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
@@ -357,13 +344,9 @@ def _error_response(error: Exception) -> Response:
 
 
 def _build(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:
-    args = dict(args or {})
-    slots = args.pop("slots_per_model", None)
-    slots = None if slots is None else int(slots)
-    memory = str(args.pop("memory", "system"))
-    node_config = build_node_config(**args)
+    node_config, client = split_app_args(args)
     deployment = TritonDeployment.options(**dict(options)) if options else TritonDeployment
-    return deployment.bind(node_config, slots, memory)
+    return deployment.bind(node_config, client["slots_per_model"], client["memory"])
 
 
 def run_config_file(path: str, *, blocking: bool = False) -> dict[str, Any]:

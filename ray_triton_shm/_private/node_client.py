@@ -24,7 +24,7 @@ from ray_triton_shm._private.node_actor import _local_gpu_count
 from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node_lifecycle import attach, get_node_actor
 from ray_triton_shm._private.node_pools import Grant
-from ray_triton_shm._private.pool import SlotPool
+from ray_triton_shm._private.pool import Lease, SlotPool
 from ray_triton_shm._private.segment import Segment
 from ray_triton_shm._private.slot_table import SlotTable
 from ray_triton_shm.client import InferResult, TritonShmClient
@@ -199,6 +199,28 @@ class NodeClient:
         self._recheck = False  # a call failed as if Triton were down: look for a restart before the next
         self._connect()
 
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any] | None = None, **options: Any) -> NodeClient:
+        """A client of the node's Triton configured by the Serve app's ``args`` (see ``serve.app``).
+
+        The same mapping as ``args`` of ``ray_triton_shm.serve:app`` in a Serve
+        config file (``model_repository``, ``pools``, ``default_pool``,
+        ``server``, node settings, ``slots_per_model``, ``memory``): a
+        deployment, task or actor given the same args shares the app's node
+        Triton and slot pools.
+
+        Args:
+            args: The app's args.
+            **options: Other :class:`NodeClient` arguments (``lease_timeout_s``,
+                ``request_timeout_s``, ``device_id``, ``kind``).
+
+        Raises:
+            ConfigError: Invalid args.
+            UnavailableError: The node's Triton cannot be started or reached.
+        """
+        config, client_options = split_app_args(args)
+        return cls(config, **{**client_options, **options})
+
     def _pool_config(self, base: PoolConfig) -> PoolConfig:
         fields: dict[str, Any] = {"memory": self._memory, "device_id": self._device_id}
         if self._lease_timeout is not None:
@@ -288,16 +310,20 @@ class NodeClient:
         inputs: Mapping[str, Any],
         *,
         outputs: Sequence[str] | None = None,
+        timeout: float | None = None,
         copy: bool = True,
     ) -> InferResult:
         """See :meth:`TritonShmClient.infer`; reconnects for the next call after a Triton restart.
+
+        ``timeout`` is how long to wait for a free slot (default: the pool's
+        ``lease_timeout_s``); the call's own deadline is ``request_timeout_s``.
 
         Raises:
             InputError, PoolTimeoutError, TritonCallError, UnavailableError.
         """
         self._before_call()
         try:
-            return self.client.infer(model, inputs, outputs=outputs, copy=copy)
+            return self.client.infer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
         except (UnavailableError, TritonCallError) as e:
             self._after_failure(e)
             raise
@@ -308,15 +334,16 @@ class NodeClient:
         inputs: Mapping[str, Any],
         *,
         outputs: Sequence[str] | None = None,
+        timeout: float | None = None,
         copy: bool = True,
     ) -> InferResult:
-        """See :meth:`TritonShmClient.ainfer`."""
+        """See :meth:`TritonShmClient.ainfer` (and :meth:`infer` for ``timeout``)."""
         import asyncio
 
         if self._recheck:
             await asyncio.to_thread(self._before_call)
         try:
-            return await self.client.ainfer(model, inputs, outputs=outputs, copy=copy)
+            return await self.client.ainfer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
         except (UnavailableError, TritonCallError) as e:
             await asyncio.to_thread(self._after_failure, e)
             raise
@@ -325,9 +352,56 @@ class NodeClient:
         """See :meth:`TritonShmClient.infer_grpc` (plain gRPC, for comparison)."""
         return self.client.infer_grpc(model, inputs)
 
-    def infer_views(self, model: str, inputs: Mapping[str, Any]):
-        """See :meth:`TritonShmClient.infer_views`."""
-        return self.client.infer_views(model, inputs)
+    def infer_views(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        outputs: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ):
+        """See :meth:`TritonShmClient.infer_views` (a context manager yielding read-only output views)."""
+        return self.client.infer_views(model, inputs, outputs=outputs, timeout=timeout)
+
+    def lease(self, model: str, timeout: float | None = None) -> Lease:
+        """Lease a slot of ``model`` to fill in place (``lease.input(name, shape)``), then :meth:`run`.
+
+        Use it in a ``with`` block: the slot goes back to the node's pool when it ends.
+
+        Raises:
+            PoolTimeoutError: No slot became free within ``timeout`` (default: the pool's).
+            PoolClosedError: The client is closed.
+        """
+        self._before_call()
+        return self.client.lease(model, timeout)
+
+    async def alease(self, model: str, timeout: float | None = None) -> Lease:
+        """:meth:`lease` for asyncio code; the event loop is not blocked while waiting for a slot."""
+        import asyncio
+
+        if self._recheck:
+            await asyncio.to_thread(self._before_call)
+        return await self.client.alease(model, timeout)
+
+    def run(self, lease: Lease, outputs: Sequence[str] | None = None) -> dict[str, Any]:
+        """Run the model on the inputs already in ``lease``'s slot; read-only output views.
+
+        See :meth:`TritonShmClient.run`. The views are valid until the lease ends.
+
+        Raises:
+            InputError, LeaseReleasedError, OutputTooLargeError, TritonCallError, UnavailableError.
+        """
+        try:
+            return self.client.run(lease, outputs)
+        except (UnavailableError, TritonCallError) as e:
+            self._after_failure(e)
+            raise
+
+    async def arun(self, lease: Lease, outputs: Sequence[str] | None = None) -> dict[str, Any]:
+        """:meth:`run` for asyncio code (in a worker thread)."""
+        import asyncio
+
+        return await asyncio.to_thread(self.run, lease, outputs)
 
     def model_config(self, model: str) -> dict[str, Any]:
         """The model's configuration as Triton reports it."""
@@ -378,3 +452,22 @@ def _looks_down(error: TritonCallError) -> bool:
         or error.status in ("DEADLINE_EXCEEDED", "UNAVAILABLE")
         or region_unknown(error)
     )
+
+
+def split_app_args(args: Mapping[str, Any] | None) -> tuple[NodeConfig, dict[str, Any]]:
+    """The Serve app's ``args``: the :class:`NodeConfig` and the :class:`NodeClient` options.
+
+    ``slots_per_model`` and ``memory`` are the client's; everything else goes to
+    :meth:`NodeConfig.from_args`.
+
+    Raises:
+        ConfigError: Invalid args.
+    """
+    rest = dict(args or {})
+    slots = rest.pop("slots_per_model", None)
+    memory = rest.pop("memory", "system")
+    try:
+        slots = None if slots is None else int(slots)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"slots_per_model must be an integer or null, got {slots!r}") from e
+    return NodeConfig.from_args(**rest), {"slots_per_model": slots, "memory": str(memory)}

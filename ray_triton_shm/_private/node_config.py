@@ -145,6 +145,56 @@ class NodeConfig:
         server = ServerConfig(model_repository=resolve_repositories(model_repository, must_exist=False))
         return cls(server=server, **kwargs)
 
+    @classmethod
+    def from_args(
+        cls,
+        model_repository: str | Sequence[str] | None = None,
+        pools: Mapping[str, Mapping[str, Any]] | None = None,
+        default_pool: Mapping[str, Any] | None = None,
+        server: Mapping[str, Any] | None = None,
+        **node_fields: Any,
+    ) -> NodeConfig:
+        """A config from plain values, as found under ``args`` in a Serve config file.
+
+        The one place these values are read: the Serve app
+        (``ray_triton_shm.serve:app``) and :func:`~ray_triton_shm.node.node_client`
+        both build their config here, so your own deployment given the same
+        ``args`` uses the same node Triton (same fingerprint) as the app.
+
+        Args:
+            model_repository: Path, URI or list of them (``examples`` or
+                ``None``: the example models shipped in the package).
+            pools: Model name -> :class:`PoolConfig` fields.
+            default_pool: :class:`PoolConfig` fields for other models.
+            server: :class:`ServerConfig` fields.
+            **node_fields: Other :class:`NodeConfig` fields (``idle_shutdown_s``,
+                ``health_interval_s``, ``quarantine_s``, ``preload``,
+                ``request_timeout_s``, ``cuda_pools``, ...); unset ones come
+                from the environment, then the defaults.
+
+        Raises:
+            ConfigError: A value is invalid or unknown, or a local repository does not exist.
+        """
+        from ray_triton_shm._private.repository import resolve_repositories
+
+        server_fields = dict(server or {})
+        server_fields["model_repository"] = resolve_repositories(model_repository)
+        known = {f.name for f in dataclasses.fields(cls)} - {"server", "pools", "default_pool"}
+        unknown = sorted(set(node_fields) - known)
+        if unknown:
+            raise ConfigError(f"unknown node settings {unknown}; known: {sorted(known)}")
+        if "preload" in node_fields:
+            node_fields["preload"] = tuple(node_fields["preload"])
+        try:
+            return cls(
+                server=ServerConfig(**server_fields),
+                pools={name: PoolConfig(**dict(fields)) for name, fields in (pools or {}).items()},
+                default_pool=PoolConfig(**dict(default_pool or {})),
+                **node_fields,
+            )
+        except TypeError as e:
+            raise ConfigError(f"invalid node settings: {e}") from e
+
     def pool_for(self, model: str) -> PoolConfig:
         return self.pools.get(model, self.default_pool)
 

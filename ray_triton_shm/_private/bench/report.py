@@ -49,7 +49,7 @@ def core_rows(records: Sequence[Any]) -> list[list[str]]:
     index = _index(records)
     rows = []
     for r in records:
-        if r.group == "data":
+        if r.group in ("data", "app"):
             continue
         base_name = "serve-grpc" if r.group == "serve" else BASE
         base = index.get((base_name, r.payload_bytes, r.concurrency))
@@ -95,6 +95,37 @@ def data_rows(records: Sequence[Any]) -> list[list[str]]:
 
 
 DATA_HEADER = ["method", "rows/s", "MB/s", "batch gap p50 ms", "p99 ms", "x gRPC", "check"]
+
+
+def app_rows(records: Sequence[Any]) -> list[list[str]]:
+    """Your own deployment (deployments/image_app.py over HTTP): requests/s, shm vs gRPC to Triton."""
+    index = _index(records)
+    rows = []
+    for r in records:
+        if r.group != "app":
+            continue
+        base = index.get(("app-image-grpc", r.payload_bytes, r.concurrency))
+        rows.append(
+            [
+                r.method,
+                size_label(r.payload_bytes),
+                str(r.concurrency),
+                _fmt(r.rows_per_s) if r.ok else "-",
+                _fmt(r.p50_ms, 2),
+                _fmt(r.p99_ms, 2),
+                _fmt(_ratio(r, base, "rows_per_s"), 2) if r.ok else "-",
+                "ok" if r.ok else _short_error(r.error),
+            ]
+        )
+    return rows
+
+
+APP_HEADER = ["method", "image", "callers", "req/s", "p50 ms", "p99 ms", "x gRPC", "check"]
+
+
+def app_table(records: Sequence[Any]) -> str:
+    """:func:`app_rows` as a plain-text table."""
+    return _text_table(APP_HEADER, app_rows(records))
 
 
 def targets(records: Sequence[Any]) -> list[tuple[str, str, str]]:
@@ -360,6 +391,8 @@ def render(records: Sequence[Any], info: dict[str, Any], profiles: Sequence[dict
         parts.append(_text_table(CORE_HEADER, core_rows(mine)))
         if any(r.group == "data" for r in mine):
             parts.append(_text_table(DATA_HEADER, data_rows(mine)))
+        if any(r.group == "app" for r in mine):
+            parts.append(app_table(mine))
         parts.append(_text_table(MEMCPY_HEADER, memcpy_rows(mine)))
         prof = [p for p in profiles if p.get("server") == server]
         if prof:
@@ -405,6 +438,13 @@ def markdown(
             parts += [
                 f"### Ray Data ({server}: multi_io, 3x224x224 FP32 rows)",
                 _md_table(DATA_HEADER, data_rows(mine)),
+            ]
+        if any(r.group == "app" for r in mine):
+            parts += [
+                f"### Your own deployment ({server}: deployments/image_app.py over HTTP, PNG in, JSON out)",
+                "The same Serve app writing the decoded image into a leased slot (`shm`) or sending "
+                "it to the same Triton with `tritonclient.grpc` (`grpc`); `x gRPC`: ratio of requests/s.",
+                _md_table(APP_HEADER, app_rows(mine)),
             ]
     if plots:
         parts += ["## Plots", "\n".join(f"![{p.stem}]({p.name})" for p in plots)]

@@ -376,7 +376,8 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
     ray_cells = 0
     if options.ray:
         serve_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ())
-        ray_cells = serve_cells + len(DATA_METHODS)
+        app_cells = 2 * len(options.serve_concurrency or ())
+        ray_cells = serve_cells + app_cells + len(DATA_METHODS)
     progress = Progress((len(plan) + ray_cells) * rounds * len(servers), enabled=options.progress)
     profiles: list[dict[str, Any]] = []
     with _triton(options) as (run_endpoints, info, node_config):
@@ -465,6 +466,7 @@ def _run_ray(
     from ray import serve
 
     serve.shutdown()
+    records.extend(_run_apps(options, node_config, progress, server))
     progress.step(f"making {options.data_rows} image rows")
     source = ray_methods.make_source(options.data_rows or 256, options.data_batch)
     runs: dict[str, list[DataTiming]] = {method: [] for method in DATA_METHODS}
@@ -500,6 +502,21 @@ def _run_ray(
         else:
             records.append(_data_record(method, options, timings))
     return records
+
+
+def _run_apps(
+    options: BenchOptions, node_config: Any, progress: Progress, server: BenchServer
+) -> list[Record]:
+    """Your own deployment's rows (deployments/image_app.py over HTTP); none outside a source checkout."""
+    from ray_triton_shm._private.bench import app_methods
+
+    try:
+        app_methods.image_module()
+        import PIL  # noqa: F401
+    except ImportError as e:
+        logger.warning("skipping the image app rows: %s", e)
+        return []
+    return app_methods.run_app_rows(options, node_config, server.multi_io, progress)
 
 
 def _data_record(method: str, options: BenchOptions, runs: Sequence[DataTiming]) -> Record:

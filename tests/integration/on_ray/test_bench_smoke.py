@@ -21,6 +21,7 @@ def _competitor_segments() -> set[str]:
 
 def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
     from ray_triton_shm._private.bench import core_methods
+    from ray_triton_shm._private.bench.app_methods import APP_METHODS
     from ray_triton_shm._private.bench.runner import BenchOptions, core_plan, run_bench
 
     before = _competitor_segments()
@@ -51,8 +52,13 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
     }
     cells |= {(m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo")}
     expected = {(server, *cell) for server in ("native", "python") for cell in cells}
-    got = [(r.server, r.method, r.payload_bytes, r.concurrency) for r in records if r.group != "data"]
+    cell_records = [r for r in records if r.group in ("core", "serve")]
+    got = [(r.server, r.method, r.payload_bytes, r.concurrency) for r in cell_records]
     assert len(got) == len(set(got)) and set(got) == expected
+    # Your own deployment (deployments/image_app.py over HTTP), shm and gRPC, on each server's multi_io.
+    apps = [(r.server, r.method, r.concurrency) for r in records if r.group == "app"]
+    assert sorted(apps) == sorted((s, m, 1) for s in ("native", "python") for m in APP_METHODS)
+    assert all(r.rows_per_s and r.rows_per_s > 0 for r in records if r.group == "app")
     for server in ("native", "python"):
         data = {r.method for r in records if r.group == "data" and r.server == server}
         assert data == {"data-ours", "data-grpc", "data-local"}, server
