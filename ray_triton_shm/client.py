@@ -381,7 +381,7 @@ class TritonShmClient:
             TritonCallError / LayoutError / SharedMemoryError: As creation fails.
         """
         pool = self._pools.get(model)
-        if pool is not None:
+        if pool is not None and not pool.retired:
             return pool
         with self._lock:
             if self._closed:
@@ -389,7 +389,12 @@ class TritonShmClient:
             model_lock = self._model_locks.setdefault(model, threading.Lock())
         with model_lock:
             pool = self._pools.get(model)
-            if pool is None:
+            if pool is None or pool.retired:
+                # A retired pool (the model was reloaded with another configuration): its owner
+                # grants one of the new layout; the old one stays with the source until idle.
+                if pool is not None:
+                    logger.info("pool of %r retired by its owner; taking the new layout's", model)
+                    self._signatures.pop(model, None)
                 pool = self._source.get_pool(model, self.config.pool_for(model))
                 self._pools[model] = pool
         return pool
@@ -438,7 +443,7 @@ class TritonShmClient:
         if model in self._no_layout:
             return None
         pool = self._pools.get(model)
-        if pool is not None:
+        if pool is not None and not pool.retired:
             return pool.layout
         try:
             return self.layout(model)
@@ -680,7 +685,18 @@ class TritonShmClient:
             return check_inputs(layout, inputs)
         except RayTritonShmError as e:
             safely(self._observer.error, layout.model, type(e).__name__)
+            if isinstance(e, InputError) and layout.fingerprint:
+                self._mismatch_or_none(layout)  # inputs fitting a reloaded model's new config: say so
             raise
+
+    def _mismatch_or_none(self, layout: ModelLayout) -> None:
+        """Raise :class:`LayoutMismatchError` if the server runs another config than ``layout``'s."""
+        try:
+            self.verify_layout(layout)
+        except LayoutMismatchError:
+            raise
+        except RayTritonShmError as e:  # cannot tell: the caller's own error stands
+            logger.debug("verifying the layout of %r failed: %s", layout.model, e)
 
     def _chunk_executor(self) -> ThreadPoolExecutor:
         with self._lock:
