@@ -89,6 +89,8 @@ def test_serve_run_of_the_examples_config_from_the_wheel(tmp_path: Path) -> None
     app["deployments"][0]["num_replicas"] = 1
     config = installed.elsewhere / "serve.yaml"
     config.write_text(yaml.safe_dump(spec))
+    # A Ray of its own, as on a machine with no cluster (`serve run` would join any running one).
+    env["RAY_ADDRESS"] = "local"
 
     # `serve` of the dependencies' venv, run by the new venv's Python (as its own `serve` would be).
     serve_script = REPO_ROOT / ".venv" / "bin" / "serve"
