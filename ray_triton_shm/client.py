@@ -39,7 +39,7 @@ from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.bulk_copy import BulkCopier, default_copy_threads
 from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES, call_error, region_unknown
-from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput
+from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput, check_datatype
 from ray_triton_shm._private.layout import (
     NUMPY_TO_TRITON,
     ModelLayout,
@@ -774,7 +774,7 @@ class TritonShmClient:
             if spec is None:
                 raise InputError(f"model {layout.model!r} has no output {name!r}")
             check_span(region, size, base + spec.offset, spec.capacity)
-            outputs.append(ShmOutput(name, region, spec.capacity, base + spec.offset))
+            outputs.append(ShmOutput(name, region, spec.capacity, base + spec.offset, spec.datatype))
         lease.flush()
         started = time.perf_counter()
         reregister = getattr(self._source, "reregister", None)
@@ -828,6 +828,7 @@ class TritonShmClient:
             out = response.get_output(t.name)
             if out is None:
                 raise TritonCallError(f"server returned no output {t.name!r}", None, model)
+            check_datatype(t, out.datatype, model)  # another config than the layout's: not our bytes
             shapes[t.name] = tuple(int(d) for d in out.shape)
         return shapes
 
