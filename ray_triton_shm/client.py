@@ -488,7 +488,9 @@ class TritonShmClient:
 
     async def alease(self, model: str, timeout: float | None = None) -> Lease:
         """:meth:`lease` for asyncio code."""
-        pool = await asyncio.to_thread(self.pool, model) if model not in self._pools else self._pools[model]
+        pool = self._pools.get(model)
+        if pool is None or pool.retired:
+            pool = await asyncio.to_thread(self.pool, model)
         started = time.perf_counter()
         lease = await pool.acquire_async(self._lease_timeout(model, timeout))
         safely(self._observer.lease_wait, model, time.perf_counter() - started)
