@@ -72,6 +72,7 @@ def _wait(condition, timeout: float, what: str) -> None:
 
 
 def test_serve_run_of_the_examples_config_from_the_wheel(tmp_path: Path) -> None:
+    (tmp_path / "dist").mkdir()
     wheel = build(tmp_path / "dist")[0]
     installed = install(wheel, tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "RAY_ADDRESS")}
