@@ -69,7 +69,7 @@ def test_a_changed_config_gets_a_new_pool_on_the_node(ray_local, tmp_path: Path)
     original = pbtxt.read_text()
     config = NodeConfig(server=ServerConfig(model_repository=str(repo), model_control="explicit"))
     ensure_node_actors(config)
-    actor = get_node_actor()
+    actor = get_node_actor(config)  # the module's first test may have left its own node actor
     with NodeClient(config) as client, NodeClient(config) as other:
         a16 = np.arange(32, dtype=np.int32).reshape(2, 16)
         assert client.infer("add_sub", {"INPUT0": a16, "INPUT1": a16}).path == "shm"
