@@ -54,6 +54,10 @@ def _http(url: str, body: dict | None = None, timeout: float = 30) -> tuple[int,
         return 0, str(e).encode()
 
 
+def _program(cmdline: str) -> str:
+    return Path(cmdline.split(" ", 1)[0]).name
+
+
 def _kill_session(sid: int) -> None:
     """SIGKILL what is left of a run we started in its own session."""
     for pid, (_, _, session) in _processes().items():
@@ -134,8 +138,11 @@ def test_serve_run_of_the_examples_config_from_the_wheel(tmp_path: Path) -> None
         # What the run owns: its node Triton (serving the wheel's examples), the node actor that
         # started it, and the segments named after that actor.
         procs = _processes()
-        tritons = [p for p, (cmd, _, _) in procs.items() if "tritonserver" in cmd and examples in cmd]
-        assert len(tritons) == 1, [procs[p][0][:200] for p in procs if "tritonserver" in procs[p][0]]
+        tritons = [
+            p for p, (cmd, _, _) in procs.items() if _program(cmd) == "tritonserver" and examples in cmd
+        ]
+        every = [cmd[:200] for cmd, _, _ in procs.values() if _program(cmd) == "tritonserver"]
+        assert len(tritons) == 1, every
         actor = procs[tritons[0]][1]
         segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"rtshm_{actor}_")]
         assert segments, "the node actor made no pool"
