@@ -39,7 +39,7 @@ from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.bulk_copy import BulkCopier, default_copy_threads
 from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES, call_error, region_unknown
-from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput
+from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput, check_datatype
 from ray_triton_shm._private.layout import (
     NUMPY_TO_TRITON,
     ModelLayout,
@@ -388,7 +388,7 @@ class TritonShmClient:
             TritonCallError / LayoutError / SharedMemoryError: As creation fails.
         """
         pool = self._pools.get(model)
-        if pool is not None:
+        if pool is not None and not pool.retired:
             return pool
         with self._lock:
             if self._closed:
@@ -396,7 +396,12 @@ class TritonShmClient:
             model_lock = self._model_locks.setdefault(model, threading.Lock())
         with model_lock:
             pool = self._pools.get(model)
-            if pool is None:
+            if pool is None or pool.retired:
+                # A retired pool (the model was reloaded with another configuration): its owner
+                # grants one of the new layout; the old one stays with the source until idle.
+                if pool is not None:
+                    logger.info("pool of %r retired by its owner; taking the new layout's", model)
+                    self._signatures.pop(model, None)
                 pool = self._source.get_pool(model, self.config.pool_for(model))
                 self._pools[model] = pool
         return pool
@@ -445,7 +450,7 @@ class TritonShmClient:
         if model in self._no_layout:
             return None
         pool = self._pools.get(model)
-        if pool is not None:
+        if pool is not None and not pool.retired:
             return pool.layout
         try:
             return self.layout(model)
@@ -490,7 +495,9 @@ class TritonShmClient:
 
     async def alease(self, model: str, timeout: float | None = None) -> Lease:
         """:meth:`lease` for asyncio code."""
-        pool = await asyncio.to_thread(self.pool, model) if model not in self._pools else self._pools[model]
+        pool = self._pools.get(model)
+        if pool is None or pool.retired:
+            pool = await asyncio.to_thread(self.pool, model)
         started = time.perf_counter()
         lease = await pool.acquire_async(self._lease_timeout(model, timeout))
         safely(self._observer.lease_wait, model, time.perf_counter() - started)
@@ -698,7 +705,18 @@ class TritonShmClient:
             return check_inputs(layout, inputs)
         except RayTritonShmError as e:
             safely(self._observer.error, layout.model, type(e).__name__)
+            if isinstance(e, InputError) and layout.fingerprint:
+                self._mismatch_or_none(layout)  # inputs fitting a reloaded model's new config: say so
             raise
+
+    def _mismatch_or_none(self, layout: ModelLayout) -> None:
+        """Raise :class:`LayoutMismatchError` if the server runs another config than ``layout``'s."""
+        try:
+            self.verify_layout(layout)
+        except LayoutMismatchError:
+            raise
+        except RayTritonShmError as e:  # cannot tell: the caller's own error stands
+            logger.debug("verifying the layout of %r failed: %s", layout.model, e)
 
     def _chunk_executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -776,7 +794,7 @@ class TritonShmClient:
             if spec is None:
                 raise InputError(f"model {layout.model!r} has no output {name!r}")
             check_span(region, size, base + spec.offset, spec.capacity)
-            outputs.append(ShmOutput(name, region, spec.capacity, base + spec.offset))
+            outputs.append(ShmOutput(name, region, spec.capacity, base + spec.offset, spec.datatype))
         lease.flush()
         started = time.perf_counter()
         reregister = getattr(self._source, "reregister", None)
@@ -830,6 +848,7 @@ class TritonShmClient:
             out = response.get_output(t.name)
             if out is None:
                 raise TritonCallError(f"server returned no output {t.name!r}", None, model)
+            check_datatype(t, out.datatype, model)  # another config than the layout's: not our bytes
             shapes[t.name] = tuple(int(d) for d in out.shape)
         return shapes
 

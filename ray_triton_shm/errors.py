@@ -90,7 +90,8 @@ class LayoutMismatchError(LayoutError):
     Args:
         model: The model.
         layout_fingerprint: Fingerprint of the configuration the layout came from.
-        server_fingerprint: Fingerprint of the configuration the server now runs.
+        server_fingerprint: Fingerprint of the configuration the server now runs
+            (empty when only the retirement of the layout's pool is known).
     """
 
     def __init__(self, model: str, layout_fingerprint: str, server_fingerprint: str) -> None:
@@ -100,6 +101,12 @@ class LayoutMismatchError(LayoutError):
         self.server_fingerprint = server_fingerprint
 
     def __str__(self) -> str:
+        if not self.server_fingerprint:
+            return (
+                f"model {self.model!r} was reloaded on its node with another configuration: the pool "
+                f"of this slot layout (derived from {self.layout_fingerprint}) was retired; the node "
+                "grants a pool of the new layout"
+            )
         return (
             f"model {self.model!r} now runs configuration {self.server_fingerprint}, but this slot "
             f"layout was derived from {self.layout_fingerprint}: the model was reloaded with another "

@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private import kserve
 from ray_triton_shm._private.cuda import to_host
-from ray_triton_shm._private.node_client import split_app_args
+from ray_triton_shm._private.node_config import split_app_args
 from ray_triton_shm._private.repository import resolve_repositories
 from ray_triton_shm._private.segment import redact
 from ray_triton_shm.errors import InputError, RayTritonShmError

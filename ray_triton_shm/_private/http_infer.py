@@ -79,6 +79,23 @@ class ShmOutput(NamedTuple):
     region: str
     byte_size: int
     offset: int
+    datatype: str = ""
+    """The datatype the slot layout expects ("" unchecked): another one in the answer means the
+    model runs another configuration than the layout's, and the bytes must not be read as ours."""
+
+
+def check_datatype(output: ShmOutput, datatype: str, model: str) -> None:
+    """Refuse an output that came back with another datatype than its slot layout's.
+
+    Raises:
+        TritonCallError: ``INVALID_ARGUMENT``, so that the caller checks the layout's fingerprint.
+    """
+    if output.datatype and datatype != output.datatype:
+        raise TritonCallError(
+            f"output {output.name!r} came back as {datatype}, its slot layout expects {output.datatype}",
+            "INVALID_ARGUMENT",
+            model,
+        )
 
 
 def request_body(inputs: Sequence[ShmInput], outputs: Sequence[ShmOutput]) -> bytes:
@@ -112,19 +129,32 @@ def request_body(inputs: Sequence[ShmInput], outputs: Sequence[ShmOutput]) -> by
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def output_shapes(body: bytes, model: str, wanted: Sequence[str]) -> dict[str, tuple[int, ...]]:
+def output_shapes(
+    body: bytes, model: str, wanted: Sequence[str], expected: Sequence[ShmOutput] = ()
+) -> dict[str, tuple[int, ...]]:
     """The shapes Triton reports for ``wanted`` outputs in a successful response.
 
+    Args:
+        body: The response body.
+        model: For errors.
+        wanted: Output names.
+        expected: The requested outputs; each answer's datatype is checked against theirs.
+
     Raises:
-        TritonCallError: The body is not a KServe v2 response or lacks an output.
+        TritonCallError: The body is not a KServe v2 response or lacks an output, or an
+            output's datatype is not the expected one (``INVALID_ARGUMENT``).
     """
     try:
-        outputs = {o["name"]: tuple(int(d) for d in o["shape"]) for o in json.loads(body)["outputs"]}
+        answers = json.loads(body)["outputs"]
+        outputs = {o["name"]: tuple(int(d) for d in o["shape"]) for o in answers}
+        datatypes = {o["name"]: str(o.get("datatype", "")) for o in answers}
     except (ValueError, KeyError, TypeError) as e:
         raise TritonCallError(f"unreadable response from Triton: {body[:200]!r}", None, model) from e
     missing = [name for name in wanted if name not in outputs]
     if missing:
         raise TritonCallError(f"server returned no output {missing[0]!r}", None, model)
+    for output in expected:
+        check_datatype(output, datatypes.get(output.name, ""), model)
     return {name: outputs[name] for name in wanted}
 
 
@@ -281,7 +311,7 @@ class HttpShmSender:
             conn.close()
         if code != 200:
             raise error_from_response(code, answer, model)
-        return output_shapes(answer, model, [t.name for t in outputs])
+        return output_shapes(answer, model, [t.name for t in outputs], outputs)
 
     def close(self) -> None:
         """Close every idle connection; borrowed ones close when given back. Idempotent."""

@@ -33,7 +33,13 @@ from ray_triton_shm._private.node_registry import Reaper, Users
 from ray_triton_shm._private.segment import check_span, new_segment_name, redact
 from ray_triton_shm.client import translate_error
 from ray_triton_shm.config import PoolConfig
-from ray_triton_shm.errors import CudaError, CudaUnavailableError, UnavailableError
+from ray_triton_shm.errors import (
+    CudaError,
+    CudaUnavailableError,
+    LayoutError,
+    TritonCallError,
+    UnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +81,9 @@ class _NodeActor:
         self._epoch = 1
         self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
         self._pools = NodePools(self._register, self._unregister, quarantine_s=config.quarantine_s)
+        # Model configs as Triton served them when last asked: fetched again only after a load,
+        # unload or restart, or when a client found the served config changed (layout_changed).
+        self._configs: dict[str, dict[str, Any]] = {}
         # (model, path) -> [requests, bytes], summed from the clients' reports.
         self._traffic: dict[tuple[str, str], list[int]] = {}
         for model in config.preload:
@@ -122,7 +131,9 @@ class _NodeActor:
     def _ensure_pool(self, model: str, device: int | None = None, force_cuda: bool = False) -> str:
         """Create ``model``'s pool (a CUDA one on Triton's GPU ``device`` if allowed); return its key."""
         pool_config = self.config.pool_for(model)
-        model_config = self._model_config(model)
+        model_config = self._configs.get(model)
+        if model_config is None:
+            model_config = self._configs[model] = self._model_config(model)
         layout = layout_from_config(model_config, pool_config)
         if device is None or not self._cuda_allowed(model_config, pool_config, force_cuda):
             self._pools.ensure_pool(model, layout, pool_config)
@@ -226,6 +237,7 @@ class _NodeActor:
                         self._health.restart_finished(False, "node is shutting down")
                         return 0
                     old, self._grpc = self._grpc, grpc
+                    self._configs.clear()  # the new Triton read the repository again
                     self._forget_regions()
                     self._pools.register_all()
                     self._epoch += 1
@@ -303,7 +315,9 @@ class _NodeActor:
         with self._lock:
             self._refuse_if_retiring()
             key = self._ensure_pool(model, device, force_cuda)
-        return self._pools.grant(model, key=key)
+            grant = self._pools.grant(model, key=key)
+        self._pools.reap()  # a pool of the model's older layout, retired above, if idle
+        return grant
 
     # -- users and lifetime ---------------------------------------------------
     def attach(self, user_id: str, pid: int, kind: str = "client") -> NodeInfo:
@@ -442,7 +456,7 @@ class _NodeActor:
             self._grpc.load_model(model, config=config_json)
         except InferenceServerException as e:
             raise translate_error(e, model) from e
-        fingerprint = config_fingerprint(self._model_config(model))
+        fingerprint = self.layout_changed(model)
         logger.info("loaded %s (config %s)", model, fingerprint)
         return {"model": model, "fingerprint": fingerprint}
 
@@ -456,8 +470,44 @@ class _NodeActor:
             self._grpc.unload_model(model)
         except InferenceServerException as e:
             raise translate_error(e, model) from e
+        with self._lock:
+            self._configs.pop(model, None)
+            self._pools.retire(model)
+        self._pools.reap()
         logger.info("unloaded %s", model)
         return {"model": model, "fingerprint": None}
+
+    def layout_changed(self, model: str) -> str | None:
+        """Fetch ``model``'s config again; retire its pools of another layout (a client found it changed).
+
+        The retired pools' users see it in their slot tables and take a grant of the
+        new layout; the old regions are unregistered and unlinked once no process
+        holds a slot of them.
+
+        Returns:
+            The fingerprint of the config now served, or ``None`` if Triton does not serve the model.
+
+        Raises:
+            UnavailableError: Triton is restarting or does not answer.
+        """
+        with self._lock:
+            self._configs.pop(model, None)
+            try:
+                model_config = self._configs[model] = self._model_config(model)
+            except UnavailableError:
+                raise  # Triton restarting: nothing is known about the model's config
+            except TritonCallError:  # not served (unloaded, or failed to load)
+                self._pools.retire(model)
+                fingerprint = None
+            else:
+                try:
+                    layout = layout_from_config(model_config, self.config.pool_for(model))
+                except LayoutError:
+                    layout = None  # no slots any more: clients go over gRPC
+                self._pools.retire(model, layout)
+                fingerprint = config_fingerprint(model_config)
+        self._pools.reap()
+        return fingerprint
 
 
 def _new_health(config: NodeConfig) -> HealthMonitor:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ import ray
 from ray_triton_shm._private import metrics
 from ray_triton_shm._private.call_errors import region_unknown
 from ray_triton_shm._private.node_actor import _local_gpu_count
-from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
+from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo, split_app_args
 from ray_triton_shm._private.node_lifecycle import attach, get_node_actor
 from ray_triton_shm._private.node_pools import Grant
 from ray_triton_shm._private.pool import Lease, SlotPool
@@ -31,8 +32,10 @@ from ray_triton_shm.client import InferResult, TritonShmClient
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     ConfigError,
+    LayoutMismatchError,
     PoolClosedError,
     RayTritonShmError,
+    SharedMemoryError,
     TritonCallError,
     UnavailableError,
 )
@@ -55,6 +58,8 @@ class _GrantedPools:
         self._info = info
         self._force_cuda = force_cuda
         self._held: list[SlotPool] = []
+        # Pools the node retired (their model was reloaded), with when this process first saw it.
+        self._retired: dict[int, float] = {}
 
     def _server_device(self, config: PoolConfig) -> tuple[int, int] | None:
         """(this process's GPU, Triton's id for it) when the pool should be in GPU memory.
@@ -81,6 +86,25 @@ class _GrantedPools:
             return None
 
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
+        self._close_retired()
+        try:
+            return self._get_pool(model, config)
+        except SharedMemoryError:
+            # The pool granted was retired (its model reloaded) and freed before we attached it.
+            return self._get_pool(model, config)
+
+    def _close_retired(self) -> None:
+        """Unmap pools the node retired once they have been idle here for a while."""
+        now = time.monotonic()
+        for pool in [p for p in self._held if p.retired]:
+            seen = self._retired.setdefault(id(pool), now)
+            stats = pool.stats()
+            if now - seen >= _RETIRED_GRACE_S and stats.busy == stats.pinned == stats.quarantined == 0:
+                self._held.remove(pool)
+                del self._retired[id(pool)]
+                pool.close()
+
+    def _get_pool(self, model: str, config: PoolConfig) -> SlotPool:
         devices = self._server_device(config)
         request = self._actor.acquire.remote(model, devices[1] if devices else None, self._force_cuda)
         grant: Grant = ray.get(request)
@@ -109,8 +133,14 @@ class _GrantedPools:
 
     def close(self) -> None:
         held, self._held = self._held, []
+        self._retired.clear()
         for pool in held:
             pool.close()
+
+
+# How long a pool the node retired stays mapped in this process after it was first seen retired:
+# a thread that took it just before may still be about to lease (and be told it is retired).
+_RETIRED_GRACE_S = 30.0
 
 
 class _Unset:
@@ -323,7 +353,11 @@ class NodeClient:
         """
         self._before_call()
         try:
-            return self.client.infer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
+            try:
+                return self.client.infer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
+            except LayoutMismatchError as e:  # the model was reloaded: once more, on the new layout
+                self._layout_changed(e)
+                return self.client.infer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
         except (UnavailableError, TritonCallError) as e:
             self._after_failure(e)
             raise
@@ -343,10 +377,27 @@ class NodeClient:
         if self._recheck:
             await asyncio.to_thread(self._before_call)
         try:
-            return await self.client.ainfer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
+            try:
+                return await self.client.ainfer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
+            except LayoutMismatchError as e:  # the model was reloaded: once more, on the new layout
+                await asyncio.to_thread(self._layout_changed, e)
+                return await self.client.ainfer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
         except (UnavailableError, TritonCallError) as e:
             await asyncio.to_thread(self._after_failure, e)
             raise
+
+    def _layout_changed(self, error: LayoutMismatchError) -> None:
+        """After a :class:`LayoutMismatchError`: make sure the node retired the stale pool.
+
+        A pool the node retired itself (a load through it) says so in its slot
+        table (``server_fingerprint`` empty); a mismatch found by asking Triton
+        (the model was reloaded behind the node's back) is reported, so the node
+        retires the pool and the next call takes a grant of the new layout.
+        """
+        logger.info("%s; retrying once on the new layout", error)
+        actor = self._actor
+        if error.server_fingerprint and actor is not None:
+            ray.get(actor.layout_changed.remote(error.model), timeout=60)
 
     def infer_grpc(self, model: str, inputs: Mapping[str, Any]) -> InferResult:
         """See :meth:`TritonShmClient.infer_grpc` (plain gRPC, for comparison)."""
@@ -452,22 +503,3 @@ def _looks_down(error: TritonCallError) -> bool:
         or error.status in ("DEADLINE_EXCEEDED", "UNAVAILABLE")
         or region_unknown(error)
     )
-
-
-def split_app_args(args: Mapping[str, Any] | None) -> tuple[NodeConfig, dict[str, Any]]:
-    """The Serve app's ``args``: the :class:`NodeConfig` and the :class:`NodeClient` options.
-
-    ``slots_per_model`` and ``memory`` are the client's; everything else goes to
-    :meth:`NodeConfig.from_args`.
-
-    Raises:
-        ConfigError: Invalid args.
-    """
-    rest = dict(args or {})
-    slots = rest.pop("slots_per_model", None)
-    memory = rest.pop("memory", "system")
-    try:
-        slots = None if slots is None else int(slots)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"slots_per_model must be an integer or null, got {slots!r}") from e
-    return NodeConfig.from_args(**rest), {"slots_per_model": slots, "memory": str(memory)}

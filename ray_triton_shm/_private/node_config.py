@@ -243,3 +243,22 @@ def actor_name(node_id: str, config: NodeConfig) -> str:
 def node_prefix(node_id: str) -> str:
     """The common start of the names of ``node_id``'s node actors."""
     return f"{_NAME_PREFIX}{node_id}-"
+
+
+def split_app_args(args: Mapping[str, Any] | None) -> tuple[NodeConfig, dict[str, Any]]:
+    """The Serve app's ``args``: the :class:`NodeConfig` and the :class:`NodeClient` options.
+
+    ``slots_per_model`` and ``memory`` are the client's; everything else goes to
+    :meth:`NodeConfig.from_args`.
+
+    Raises:
+        ConfigError: Invalid args.
+    """
+    rest = dict(args or {})
+    slots = rest.pop("slots_per_model", None)
+    memory = rest.pop("memory", "system")
+    try:
+        slots = None if slots is None else int(slots)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"slots_per_model must be an integer or null, got {slots!r}") from e
+    return NodeConfig.from_args(**rest), {"slots_per_model": slots, "memory": str(memory)}

@@ -109,6 +109,8 @@ class NodePools:
         self._unregister = unregister
         self.quarantine_s = quarantine_s
         self._pools: dict[str, ModelPool] = {}
+        # Pools of a model's older configuration: freed once no process holds a slot of them.
+        self._retired: list[ModelPool] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -122,6 +124,9 @@ class NodePools:
         make_region: Callable[[int], Any] | None = None,
     ) -> ModelPool:
         """Create and register a pool for ``model`` under ``key`` (default: the model) if there is none.
+
+        A pool kept under ``key`` with another layout (the model was reloaded with another
+        configuration) is retired (see :meth:`retire`) and a new one made for ``layout``.
 
         Args:
             model: Model name.
@@ -139,6 +144,9 @@ class NodePools:
             if self._closed:
                 raise PoolClosedError("the node's pools are shut down")
             pool = self._pools.get(key)
+            if pool is not None and pool.layout != layout:
+                self._retire_locked(key)
+                pool = None
             if pool is None:
                 size = config.slots * layout.slot_bytes
                 table = SlotTable.create(
@@ -161,6 +169,49 @@ class NodePools:
                 self._pools[key] = pool
                 logger.info("pool %s: %d slots x %d bytes", key, config.slots, layout.slot_bytes)
             return pool
+
+    def retire(self, model: str, layout: ModelLayout | None = None) -> int:
+        """Retire ``model``'s pools whose layout is not ``layout`` (all of them for ``None``).
+
+        A retired pool's users take no more slots of it (they see it in its slot table
+        and ask for the new pool); it is unregistered and unlinked by :meth:`reap`
+        once no process holds or protects a slot of it. Returns how many were retired.
+        """
+        with self._lock:
+            keys = [k for k, p in self._pools.items() if p.layout.model == model and p.layout != layout]
+            for key in keys:
+                self._retire_locked(key)
+        return len(keys)
+
+    def _retire_locked(self, key: str) -> None:
+        pool = self._pools.pop(key)
+        pool.table.retire()
+        self._retired.append(pool)
+        logger.info(
+            "pool %s retired (layout of config %s); freed once its slots are", key, pool.layout.fingerprint
+        )
+
+    def reap(self) -> int:
+        """Unregister and unlink retired pools no process holds a slot of. Returns how many."""
+        with self._lock:
+            idle = [p for p in self._retired if not _busy(p.table.state())]
+            self._retired = [p for p in self._retired if p not in idle]
+        for pool in idle:
+            self._free(pool)
+        return len(idle)
+
+    def retired_count(self) -> int:
+        """Retired pools still waiting for their slots to be let go."""
+        with self._lock:
+            return len(self._retired)
+
+    def _free(self, pool: ModelPool) -> None:
+        try:
+            self._unregister(pool.segment)
+        except Exception as e:  # the server may already be gone
+            logger.debug("unregister %s failed: %s", pool.segment.name, e)
+        pool.segment.close()
+        pool.table.close()
 
     def register_all(self) -> None:
         """Register every region again (after Triton restarted)."""
@@ -197,9 +248,12 @@ class NodePools:
         """Quarantine slots whose user died mid-lease (see :meth:`SlotTable.sweep`). Returns how many."""
         with self._lock:
             pools = list(self._pools.values())
-        found = sum(pool.table.sweep() for pool in pools)
+            retired = list(self._retired)
+        found = sum(pool.table.sweep() for pool in pools + retired)
         if found:
             logger.warning("%d slot(s) of dead processes held back %gs", found, self.quarantine_s)
+        if retired:
+            self.reap()
         return found
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -229,13 +283,13 @@ class NodePools:
                 return
             self._closed = True
             pools, self._pools = self._pools, {}
-        for pool in pools.values():
-            try:
-                self._unregister(pool.segment)
-            except Exception as e:  # the server may already be gone
-                logger.debug("unregister %s failed: %s", pool.segment.name, e)
-            pool.segment.close()
-            pool.table.close()
+            retired, self._retired = self._retired, []
+        for pool in [*pools.values(), *retired]:
+            self._free(pool)
+
+
+def _busy(state: dict[str, int]) -> bool:
+    return state["in_use"] > 0 or state["protected"] > 0
 
 
 def pool_key(model: str, memory: str = "system", device_id: int = -1) -> str:

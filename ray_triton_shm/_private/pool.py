@@ -32,7 +32,13 @@ from ray_triton_shm._private.bulk_copy import BulkCopier
 from ray_triton_shm._private.layout import ModelLayout, TensorSpec
 from ray_triton_shm._private.segment import Segment, new_segment_name
 from ray_triton_shm._private.slot_table import SlotTable
-from ray_triton_shm.errors import InputError, LeaseReleasedError, PoolClosedError, PoolTimeoutError
+from ray_triton_shm.errors import (
+    InputError,
+    LayoutMismatchError,
+    LeaseReleasedError,
+    PoolClosedError,
+    PoolTimeoutError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +203,21 @@ class SlotPool:
             return self._new_lease(self._slots[self._free.popleft()])
         return None
 
+    @property
+    def retired(self) -> bool:
+        """Whether the pool's owner retired it (the model now runs another configuration)."""
+        table = self._table
+        if table is None or self._closed:
+            return False
+        try:
+            return table.retired
+        except ValueError:  # closed by another thread meanwhile
+            return False
+
     def _take_shared_locked(self, table: SlotTable) -> Lease | None:
+        if table.retired:
+            layout = self.layout
+            raise LayoutMismatchError(layout.model, layout.fingerprint, "")
         if self._max_in_use is not None and len(self._slots) - len(self._free) >= self._max_in_use:
             return None
         for _ in range(len(self._free)):

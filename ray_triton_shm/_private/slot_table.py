@@ -11,7 +11,7 @@ idle.
 The table also says, per slot, until when it is protected after its last
 user let go::
 
-    word 0        magic and version
+    word 0        magic and version (the retired magic once the pool's owner retired it)
     word 1        quarantine in ns (for slots whose user died while leasing)
     word 2 + i    slot i: 0 free, -1 leased, > 0 protected until CLOCK_MONOTONIC ns
 
@@ -43,6 +43,9 @@ from ray_triton_shm._private.segment import Segment
 from ray_triton_shm.errors import SharedMemoryError
 
 MAGIC = 0x52545348_4D000001  # "RTSHM" + format 1
+# Written over MAGIC by the pool's owner when the pool is retired (its model was reloaded with
+# another configuration): users take no more slots of it and ask the owner for the new pool.
+RETIRED = 0x52545348_4D0001FF
 _WORD = struct.Struct("<q")
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 FREE, LEASED = 0, -1
@@ -88,7 +91,8 @@ class SlotTable:
         """
         segment = Segment.attach(name)
         try:
-            if segment.size < 2 * _WORD.size or _WORD.unpack_from(segment.mm, 0)[0] != MAGIC:
+            magic = _WORD.unpack_from(segment.mm, 0)[0] if segment.size >= 2 * _WORD.size else 0
+            if magic not in (MAGIC, RETIRED):
                 raise SharedMemoryError(f"segment {name!r} is not a slot table")
             return cls(segment, cls._open(name))
         except BaseException:
@@ -105,6 +109,15 @@ class SlotTable:
     @property
     def quarantine_ns(self) -> int:
         return _WORD.unpack_from(self._view, 8)[0]
+
+    @property
+    def retired(self) -> bool:
+        """Whether the pool's owner retired this pool (see :meth:`retire`)."""
+        return _WORD.unpack_from(self._view, 0)[0] == RETIRED
+
+    def retire(self) -> None:
+        """Mark the pool retired: its users take no more slots of it (the owner's call)."""
+        _WORD.pack_into(self._view, 0, RETIRED)
 
     def _word(self, index: int) -> int:
         return _WORD.unpack_from(self._view, 16 + 8 * index)[0]

@@ -13,6 +13,7 @@ import site
 import subprocess
 import sys
 import venv
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,15 +28,52 @@ def _run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complet
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    """(wheel, sdist, build output) built from the checkout like ``make dist``."""
-    out = tmp_path_factory.mktemp("dist")
+def build(out: Path) -> tuple[Path, Path, str]:
+    """(wheel, sdist, build output) built from the checkout into ``out`` like ``make dist``."""
     build = _run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO_ROOT)], cwd=out)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     wheels, sdists = list(out.glob("*.whl")), list(out.glob("*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1, list(out.iterdir())
     return wheels[0], sdists[0], build.stdout + build.stderr
+
+
+@dataclass(frozen=True)
+class Installed:
+    """A new venv with only the wheel installed, and a directory outside the checkout."""
+
+    env_dir: Path
+    python: Path
+    site: Path
+    elsewhere: Path
+
+    @property
+    def cli(self) -> Path:
+        return self.env_dir / "bin" / "ray-triton-shm"
+
+
+def install(wheel: Path, where: Path) -> Installed:
+    """Install ``wheel`` alone into a new venv under ``where`` (dependencies from this venv)."""
+    env_dir = where / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    new_site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], where
+        ).stdout.strip()
+    )
+    (new_site / "checkout-venv-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    command = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index"]
+    done = _run([*command, str(wheel)], where)
+    assert done.returncode == 0, done.stdout + done.stderr
+    elsewhere = where / "elsewhere"
+    elsewhere.mkdir()
+    return Installed(env_dir, python, new_site, elsewhere)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """(wheel, sdist, build output) built from the checkout like ``make dist``."""
+    return build(tmp_path_factory.mktemp("dist"))
 
 
 def test_build_prints_no_deprecation_warnings(built: tuple[Path, Path, str]) -> None:
@@ -53,33 +91,8 @@ def test_build_prints_no_deprecation_warnings(built: tuple[Path, Path, str]) -> 
 def test_wheel_in_a_new_venv_runs_the_demo_from_elsewhere(
     built: tuple[Path, Path, str], tmp_path: Path
 ) -> None:
-    wheel = built[0]
-    env_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=False).create(env_dir)
-    python = env_dir / "bin" / "python"
-    new_site = Path(
-        _run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path
-        ).stdout.strip()
-    )
-    (new_site / "checkout-venv-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    install = _run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--python",
-            str(python),
-            "install",
-            "--no-deps",
-            "--no-index",
-            str(wheel),
-        ],
-        tmp_path,
-    )
-    assert install.returncode == 0, install.stdout + install.stderr
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    installed = install(built[0], tmp_path)
+    python, new_site, elsewhere = installed.python, installed.site, installed.elsewhere
     where = _run(
         [
             str(python),
@@ -93,7 +106,7 @@ def test_wheel_in_a_new_venv_runs_the_demo_from_elsewhere(
     module_file, examples = where.stdout.split()
     assert module_file.startswith(str(new_site)) and examples.startswith(str(new_site))
     assert Path(examples, "add_sub", "config.pbtxt").is_file()
-    cli = env_dir / "bin" / "ray-triton-shm"
+    cli = installed.cli
     setup = _run([str(cli), "setup"], elsewhere)
     assert setup.returncode == 0 and "tritonserver:" in setup.stdout, setup.stderr
     demo = _run([str(cli), "demo", "--quick", "--core-only"], elsewhere)

@@ -172,3 +172,13 @@ def test_answer_heads_are_parsed(head: bytes, expected: tuple[int, int, bool]) -
 def test_answers_triton_never_sends_are_refused(head: bytes) -> None:
     with pytest.raises(_MalformedAnswer):
         _parse_head(head)
+
+
+def test_an_output_of_another_datatype_than_the_layouts_is_refused() -> None:
+    answer = json.dumps({"outputs": [{"name": "A", "datatype": "INT32", "shape": [4]}]}).encode()
+    expected = [ShmOutput("A", "region", 16, 0, "FP32")]
+    with pytest.raises(TritonCallError) as info:
+        output_shapes(answer, "m", ["A"], expected)
+    assert info.value.status == "INVALID_ARGUMENT" and "INT32" in str(info.value)
+    assert output_shapes(answer, "m", ["A"], [ShmOutput("A", "region", 16, 0, "INT32")]) == {"A": (4,)}
+    assert output_shapes(answer, "m", ["A"], [ShmOutput("A", "region", 16, 0)]) == {"A": (4,)}
