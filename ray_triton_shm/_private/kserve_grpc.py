@@ -10,7 +10,8 @@ those methods:
   typed ``contents``) go into this node's shared-memory slots through the
   replica's :class:`NodeClient`; the outputs are read from the slots into the
   answer's ``raw_output_contents``, as Triton answers.
-* ``ModelInfer`` with a version, ``ServerLive``, ``ServerReady``,
+* ``ModelInfer`` with a version, or for a model whose tensors cannot live in
+  slots (BYTES, unbounded dims), ``ServerLive``, ``ServerReady``,
   ``ModelReady``, ``ModelMetadata``, ``ModelConfig``: passed to the node's
   Triton over loopback gRPC and answered with its answer (or its status code
   and message), so they are Triton's own. ``ServerMetadata`` is Triton's with
@@ -265,7 +266,10 @@ class KServeGrpcMixin:
             inputs, outputs = decode_infer_request(request)
             if request.model_version:  # Triton honours the version: pass it on, without the slots
                 return await self._call("ModelInfer", request, pb.ModelInferResponse, PROXY_TIMEOUT_S)
-            result = await self._client.ainfer(request.model_name, inputs, outputs=outputs, copy=False)
+            try:
+                result = await self._client.ainfer(request.model_name, inputs, outputs=outputs, copy=False)
+            except LayoutError:  # tensors that cannot live in slots (BYTES, unbounded dims): Triton's
+                return await self._call("ModelInfer", request, pb.ModelInferResponse, PROXY_TIMEOUT_S)
             version = await self._served_version(request.model_name)
             return encode_infer_response(request.model_name, version, request.id, result)
         except Exception as e:
