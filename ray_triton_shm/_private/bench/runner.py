@@ -457,10 +457,12 @@ def _run_ray(
             openers = [
                 (
                     method,
-                    lambda m=method, h=handle, i=inputs: ray_methods.serve_cell(m, h, i, server.identity)
-                    if not isinstance(h, str)
-                    else ray_methods.grpc_ingress_cell(
-                        m, h, i, server.identity, "bench-ours" if m == "ingress-grpc" else None
+                    lambda m=method, h=handle, i=inputs: (
+                        ray_methods.serve_cell(m, h, i, server.identity)
+                        if not isinstance(h, str)
+                        else ray_methods.grpc_ingress_cell(
+                            m, h, i, server.identity, "bench-ours" if m == "ingress-grpc" else None
+                        )
                     ),
                 )
                 for method, handle in handles.items()

@@ -49,7 +49,9 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
     cells = {
         cell for cell in core_plan(options.resolved()) if have_competitor or cell[0] != "triton-shm-client"
     }
-    cells |= {(m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo", "ingress-grpc", "triton-grpc")}
+    cells |= {
+        (m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo", "ingress-grpc", "triton-grpc")
+    }
     expected = {(server, *cell) for server in ("native", "python") for cell in cells}
     got = [(r.server, r.method, r.payload_bytes, r.concurrency) for r in records if r.group != "data"]
     assert len(got) == len(set(got)) and set(got) == expected
