@@ -56,18 +56,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _pids_with(marker: str) -> list[int]:
-    """Processes whose command line names ``marker`` (this cluster's temp dir)."""
+def _pids_with(markers: tuple[str, ...], gcs_address: str) -> list[int]:
+    """Processes of this cluster: an argument names one of ``markers`` (its temp dir, its
+    session) or ends with its GCS address (workers, raylets and agents all carry one)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    pids.append(int(entry))
+                args = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
+        if any(m in a for a in args for m in markers) or any(a.endswith(gcs_address) for a in args):
+            pids.append(int(entry))
     return pids
 
 
@@ -130,6 +132,7 @@ def fake_cluster():
     if not os.path.exists(ray_cli):
         ray_cli = shutil.which("ray") or "ray"
     old_tmp = os.environ.get("RAY_TMPDIR")
+    markers: tuple[str, ...] = (temp_dir,)
     os.environ["RAY_TMPDIR"] = temp_dir
     try:
         subprocess.run(
@@ -141,6 +144,7 @@ def fake_cluster():
             env=env, check=True, capture_output=True, timeout=180,
         )  # fmt: skip
         ray.init(address=f"{ip}:{port}", log_to_driver=False)
+        markers = (temp_dir, ray._private.worker._global_node.session_name)
         yield temp_dir
     finally:
         try:
@@ -153,17 +157,17 @@ def fake_cluster():
                     shutdown_node_actors()
                     ray.shutdown()
         finally:
-            _stop_cluster(temp_dir)
+            _stop_cluster(temp_dir, markers, f"{ip}:{port}")
             if old_tmp is None:
                 os.environ.pop("RAY_TMPDIR", None)
             else:
                 os.environ["RAY_TMPDIR"] = old_tmp
 
 
-def _stop_cluster(temp_dir: str) -> None:
-    """Stop every process of this cluster (they all carry its temp dir), then remove the dir."""
+def _stop_cluster(temp_dir: str, markers: tuple[str, ...], gcs_address: str) -> None:
+    """Stop every process of this cluster (and only those), then remove its temp dir."""
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        pids = _pids_with(temp_dir)
+        pids = _pids_with(markers, gcs_address)
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -172,7 +176,7 @@ def _stop_cluster(temp_dir: str) -> None:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.2)
-    left = [p for p in _pids_with(temp_dir) if _alive(p)]
+    left = [p for p in _pids_with(markers, gcs_address) if _alive(p)]
     shutil.rmtree(temp_dir, ignore_errors=True)
     assert not left, f"processes of the fake cluster outlived it: {left}"
 
@@ -199,6 +203,7 @@ def test_deploying_the_gpu_config_starts_a_gpu_worker_and_deleting_it_leaves_not
     spec = yaml.safe_load(GPU_CONFIG.read_text())
     spec["proxy_location"] = "HeadOnly"
     spec["http_options"]["port"] = free_port()
+    spec["grpc_options"]["port"] = free_port()
     spec["applications"][0]["args"]["idle_shutdown_s"] = 3
     spec["applications"][0]["args"]["quarantine_s"] = 1
     options = spec["applications"][0]["deployments"][0]["ray_actor_options"]
