@@ -331,3 +331,35 @@ def _fail(grpc_context: Any, error: BaseException) -> None:
         grpc_context.set_code(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN))
         grpc_context.set_details(message)
     raise GrpcAnswerError(code, message) from error
+
+
+# RPCs of the service that this ingress does not serve: statistics, repository control,
+# shared-memory registration (a remote client cannot share the node's memory), trace
+# and log settings. Each answers UNIMPLEMENTED (``ModelStreamInfer`` is not routed).
+_UNSERVED = (
+    "ModelStatistics",
+    "RepositoryIndex",
+    "RepositoryModelLoad",
+    "RepositoryModelUnload",
+    "SystemSharedMemoryStatus",
+    "SystemSharedMemoryRegister",
+    "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus",
+    "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister",
+    "TraceSetting",
+    "LogSettings",
+)
+
+
+def _unserved(name: str) -> Any:
+    async def method(self: Any, request: Any, grpc_context: Any = None) -> Any:
+        _fail(grpc_context, GrpcAnswerError("UNIMPLEMENTED", f"{name} is not served by this ingress"))
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``{name}``: not served here (``UNIMPLEMENTED``)."
+    return method
+
+
+for _name in _UNSERVED:
+    setattr(KServeGrpcMixin, _name, _unserved(_name))

@@ -144,6 +144,13 @@ def test_infer_goes_through_the_node_triton(ingress, clients) -> None:
     assert set(result.as_numpy("SERVER_PID").ravel()) == {where["triton_pid"]}
 
 
+def test_what_the_ingress_does_not_serve_is_unimplemented(clients) -> None:
+    ours, _ = clients
+    for call in (ours.get_inference_statistics, ours.get_model_repository_index):
+        assert outcome(call)[:2] == ("error", "StatusCode.UNIMPLEMENTED")
+    assert outcome(ours.get_system_shared_memory_status)[:2] == ("error", "StatusCode.UNIMPLEMENTED")
+
+
 def test_errors_have_tritons_codes(clients) -> None:
     ours, theirs = clients
     x = np.zeros((1, 16), np.int32)
