@@ -91,7 +91,9 @@ def start_serve_apps(node_config: Any, grpc_url: str) -> dict[str, Any]:
         grpc_options={"port": ports[1], "grpc_servicer_functions": [SERVICER_FUNCTION]},
     )
     ours = serve.run(
-        TritonDeployment.options(name="BenchOurs").bind(node_config, 4), name="bench-ours", route_prefix=None
+        TritonDeployment.options(name="BenchOurs").bind(node_config, 4),
+        name="bench-ours",
+        route_prefix="/bench-ours",
     )
     plain = serve.run(
         PlainGrpcDeployment.options(name="BenchPlain").bind(grpc_url), name="bench-plain", route_prefix=None

@@ -127,13 +127,21 @@ def fake_cluster():
     ip = ray.util.get_node_ip_address()
     config_path = Path(temp_dir) / "autoscaling.json"
     config_path.write_text(json.dumps(_autoscaling_config(2, f"{ip}:{port}")))
-    env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_TMPDIR=temp_dir)
+    # No token auth: `ray start` would turn it on for a new cluster with the user's ~/.ray
+    # token, which this test's driver and the fake nodes need not share.
+    env = dict(
+        os.environ,
+        RAY_FAKE_CLUSTER="1",
+        AUTOSCALER_UPDATE_INTERVAL_S="1",
+        RAY_TMPDIR=temp_dir,
+        RAY_AUTH_MODE="disabled",
+    )
     ray_cli = str(Path(sys.executable).parent / "ray")
     if not os.path.exists(ray_cli):
         ray_cli = shutil.which("ray") or "ray"
-    old_tmp = os.environ.get("RAY_TMPDIR")
+    saved = {name: os.environ.get(name) for name in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
     markers: tuple[str, ...] = (temp_dir,)
-    os.environ["RAY_TMPDIR"] = temp_dir
+    os.environ.update(RAY_TMPDIR=temp_dir, RAY_AUTH_MODE="disabled")
     try:
         subprocess.run(
             [
@@ -158,10 +166,11 @@ def fake_cluster():
                     ray.shutdown()
         finally:
             _stop_cluster(temp_dir, markers, f"{ip}:{port}")
-            if old_tmp is None:
-                os.environ.pop("RAY_TMPDIR", None)
-            else:
-                os.environ["RAY_TMPDIR"] = old_tmp
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _stop_cluster(temp_dir: str, markers: tuple[str, ...], gcs_address: str) -> None:
