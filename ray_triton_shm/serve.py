@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private import kserve
 from ray_triton_shm._private.cuda import to_host
-from ray_triton_shm._private.kserve_grpc import KServeGrpcMixin
+from ray_triton_shm._private.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.repository import resolve_repositories
 from ray_triton_shm._private.segment import redact
 from ray_triton_shm.config import PoolConfig, ServerConfig
@@ -48,6 +48,7 @@ from ray_triton_shm.node import NodeClient, NodeConfig
 
 __all__ = [
     "TritonDeployment",
+    "add_kserve_grpc_servicer",
     "app",
     "build_node_config",
     "resolve_model_repository",

@@ -1,7 +1,8 @@
 """KServe v2 over gRPC at the Serve ingress: Triton's ``inference.GRPCInferenceService``.
 
 Serve's gRPC proxy (``grpc_options.grpc_servicer_functions`` naming
-``tritonclient.grpc.service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server``)
+``ray_triton_shm.serve.add_kserve_grpc_servicer``, tritonclient's
+``add_GRPCInferenceServiceServicer_to_server`` made picklable)
 calls the deployment method named after each RPC with the decoded request
 message. :class:`KServeGrpcMixin` gives :class:`~ray_triton_shm.serve.TritonDeployment`
 those methods:
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import grpc
 import numpy as np
 import ray
+from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.cuda import to_host
@@ -50,8 +53,27 @@ from ray_triton_shm.errors import (
 logger = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
-SERVICER_FUNCTION = "tritonclient.grpc.service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
+SERVICER_FUNCTION = "ray_triton_shm.serve.add_kserve_grpc_servicer"
 """What ``grpc_options.grpc_servicer_functions`` must name for this ingress."""
+
+# tritonclient's generated messages name their module ``grpc_service_pb2`` (the .proto's
+# name), which is not importable: Serve's proxy pickles each request message to the
+# replica, and pickle finds a class by its module. Make those names resolve.
+sys.modules.setdefault("grpc_service_pb2", pb)
+sys.modules.setdefault("model_config_pb2", model_config_pb2)
+
+
+def add_kserve_grpc_servicer(servicer: Any, server: Any) -> None:
+    """Serve's servicer function for Triton's ``inference.GRPCInferenceService``.
+
+    Tritonclient's own ``add_GRPCInferenceServiceServicer_to_server``, imported
+    through this module so that the request messages pickle (see above).
+    """
+    from tritonclient.grpc import service_pb2_grpc
+
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+
+
 PROBE_TIMEOUT_S = 2.0
 PROXY_TIMEOUT_S = 60.0
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]

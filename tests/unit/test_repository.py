@@ -20,7 +20,12 @@ from ray_triton_shm._private.server_env import LaunchPlan, cpu_fallback_warning
 from ray_triton_shm.errors import ConfigError
 from ray_triton_shm.serve import build_node_config, resolve_model_repository
 
-URIS = ["s3://http://127.0.0.1:9000/bucket/models", "s3://bucket/models", "gs://bucket/models", "as://acct/c/m"]
+URIS = [
+    "s3://http://127.0.0.1:9000/bucket/models",
+    "s3://bucket/models",
+    "gs://bucket/models",
+    "as://acct/c/m",
+]
 EXAMPLES = Path(__file__).resolve().parents[2] / "deployments" / "models"
 
 
