@@ -345,7 +345,7 @@ docker push <registry>/ray-triton-shm:latest
 
 A CPU head node (Serve controller and HTTP proxy) and 0-4 autoscaling GPU
 workers; containers run with `--ipc=host` so the slot pools get the host's
-`/dev/shm`. The head deploys the Serve app from `deployments/triton_shm.yaml`.
+`/dev/shm`. The head deploys the Serve app from `deployments/triton_shm_gpu.yaml` (replicas on GPU workers).
 
 ```bash
 ray up cluster.yaml        # fill in the image name first

@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private import kserve
 from ray_triton_shm._private.cuda import to_host
+from ray_triton_shm._private.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.node_config import split_app_args
 from ray_triton_shm._private.repository import resolve_repositories
 from ray_triton_shm._private.segment import redact
@@ -46,6 +47,7 @@ from ray_triton_shm.node import NodeClient, NodeConfig
 
 __all__ = [
     "TritonDeployment",
+    "add_kserve_grpc_servicer",
     "app",
     "build_node_config",
     "resolve_model_repository",
@@ -102,8 +104,12 @@ def build_node_config(
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
-class TritonDeployment:
-    """Serve replica: KServe v2 over HTTP, numpy over the handle, shm to its node's Triton.
+class TritonDeployment(KServeGrpcMixin):
+    """Serve replica: KServe v2 over HTTP and gRPC, numpy over the handle, shm to its node's Triton.
+
+    The gRPC methods (``ModelInfer``, ``ServerLive``, ...) come from
+    :class:`~ray_triton_shm._private.kserve_grpc.KServeGrpcMixin`; Serve's gRPC
+    proxy calls them when ``grpc_options`` names Triton's servicer (see the README).
 
     Args:
         node_config: What the node actor runs (created if the node has none).
@@ -353,7 +359,8 @@ def run_config_file(path: str, *, blocking: bool = False) -> dict[str, Any]:
     """Deploy every application of a Serve config file (as ``serve run`` would).
 
     Each application's ``import_path`` must point at this module's ``app``;
-    per-deployment options (``num_replicas``, ...) are applied.
+    per-deployment options (``num_replicas``, ``ray_actor_options``, ...), ``proxy_location``,
+    ``http_options`` (host, port) and ``grpc_options`` are applied.
 
     Returns:
         Deployment handles by application name.
@@ -366,8 +373,15 @@ def run_config_file(path: str, *, blocking: bool = False) -> dict[str, Any]:
     with open(path) as f:
         spec = yaml.safe_load(f)
     http = spec.get("http_options") or {}
+    start: dict[str, Any] = {}
     if http:
-        serve.start(http_options={k: v for k, v in http.items() if k in ("host", "port")})
+        start["http_options"] = {k: v for k, v in http.items() if k in ("host", "port")}
+    if spec.get("proxy_location"):
+        start["proxy_location"] = spec["proxy_location"]
+    if spec.get("grpc_options"):
+        start["grpc_options"] = dict(spec["grpc_options"])
+    if start:
+        serve.start(**start)
     handles = {}
     for application in spec["applications"]:
         if application["import_path"] != "ray_triton_shm.serve:app":

@@ -50,5 +50,16 @@ def test_shared_memory_image_setup_and_serve(cluster: dict) -> None:
     assert "pip install" in setup and "ray-triton-shm" in setup
     head = " ".join(cluster["head_start_ray_commands"])
     assert "ray start --head" in head and "serve deploy" in head
-    assert "deployments/triton_shm.yaml" in head
-    assert (REPO / "deployments" / "triton_shm.yaml").is_file()
+    assert "deployments/triton_shm_gpu.yaml" in head
+    assert (REPO / "deployments" / "triton_shm_gpu.yaml").is_file()
+
+
+def test_the_deployed_app_asks_for_what_only_gpu_workers_have(cluster: dict) -> None:
+    """Replicas (and so the node actors and Tritons) land on GPU workers, never on the head."""
+    spec = yaml.safe_load((REPO / "deployments" / "triton_shm_gpu.yaml").read_text())
+    (deployment,) = spec["applications"][0]["deployments"]
+    options = deployment["ray_actor_options"]
+    assert 0 < options["num_gpus"] < 1, "a fraction, so several replicas share a GPU node"
+    head = cluster["available_node_types"][cluster["head_node_type"]]
+    assert not head["resources"].get("GPU") and head["max_workers"] == 0
+    assert "--num-gpus" not in " ".join(cluster["head_start_ray_commands"])

@@ -68,18 +68,80 @@ class EchoDeployment:
 
 
 def start_serve_apps(node_config: Any, grpc_url: str) -> dict[str, Any]:
-    """Deploy our deployment and the plain one (no HTTP proxy: handles only)."""
+    """Deploy our deployment and the plain one, and Serve's gRPC proxy with our KServe v2 ingress.
+
+    Returns:
+        Method name -> a deployment handle (handle cells), or a gRPC address
+        (``tritonclient.grpc`` cells): ``ingress-grpc`` is Serve's gRPC proxy in
+        front of ``serve-ours``, ``triton-grpc`` the same Triton straight.
+    """
+    import socket
+
+    from ray_triton_shm._private.kserve_grpc import SERVICER_FUNCTION
     from ray_triton_shm.serve import TritonDeployment
 
-    serve.start(proxy_location="Disabled")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options={"host": "127.0.0.1", "port": ports[0]},
+        grpc_options={"port": ports[1], "grpc_servicer_functions": [SERVICER_FUNCTION]},
+    )
     ours = serve.run(
-        TritonDeployment.options(name="BenchOurs").bind(node_config, 4), name="bench-ours", route_prefix=None
+        TritonDeployment.options(name="BenchOurs").bind(node_config, 4),
+        name="bench-ours",
+        route_prefix="/bench-ours",
     )
     plain = serve.run(
         PlainGrpcDeployment.options(name="BenchPlain").bind(grpc_url), name="bench-plain", route_prefix=None
     )
     echo = serve.run(EchoDeployment.options(name="BenchEcho").bind(), name="bench-echo", route_prefix=None)
-    return {"serve-ours": ours, "serve-grpc": plain, "serve-echo": echo}
+    return {
+        "serve-ours": ours,
+        "serve-grpc": plain,
+        "serve-echo": echo,
+        "ingress-grpc": f"127.0.0.1:{ports[1]}",
+        "triton-grpc": grpc_url,
+    }
+
+
+def grpc_ingress_cell(
+    method: str, url: str, inputs: list[np.ndarray], model: str = SERVE_MODEL, application: str | None = None
+) -> Cell:
+    """Callers of an unmodified ``tritonclient.grpc`` client, one per caller, at ``url``.
+
+    Args:
+        method: The cell's name (in check failures).
+        url: Serve's gRPC proxy (with ``application``) or Triton's own endpoint.
+        inputs: One input per caller.
+        model: An identity model.
+        application: The ``application`` metadata header selecting the Serve app.
+    """
+    import tritonclient.grpc as grpcclient
+
+    cell = Cell([], paths={"grpc"})
+    headers = {"application": application} if application else None
+
+    def caller(x: np.ndarray) -> Caller:
+        client = grpcclient.InferenceServerClient(url)
+        cell.closers.append(client.close)
+        requested = [grpcclient.InferRequestedOutput("OUTPUT0")]
+
+        def call(check: bool) -> object:
+            tensor = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            out = client.infer(model, [tensor], outputs=requested, headers=headers).as_numpy("OUTPUT0")
+            if check:
+                check_equal(method, out, x)
+            return out
+
+        return call
+
+    cell.callers = [caller(x) for x in inputs]
+    return cell
 
 
 def serve_cell(method: str, handle: Any, inputs: list[np.ndarray], model: str = SERVE_MODEL) -> Cell:

@@ -375,7 +375,7 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
     servers = [SERVERS[name] for name in options.servers or ()]
     ray_cells = 0
     if options.ray:
-        serve_cells = 3 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ())
+        serve_cells = 5 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ())
         app_cells = 2 * len(options.serve_concurrency or ())
         ray_cells = serve_cells + app_cells + len(DATA_METHODS)
     progress = Progress((len(plan) + ray_cells) * rounds * len(servers), enabled=options.progress)
@@ -458,7 +458,13 @@ def _run_ray(
             openers = [
                 (
                     method,
-                    lambda m=method, h=handle, i=inputs: ray_methods.serve_cell(m, h, i, server.identity),
+                    lambda m=method, h=handle, i=inputs: (
+                        ray_methods.serve_cell(m, h, i, server.identity)
+                        if not isinstance(h, str)
+                        else ray_methods.grpc_ingress_cell(
+                            m, h, i, server.identity, "bench-ours" if m == "ingress-grpc" else None
+                        )
+                    ),
                 )
                 for method, handle in handles.items()
             ]

@@ -23,6 +23,8 @@ def config_copy(tmp_dir: Path, **app_args) -> tuple[Path, int]:
     spec = yaml.safe_load(CONFIG_FILE.read_text())
     port = free_port()
     spec["http_options"]["port"] = port
+    if "grpc_options" in spec:  # not Serve's fixed 9000: other Ray runs may share the machine
+        spec["grpc_options"]["port"] = free_port()
     spec["applications"][0]["args"].update(app_args)
     path = tmp_dir / "triton_shm.yaml"
     path.write_text(yaml.safe_dump(spec))

@@ -37,6 +37,7 @@ def ingress(tmp_path_factory):
     spec = yaml.safe_load(CONFIG_FILE.read_text())
     port = free_port()
     spec["http_options"]["port"] = port
+    spec["grpc_options"]["port"] = free_port()
     app = spec["applications"][0]
     app["route_prefix"] = PREFIX
     app["args"]["quarantine_s"] = 1.0
