@@ -182,6 +182,8 @@ class TritonDeployment(KServeGrpcMixin):
                 if match:
                     model, version = match.group(1), match.group(2)
                     if version is not None:  # Triton honours the version (and any Content-Encoding)
+                        header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
+                        kserve.refuse_shm_parameters(await _request_body(request), header_length)
                         return await self._proxy(request, path, await request.body())
                     return await self._http_infer(model, request)
             elif request.method == "GET":

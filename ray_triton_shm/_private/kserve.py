@@ -177,6 +177,44 @@ def _shape(entry: dict[str, Any], name: str) -> list[int]:
     return shape
 
 
+SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+"""Tensor parameters that name a registered shared-memory region: never accepted from a client."""
+
+
+def refuse_shm_parameters(body: bytes, header_length: int | None) -> None:
+    """Refuse a request whose inputs or outputs name shared-memory regions.
+
+    The node's regions are ours: a client of the ingress must not make Triton
+    read or write them. Requests passed to Triton as they are (a pinned model
+    version) are checked with this; the rest are decoded by
+    :func:`decode_request`, which never takes data from a region.
+
+    Raises:
+        InputError: A tensor has shared-memory parameters, or the JSON header is malformed.
+    """
+    split = len(body) if header_length is None else header_length
+    if split < 0 or split > len(body):
+        raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {len(body)} bytes")
+    try:
+        header = json.loads(body[:split] or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"request JSON is malformed: {e}") from e
+    if isinstance(header, dict):  # otherwise Triton refuses it itself
+        _refuse_shm(header)
+
+
+def _refuse_shm(header: dict[str, Any]) -> None:
+    for kind in ("inputs", "outputs"):
+        entries = header.get(kind)
+        for entry in entries if isinstance(entries, list) else ():
+            params = entry.get("parameters") if isinstance(entry, dict) else None
+            if isinstance(params, dict) and any(key in params for key in SHM_PARAMETERS):
+                name = entry.get("name")
+                raise InputError(
+                    f"{kind[:-1]} {name!r}: shared-memory parameters are not accepted by this ingress"
+                )
+
+
 def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
     """Parse a v2 inference request body.
 
@@ -202,6 +240,7 @@ def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
         raise InputError(f"request JSON is malformed: {e}") from e
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise InputError("request must be a JSON object with an 'inputs' list")
+    _refuse_shm(header)
     inputs: dict[str, np.ndarray] = {}
     cursor = split
     for entry in header["inputs"]:

@@ -38,7 +38,7 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.cuda import to_host
-from ray_triton_shm._private.kserve import deserialize_bytes, serialize_bytes
+from ray_triton_shm._private.kserve import SHM_PARAMETERS, deserialize_bytes, serialize_bytes
 from ray_triton_shm._private.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
 from ray_triton_shm._private.segment import redact
 from ray_triton_shm.errors import (
@@ -93,7 +93,6 @@ _CONTENTS_FIELD = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
-_SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
 class GrpcAnswerError(RayTritonShmError):
@@ -128,7 +127,7 @@ def decode_infer_request(request: pb.ModelInferRequest) -> tuple[dict[str, np.nd
         name = tensor.name
         if name in inputs:
             raise InputError(f"input {name!r} is given twice")
-        if any(key in tensor.parameters for key in _SHM_PARAMETERS):
+        if any(key in tensor.parameters for key in SHM_PARAMETERS):
             raise InputError(f"input {name!r}: shared-memory parameters are not accepted by this ingress")
         shape = [int(d) for d in tensor.shape]
         if any(d < 0 for d in shape):
@@ -154,7 +153,7 @@ def decode_infer_request(request: pb.ModelInferRequest) -> tuple[dict[str, np.nd
     if request.outputs:
         outputs = []
         for tensor in request.outputs:
-            if any(key in tensor.parameters for key in _SHM_PARAMETERS):
+            if any(key in tensor.parameters for key in SHM_PARAMETERS):
                 raise InputError(
                     f"output {tensor.name!r}: shared-memory parameters are not accepted by this ingress"
                 )

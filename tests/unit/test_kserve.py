@@ -268,3 +268,21 @@ def test_route_path_is_the_path_below_the_route_prefix(path: str, root: str, rou
 def test_triton_path_quotes_each_segment_and_keeps_the_query() -> None:
     assert kserve.triton_path("/v2/models/a b/versions/1/ready", "") == "/v2/models/a%20b/versions/1/ready"
     assert kserve.triton_path("/v2/models/x?y", "q=1") == "/v2/models/x%3Fy?q=1"
+
+
+def test_shm_parameters_are_refused_in_requests_passed_through() -> None:
+    from ray_triton_shm._private.kserve import refuse_shm_parameters
+
+    clean = {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [1]}]}
+    refuse_shm_parameters(json.dumps(clean).encode(), None)  # nothing to refuse
+    for kind in ("inputs", "outputs"):
+        named = {
+            "name": "T",
+            "parameters": {"shared_memory_region": "rtshm_1_2_pool_x", "shared_memory_byte_size": 64},
+        }
+        request = {**clean, kind: [*clean.get(kind, []), named]}
+        body = json.dumps(request).encode()
+        with pytest.raises(InputError, match="shared-memory parameters are not accepted"):
+            refuse_shm_parameters(body + b"\x00" * 8, len(body))  # binary data after the header
+    with pytest.raises(InputError, match="malformed"):
+        refuse_shm_parameters(b"{not json", None)

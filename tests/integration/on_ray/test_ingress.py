@@ -357,3 +357,42 @@ def test_ready_follows_the_node_triton(ingress) -> None:
         os.kill(pid, signal.SIGCONT)
     wait_for(lambda: requests.get(base + "/v2/health/ready", timeout=10).status_code == 200, 60)
     assert requests.get(base + "/v2/models/add_sub/ready", timeout=30).status_code == 200
+
+
+def test_no_request_names_the_nodes_regions(ingress) -> None:
+    """A pinned version goes to Triton as it is: shared-memory parameters are refused first.
+
+    Otherwise a client could make the node's Triton read another request's
+    inputs from a slot, or write its outputs into one.
+    """
+    import ray
+
+    from ray_triton_shm.node import get_node_actor
+
+    _, base = ingress
+    assert requests.post(base + "/v2/models/add_sub/infer", json=ADD_SUB, timeout=60).status_code == 200
+    info = ray.get(get_node_actor().info.remote())
+    # A region the node registered (its name is its segment name), as if a client had learnt it.
+    ours = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"rtshm_{info.actor_pid}_"))
+    regions = [n for n in ours if "_node_" in n]
+    assert regions, (info.actor_pid, ours)
+    region = regions[0]
+    for kind in ("inputs", "outputs"):
+        named = {
+            "name": "INPUT0" if kind == "inputs" else "OUTPUT0",
+            "parameters": {"shared_memory_region": region, "shared_memory_byte_size": 64},
+        }
+        if kind == "inputs":
+            request = {"inputs": [named, ADD_SUB["inputs"][1]]}
+            request["inputs"][0].update(datatype="INT32", shape=[1, 16])
+        else:
+            request = {**ADD_SUB, "outputs": [named]}
+        for path in ("/v2/models/add_sub/versions/1/infer", "/v2/models/add_sub/infer"):
+            response = requests.post(base + path, json=request, timeout=60)
+            assert response.status_code == 400, (path, response.content)
+            assert "shared-memory parameters are not accepted" in assert_error_object(response)
+    # The same request without them is served.
+    assert (
+        requests.post(base + "/v2/models/add_sub/versions/1/infer", json=ADD_SUB, timeout=60).status_code
+        == 200
+    )
