@@ -308,12 +308,14 @@ class _NodeActor:
             force_cuda: The client insists on GPU memory (any model, if the node has GPUs).
 
         Raises:
-            UnavailableError: The actor is shutting down.
+            UnavailableError: The actor is shutting down, or Triton is restarting
+                (at once: a grant never waits on a restart, even for a pool that exists).
             TritonCallError / LayoutError: The model is unknown or cannot use slots.
             CudaError: The GPU region could not be made or registered.
         """
         with self._lock:
             self._refuse_if_retiring()
+            self._require_healthy()
             key = self._ensure_pool(model, device, force_cuda)
             grant = self._pools.grant(model, key=key)
         self._pools.reap()  # a pool of the model's older layout, retired above, if idle
