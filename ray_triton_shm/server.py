@@ -444,6 +444,9 @@ class TritonServer:
                 )
             try:
                 self._http_json("/v2/health/ready", timeout=1.0)
+                # Ready over HTTP is not yet accepting on gRPC (seen after a restart on a loaded machine).
+                c = self._require_resolved()
+                socket.create_connection((c.host, c.grpc_port), timeout=1.0).close()
                 self.version = str(self._http_json("/v2").get("version", ""))
                 logger.info(
                     "tritonserver %s ready (pid %s) at grpc %s, http %s",
