@@ -194,7 +194,8 @@ def _triton_on(options: BenchOptions, repository: str) -> Iterator[tuple[Endpoin
         return
     import ray
 
-    from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
+    from ray_triton_shm._private.node_lifecycle import attach
+    from ray_triton_shm.node import NodeConfig, shutdown_node_actors
 
     serve_max = max(options.serve_sizes or (MB,))
     node_config = NodeConfig(
@@ -212,8 +213,9 @@ def _triton_on(options: BenchOptions, repository: str) -> Iterator[tuple[Endpoin
     )
     _quiet_ray()
     try:
-        infos = ensure_node_actors(node_config)
-        node = next(iter(infos.values()))
+        # The run is a user of the node's Triton for its whole length: the core cells talk to
+        # Triton straight, and an actor nobody attached to goes away after idle_shutdown_s.
+        _, node = attach(node_config, f"bench-{os.getpid()}", os.getpid(), "client")
         info = {"triton": node.version, "ray": ray.__version__}
         yield Endpoints(node.grpc_url, node.http_url), info, node_config
     finally:

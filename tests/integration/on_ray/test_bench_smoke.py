@@ -19,7 +19,10 @@ def _competitor_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("identity_")}
 
 
-def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
+def test_quick_bench_on_tiny_sizes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A node actor nobody is attached to goes away after idle_shutdown_s (30 s by default, longer
+    # than this run's core cells, not than a full bench's): the run must hold it as a user.
+    monkeypatch.setenv("RAY_TRITON_SHM_IDLE_SHUTDOWN_S", "1")
     from ray_triton_shm._private.bench import core_methods
     from ray_triton_shm._private.bench.app_methods import APP_METHODS
     from ray_triton_shm._private.bench.runner import BenchOptions, core_plan, run_bench
