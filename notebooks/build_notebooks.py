@@ -114,7 +114,9 @@ server.stop()    # stops Triton (it would also die with this kernel)'''
 
 `ensure_node_actors` starts a node actor (and its Triton) on every node;
 `NodeClient` in any task or actor uses the Triton of its own node through
-slots the actor grants it."""
+slots the actor grants it. An actor stops 30 s after its last user leaves
+(`idle_shutdown_s`); a notebook that pauses between cells keeps it with
+`idle_shutdown_s=None` until `shutdown_node_actors()`."""
     ),
     new_code_cell(
         '''import ray
@@ -122,7 +124,7 @@ slots the actor grants it."""
 from ray_triton_shm.node import NodeClient, NodeConfig, ensure_node_actors, shutdown_node_actors
 
 ray.init(address="local", include_dashboard=False, log_to_driver=False)
-ensure_node_actors(NodeConfig.for_repository(MODELS))
+ensure_node_actors(NodeConfig.for_repository(MODELS, idle_shutdown_s=None))
 
 @ray.remote(num_cpus=0)
 def add_twice(value: int) -> list[int]:
@@ -251,7 +253,8 @@ from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_ac
 
 ray.init(address="local", include_dashboard=False, log_to_driver=False)
 ray.data.DataContext.get_current().enable_progress_bars = False
-ensure_node_actors(NodeConfig.for_repository(MODELS))'''
+# Kept until shutdown_node_actors() below, however long you pause between cells.
+ensure_node_actors(NodeConfig.for_repository(MODELS, idle_shutdown_s=None))'''
     ),
     new_markdown_cell(
         """A dataset of image-shaped rows for the `multi_io` model (FP32 3x224x224
@@ -411,7 +414,7 @@ actor. Clients that ask for GPU memory (`NodeClient(memory="cuda")`, or
         "identity": PoolConfig(slots=2, max_batch_size=1, memory="cuda", device_id=0,
                                max_shapes={"INPUT0": (1 << 22,), "OUTPUT0": (1 << 22,)}),
     }
-    infos = ensure_node_actors(NodeConfig.for_repository(MODELS, pools=cuda_pools))
+    infos = ensure_node_actors(NodeConfig.for_repository(MODELS, pools=cuda_pools, idle_shutdown_s=None))
     for node_id, info in infos.items():
         print(node_id[:12], "Triton", info.version, "at", info.grpc_url)
 else:
