@@ -93,7 +93,7 @@ def check_inputs(layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInput
             pass  # bytes elements by construction
         elif value.dtype.kind in "OSUV":
             raise InputError(
-                f"{spec.name}: expected dtype {spec.datatype}, got {value.dtype} (BYTES/string); "
+                f"{spec.name}: {value.dtype} (BYTES/string) data for a {spec.datatype} tensor; "
                 "convert it explicitly (no silent casts)"
             )
         elif value.dtype != spec.dtype:
