@@ -581,17 +581,17 @@ class TritonShmClient:
         pool = self.pool(model)
         checked = self._check(layout, inputs)
         wanted = self._wanted_outputs(layout, outputs)
+        # GPU data (a CUDA pool, or device inputs) never goes over host gRPC because it is small.
+        on_gpu = pool.memory == "cuda" or checked.on_device
+        threshold = self.config.pool_for(model).shm_threshold(over_http=self._http is not None, cuda=on_gpu)
+        if checked.nbytes < threshold:
+            return InferResult(self._call_grpc(model, checked, wanted), "grpc")
         overflow = bytes_overflow(layout, checked)
         if overflow is not None:  # a string longer than a slot's per-element bound
             if not self.config.grpc_fallback:
                 safely(self._observer.error, model, "InputError")
                 raise InputError(f"{overflow}, or set ClientConfig.grpc_fallback")
             self._note_fallback(model, overflow)
-            return InferResult(self._call_grpc(model, checked, wanted), "grpc")
-        # GPU data (a CUDA pool, or device inputs) never goes over host gRPC because it is small.
-        on_gpu = pool.memory == "cuda" or checked.on_device
-        threshold = self.config.pool_for(model).shm_threshold(over_http=self._http is not None, cuda=on_gpu)
-        if checked.nbytes < threshold:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
         try:
             return self._infer_shm(model, checked, wanted, self._lease_timeout(model, timeout), copy)

@@ -7,6 +7,7 @@ Against the real embedded Triton serving ``deployments/models`` (``strings``: BY
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import urllib.request
@@ -102,6 +103,12 @@ def test_element_at_the_bound_fits_one_byte_over_falls_back(
         with strict.infer_views("strings", {"TEXT": over}):
             pass
     assert _free(fallback, "strings") and _free(strict, "strings")
+    # A request below min_shm_bytes goes over gRPC anyway: a long element is no error there.
+    small = dataclasses.replace(default_pools()["strings"], min_shm_bytes=1 << 20)
+    below = make_client(pools={"strings": small})
+    result = below.infer("strings", {"TEXT": over})
+    assert result.path == "grpc"
+    _check(result, over)
 
 
 def test_bytes_output_larger_than_its_region(make_client: Callable[..., TritonShmClient]) -> None:
