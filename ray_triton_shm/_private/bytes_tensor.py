@@ -19,7 +19,7 @@ import struct
 
 import numpy as np
 
-from ray_triton_shm.errors import TritonCallError
+from ray_triton_shm.errors import InputError, TritonCallError
 
 _LENGTH = struct.Struct("<I")
 PREFIX_BYTES = _LENGTH.size
@@ -37,21 +37,26 @@ def serialize_into(target: np.ndarray, items: np.ndarray) -> int:
 
     Args:
         target: A writable flat ``uint8`` array (a slot's input region).
-        items: An object array of ``bytes`` (any shape; row-major order).
+        items: An array of ``bytes`` (``str`` is encoded as UTF-8), any shape, row-major order.
 
     Returns:
         The serialised size in bytes.
 
     Raises:
-        ValueError: The elements do not fit ``target`` (callers check sizes first).
+        InputError: An element is neither ``bytes`` nor ``str``, or the elements
+            do not fit ``target`` (callers check sizes first).
     """
     view = memoryview(target).cast("B")
     cursor = 0
     for item in items.flat:
+        if isinstance(item, str):
+            item = item.encode("utf-8")
+        elif not isinstance(item, (bytes, bytearray, memoryview)):
+            raise InputError(f"a BYTES tensor takes bytes or str elements, got {type(item).__name__}")
         size = len(item)
         end = cursor + PREFIX_BYTES + size
         if end > len(view):
-            raise ValueError(f"{end} bytes of BYTES elements do not fit {len(view)} bytes")
+            raise InputError(f"{end} bytes of BYTES elements do not fit their {len(view)} byte region")
         _LENGTH.pack_into(view, cursor, size)
         view[cursor + PREFIX_BYTES : end] = item
         cursor = end

@@ -555,7 +555,7 @@ class Lease:
 
         Raises:
             LeaseReleasedError / PoolClosedError: The lease ended or its pool was closed.
-            ValueError: BYTES elements that do not fit the region (checked before).
+            InputError: BYTES elements that are not bytes/str or do not fit the region.
         """
         self._check_live()
         spec = self.layout.input(name)

@@ -51,9 +51,14 @@ def test_serialize_into_writes_tritons_form() -> None:
     assert (region[size:] == 0xAB).all()  # nothing past the serialised size is touched
 
 
-def test_serialize_into_refuses_what_does_not_fit() -> None:
-    with pytest.raises(ValueError, match="do not fit"):
+def test_serialize_into_refuses_what_does_not_fit_and_encodes_str() -> None:
+    with pytest.raises(InputError, match="do not fit"):
         serialize_into(np.zeros(8, np.uint8), np.array([b"12345"], dtype=object))
+    with pytest.raises(InputError, match="bytes or str"):
+        serialize_into(np.zeros(8, np.uint8), np.array([3], dtype=object))
+    region = np.zeros(16, np.uint8)
+    assert serialize_into(region, np.array(["é"])) == 6
+    assert region[:6].tobytes() == _triton_form(["é".encode()])
 
 
 def test_parse_reads_tritons_form_and_copies() -> None:

@@ -231,3 +231,25 @@ def test_bytes_model_through_handle_http_and_ray_data(serve_app):
     # 50 rows in batches of 8 (Ray Data may cut them differently, but into 7 at least).
     final = _wait_for_traffic(after_http, 7)
     assert final.get("grpc", 0) == start.get("grpc", 0)  # no strings request went over gRPC
+
+
+def test_bytes_through_node_client(serve_app):
+    """NodeClient (the driver, on the app's node Triton): BYTES through the node's slots."""
+    import asyncio
+
+    from ray_triton_shm import InputError
+    from ray_triton_shm.node import NodeClient
+
+    texts = np.array([["héllo", "", "x\x00y"]], dtype=object)
+    with NodeClient() as client:
+        result = client.infer("strings", {"TEXT": texts})
+        assert result.path == "shm"
+        assert result["UPPER"].tolist() == [["HéLLO".encode(), b"", b"X\x00Y"]]
+        assert result["LENGTH"].tolist() == [[6, 0, 3]]
+        result = asyncio.run(client.ainfer("strings", {"TEXT": texts.astype(str)}))
+        assert result.path == "shm" and result["LENGTH"].tolist() == [[6, 0, 3]]
+        # The app's bound is 256 bytes; grpc_fallback is off by default: a typed error, nothing sent.
+        with pytest.raises(InputError, match="max_element_bytes"):
+            client.infer("strings", {"TEXT": np.array([["y" * 257]], dtype=object)})
+        stats = next(s for s in client.client.pool_stats() if s.model == "strings")
+        assert stats.busy == stats.pinned == stats.quarantined == 0
