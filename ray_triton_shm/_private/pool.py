@@ -515,8 +515,8 @@ class Lease:
             raise InputError(f"model {self.layout.model!r} has no input {name!r}")
         if spec.is_bytes:
             raise InputError(
-                f"{name} is a BYTES tensor: it cannot be filled in place; pass it to infer() "
-                "(or write_input), which serialises it into the slot"
+                f"{name} is a BYTES tensor: it cannot be filled in place; write_input() "
+                "(or infer()) serialises it into the slot"
             )
         array = self._array(spec, shape)
         self.input_shapes[name] = tuple(int(d) for d in shape)
@@ -551,7 +551,8 @@ class Lease:
         A CUDA array is copied to the host first: this is system memory.
         ``copier`` splits a large copy across threads. A BYTES input (an
         ``object`` array of ``bytes``) is serialised into the region in
-        Triton's form; its size is kept in :attr:`input_nbytes`.
+        Triton's form; its size is kept in :attr:`input_nbytes` and its shape
+        in :attr:`input_shapes` (so that ``client.run(lease)`` sends it).
 
         Raises:
             LeaseReleasedError / PoolClosedError: The lease ended or its pool was closed.
@@ -562,6 +563,7 @@ class Lease:
         if spec is not None and spec.is_bytes:
             # Serialised straight into the region; its size goes with the request.
             self.input_nbytes[name] = serialize_into(self.slot.arrays[name], value)
+            self.input_shapes[name] = tuple(value.shape)  # for run(), as input() does
             return tuple(value.shape)
         if not isinstance(value, np.ndarray):
             from ray_triton_shm._private.cuda import import_cupy

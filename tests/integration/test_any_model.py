@@ -80,6 +80,18 @@ def test_bytes_through_ainfer_views_and_split_batches(client: TritonShmClient) -
     assert _free(client, "strings")
 
 
+def test_bytes_through_lease_and_run(client: TritonShmClient) -> None:
+    texts = _texts()
+    with client.lease("strings") as lease:
+        with pytest.raises(InputError, match="BYTES"):
+            lease.input("TEXT", texts.shape)  # strings cannot be filled in place
+        lease.write_input("TEXT", np.array([[t.encode() for t in row] for row in texts], dtype=object))
+        outputs = client.run(lease)
+        _check(outputs, texts)
+        del outputs
+    assert _free(client, "strings")
+
+
 def test_element_at_the_bound_fits_one_byte_over_falls_back(
     make_client: Callable[..., TritonShmClient], caplog: pytest.LogCaptureFixture
 ) -> None:

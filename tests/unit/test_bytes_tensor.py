@@ -160,6 +160,7 @@ def test_lease_round_trip_through_a_slot(make_pool: Callable[..., SlotPool]) -> 
     with pool.acquire(1.0) as lease:
         assert lease.write_input("TEXT", checked.arrays["TEXT"]) == (2, 3)
         size = lease.input_nbytes["TEXT"]
+        assert lease.input_shapes == {"TEXT": (2, 3)}  # what client.run(lease) sends
         expected = _triton_form(list(checked.arrays["TEXT"].flat))
         assert size == len(expected)
         assert lease.slot.arrays["TEXT"][:size].tobytes() == expected
