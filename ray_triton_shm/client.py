@@ -38,6 +38,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.bulk_copy import BulkCopier, default_copy_threads
+from ray_triton_shm._private.bytes_tensor import serialized_size
 from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES, call_error, region_unknown
 from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput, check_datatype
 from ray_triton_shm._private.layout import (
@@ -54,6 +55,7 @@ from ray_triton_shm._private.segment import check_span, redact
 from ray_triton_shm._private.validate import (
     CheckedInputs,
     bytes_nbytes,
+    bytes_overflow,
     check_inputs,
     check_signature_inputs,
 )
@@ -335,9 +337,10 @@ class TritonShmClient:
         )
         self._observer: Observer = observer or NULL_OBSERVER
         self._pools: dict[str, SlotPool] = {}
-        # Models without a slot layout (BYTES tensors, variable dims without maxima): why, per model.
+        # Models without a slot layout (variable dims without maxima, BYTES in CUDA pools): why, per model.
         self._no_layout: dict[str, str] = {}
         self._signatures: dict[str, ModelSignature] = {}
+        self._fallbacks: set[str] = set()  # models whose requests grpc_fallback sent over gRPC (logged once)
         self._lock = threading.Lock()
         self._model_locks: dict[str, threading.Lock] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -550,13 +553,23 @@ class TritonShmClient:
             copy: ``False`` returns read-only views into the slot when the batch
                 fits one slot: the slot is not reused while any of them is alive.
                 For outputs that go straight to a serializer (a Ray Serve
-                replica's return value), which copies them anyway.
+                replica's return value), which copies them anyway. BYTES
+                outputs are always copied out (parsed into ``object`` arrays).
+
+        BYTES (STRING) inputs take numpy arrays of ``bytes``/``str`` (``object``,
+        ``S`` or ``U`` dtypes) and are serialised into the slot (Triton's form,
+        4-byte length prefixes); BYTES outputs come back as ``object`` arrays of
+        ``bytes``. An input element longer than ``PoolConfig.max_element_bytes``,
+        or a BYTES output larger than its region, goes over plain gRPC when
+        ``ClientConfig.grpc_fallback`` is on (``path == "grpc"``, the reason
+        logged once per model).
 
         Returns:
             Outputs by name; ``.path`` says whether shm or plain gRPC was used.
 
         Raises:
-            InputError: Inputs do not match the model; nothing was sent.
+            InputError: Inputs do not match the model, or a BYTES element is longer
+                than a slot holds and ``grpc_fallback`` is off; nothing was sent.
             PoolTimeoutError: No slot became free in time.
             OutputTooLargeError: An output does not fit its slot and ``grpc_fallback`` is off.
             TritonCallError / UnavailableError: The server refused or is gone.
@@ -573,16 +586,31 @@ class TritonShmClient:
         threshold = self.config.pool_for(model).shm_threshold(over_http=self._http is not None, cuda=on_gpu)
         if checked.nbytes < threshold:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
+        overflow = bytes_overflow(layout, checked)
+        if overflow is not None:  # a string longer than a slot's per-element bound
+            if not self.config.grpc_fallback:
+                safely(self._observer.error, model, "InputError")
+                raise InputError(f"{overflow}, or set ClientConfig.grpc_fallback")
+            self._note_fallback(model, overflow)
+            return InferResult(self._call_grpc(model, checked, wanted), "grpc")
         try:
             return self._infer_shm(model, checked, wanted, self._lease_timeout(model, timeout), copy)
         except OutputTooLargeError as e:
             if not self.config.grpc_fallback:
                 raise
-            logger.warning("%s; sending it over plain gRPC", e)
+            self._note_fallback(model, str(e))
             result = self._call_grpc(model, checked, wanted)
             if pool.memory == "cuda":  # outputs of a CUDA pool are cupy arrays, whichever way they came
                 result = _to_device(result, pool)
             return InferResult(result, "grpc")
+
+    def _note_fallback(self, model: str, reason: str) -> None:
+        """Log why a request of ``model`` goes over plain gRPC: a warning the first time per model."""
+        with self._lock:
+            first = model not in self._fallbacks
+            self._fallbacks.add(model)
+        level = logging.WARNING if first else logging.DEBUG
+        logger.log(level, "model %r: request sent over plain gRPC (grpc_fallback): %s", model, reason)
 
     def _infer_shm(
         self, model: str, checked: CheckedInputs, wanted: list[str], lease_timeout: float, copy: bool = True
@@ -648,10 +676,12 @@ class TritonShmClient:
         """Run ``model`` and yield zero-copy, read-only views of its outputs.
 
         The views are valid inside the ``with`` block; the slot is not reused
-        while any of them is alive. The batch must fit one slot.
+        while any of them is alive. The batch must fit one slot. BYTES outputs
+        are parsed out of the slot instead (``object`` arrays, copies).
 
         Raises:
-            InputError: Inputs do not match, or the batch is larger than a slot.
+            InputError: Inputs do not match, the batch is larger than a slot, or
+                a BYTES element is longer than a slot holds.
             PoolTimeoutError / TritonCallError: As for :meth:`infer`.
         """
         layout = self.layout(model)
@@ -662,6 +692,9 @@ class TritonShmClient:
                 "use infer() to split it"
             )
         wanted = self._wanted_outputs(layout, outputs)
+        overflow = bytes_overflow(layout, checked)
+        if overflow is not None:
+            raise InputError(f"{overflow}; or use infer() with ClientConfig.grpc_fallback")
         with self.lease(model, timeout) as lease:
             shapes = self._write_and_call(lease, checked, (0, checked.batch), wanted)
             yield {name: lease.output(name, shape) for name, shape in shapes.items()}
@@ -781,7 +814,12 @@ class TritonShmClient:
         nbytes_in = 0
         for spec in layout.inputs:
             shape = tuple(shapes[spec.name])
-            nbytes = math.prod(shape) * spec.dtype.itemsize
+            if spec.is_bytes:
+                if spec.name not in lease.input_nbytes:
+                    raise InputError(f"{spec.name}: a BYTES input must be written with write_input")
+                nbytes = lease.input_nbytes[spec.name]  # Triton's serialised size, exactly
+            else:
+                nbytes = math.prod(shape) * spec.dtype.itemsize
             if nbytes > spec.capacity:
                 raise InputError(f"{spec.name}: {nbytes} bytes do not fit its {spec.capacity} byte slot")
             check_span(region, size, base + spec.offset, nbytes)
@@ -814,9 +852,7 @@ class TritonShmClient:
                     self.verify_layout(layout)  # a reloaded model: a typed error, not a puzzle
                 raise
         seconds = time.perf_counter() - started
-        nbytes = nbytes_in + sum(
-            math.prod(shape) * layout.output(name).dtype.itemsize for name, shape in shapes_out.items()
-        )
+        nbytes = nbytes_in + sum(_output_nbytes(lease, name, shape) for name, shape in shapes_out.items())
         path = "cuda_shm" if lease.pool.memory == "cuda" else "shm"
         safely(self._observer.request, layout.model, path, nbytes, seconds)
         return shapes_out
@@ -883,6 +919,14 @@ class TritonShmClient:
         )
         safely(self._observer.request, model, "grpc", nbytes, seconds)
         return outputs
+
+
+def _output_nbytes(lease: Lease, name: str, shape: tuple[int, ...]) -> int:
+    """Bytes Triton wrote for output ``name`` (a BYTES output's serialised size)."""
+    spec = lease.layout.output(name)
+    if spec.is_bytes:
+        return serialized_size(lease.slot.arrays[name], math.prod(shape))
+    return math.prod(shape) * spec.dtype.itemsize
 
 
 def _to_device(outputs: dict[str, Any], pool: SlotPool) -> dict[str, Any]:

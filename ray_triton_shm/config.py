@@ -321,6 +321,9 @@ class ServerConfig:
         return ":".join(entries)
 
 
+# A BYTES element's length is a 4-byte unsigned integer in Triton's serialised form.
+_MAX_ELEMENT_BYTES = (1 << 32) - 1
+
 GRPC_MIN_SHM_BYTES = 64 * 1024
 """Below this, a shm request sent with tritonclient.grpc is slower than plain gRPC (docs/benchmarks.md)."""
 
@@ -335,6 +338,12 @@ class PoolConfig:
             ``max_batch_size``. May only lower it.
         max_shapes: For tensors with variable (-1) dims, the largest shape
             (without the batch dim) a slot must hold, by tensor name.
+        max_element_bytes: For BYTES (STRING) tensors, the longest element a
+            slot holds: each element gets ``4 + max_element_bytes`` bytes
+            (Triton's serialised form: a 4-byte length, then the bytes). A
+            request with a longer input element, or whose BYTES output does
+            not fit, goes over plain gRPC when ``ClientConfig.grpc_fallback``
+            is on, else fails with a typed error.
         lease_timeout_s: How long ``infer`` waits for a free slot.
         min_shm_bytes: Requests whose inputs are smaller than this go over
             plain gRPC, where shared memory does not pay; 0 always uses shm.
@@ -353,6 +362,7 @@ class PoolConfig:
     slots: int = env_field("SLOTS", 4)
     max_batch_size: int | None = None
     max_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    max_element_bytes: int = env_field("MAX_ELEMENT_BYTES", 256)
     lease_timeout_s: float = env_field("LEASE_TIMEOUT_S", 30.0)
     min_shm_bytes: int | None = env_field("MIN_SHM_BYTES", None, lambda s: int(s) if s.strip() else None)
     memory: str = env_field("MEMORY", "system")
@@ -367,6 +377,11 @@ class PoolConfig:
             _require_type(self, "device_id", int)
             _require(self.device_id >= 0, f"PoolConfig.device_id must be >= 0, got {self.device_id}")
         _require_type(self, "slots", int)
+        _require_type(self, "max_element_bytes", int)
+        _require(
+            1 <= self.max_element_bytes <= _MAX_ELEMENT_BYTES,
+            f"PoolConfig.max_element_bytes must be in 1..{_MAX_ELEMENT_BYTES}, got {self.max_element_bytes}",
+        )
         _require_type(self, "lease_timeout_s", (int, float))
         if self.min_shm_bytes is not None:
             _require_type(self, "min_shm_bytes", int)
@@ -442,8 +457,12 @@ class ClientConfig:
         shm_api_key: The key of a server whose shared-memory endpoints are
             protected (``TritonServer.shm_api_key``); sent when registering.
         grpc_fallback: When an output does not fit its slot (a variable-size
-            output larger than ``max_shapes`` allows), ``infer`` retries the
-            request over plain gRPC instead of raising ``OutputTooLargeError``.
+            output larger than ``max_shapes`` allows, or a BYTES output larger
+            than its region), ``infer`` retries the request over plain gRPC
+            instead of raising ``OutputTooLargeError``; a BYTES input element
+            longer than ``PoolConfig.max_element_bytes`` is sent over plain
+            gRPC instead of raising ``InputError``. The reason is logged once
+            per model.
         copy_threads: Threads that copy one large tensor (4 MB and more per
             thread) into or out of a system-memory slot; ``None`` uses the
             usable cores, at most 4; 1 copies on the calling thread only.

@@ -12,7 +12,7 @@ those methods:
   replica's :class:`NodeClient`; the outputs are read from the slots into the
   answer's ``raw_output_contents``, as Triton answers.
 * ``ModelInfer`` with a version, or for a model whose tensors cannot live in
-  slots (BYTES, unbounded dims), ``ServerLive``, ``ServerReady``,
+  slots (unbounded dims), ``ServerLive``, ``ServerReady``,
   ``ModelReady``, ``ModelMetadata``, ``ModelConfig``: passed to the node's
   Triton over loopback gRPC and answered with its answer (or its status code
   and message), so they are Triton's own. ``ServerMetadata`` is Triton's with
@@ -289,7 +289,7 @@ class KServeGrpcMixin:
                 return await self._call("ModelInfer", request, pb.ModelInferResponse, PROXY_TIMEOUT_S)
             try:
                 result = await self._client.ainfer(request.model_name, inputs, outputs=outputs, copy=False)
-            except LayoutError:  # tensors that cannot live in slots (BYTES, unbounded dims): Triton's
+            except LayoutError:  # tensors that cannot live in slots (unbounded dims): Triton's
                 return await self._call("ModelInfer", request, pb.ModelInferResponse, PROXY_TIMEOUT_S)
             version = await self._served_version(request.model_name)
             return encode_infer_response(request.model_name, version, request.id, result)

@@ -2,7 +2,9 @@
 
 A slot holds one batch of every input and output of one model; each tensor
 gets a 64-byte aligned region sized for the largest batch and shape the slot
-must accept, and whole slots are page aligned.
+must accept, and whole slots are page aligned. A BYTES (STRING) tensor's
+region holds its elements in Triton's serialised form, ``4 +
+PoolConfig.max_element_bytes`` bytes per element.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_triton_shm._private.bytes_tensor import PREFIX_BYTES
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import LayoutError
 
@@ -37,6 +40,7 @@ TRITON_TO_NUMPY: dict[str, np.dtype] = {
     "FP64": np.dtype(np.float64),
 }
 NUMPY_TO_TRITON = {v: k for k, v in TRITON_TO_NUMPY.items()}
+_RAW = np.dtype(np.uint8)
 
 
 def _align(value: int, to: int) -> int:
@@ -53,7 +57,10 @@ class TensorSpec:
         dims: Dims from the model config, without the batch dim; -1 is variable.
         max_dims: ``dims`` with every -1 replaced by its configured maximum.
         offset: Byte offset inside the slot.
-        capacity: Bytes reserved (batch capacity x max shape x item size).
+        capacity: Bytes reserved (batch capacity x max shape x item size;
+            for BYTES the item size is ``4 + element_bytes``).
+        element_bytes: For BYTES tensors, the longest element the region is
+            sized for (``PoolConfig.max_element_bytes``); 0 for other types.
     """
 
     name: str
@@ -62,10 +69,23 @@ class TensorSpec:
     max_dims: tuple[int, ...]
     offset: int
     capacity: int
+    element_bytes: int = 0
+
+    @property
+    def is_bytes(self) -> bool:
+        """Whether this is a BYTES (STRING) tensor, serialised in its region."""
+        return self.datatype == "BYTES"
 
     @property
     def dtype(self) -> np.dtype:
-        return TRITON_TO_NUMPY[self.datatype]
+        """The numpy dtype of the tensor's region: ``uint8`` (its raw serialised bytes) for BYTES."""
+        return _RAW if self.is_bytes else TRITON_TO_NUMPY[self.datatype]
+
+    @property
+    def max_elements(self) -> int:
+        """Elements the region holds at most (batch capacity x max shape)."""
+        item = PREFIX_BYTES + self.element_bytes if self.is_bytes else self.dtype.itemsize
+        return self.capacity // item
 
 
 @dataclass(frozen=True)
@@ -99,18 +119,18 @@ class ModelLayout:
 
 
 def _tensor_entries(
-    config: Mapping[str, Any], key: str, model: str
+    config: Mapping[str, Any], key: str, model: str, pool: PoolConfig
 ) -> list[tuple[str, str, tuple[int, ...]]]:
     entries = []
     for tensor in config.get(key, []):
         name = tensor["name"]
-        datatype = str(tensor["data_type"]).removeprefix("TYPE_")
-        if datatype == "STRING":
+        datatype = protocol_datatype(tensor["data_type"])
+        if datatype == "BYTES" and pool.memory == "cuda":
             raise LayoutError(
-                f"model {model!r} tensor {name!r} is BYTES/STRING: variable-length strings "
-                "are not supported in shared-memory slots; call this model over plain gRPC"
+                f"model {model!r} tensor {name!r} is BYTES/STRING: strings are not placed in "
+                "GPU memory (PoolConfig.memory='cuda'); use system memory or plain gRPC"
             )
-        if datatype not in TRITON_TO_NUMPY:
+        if datatype not in TRITON_TO_NUMPY and datatype != "BYTES":
             raise LayoutError(f"model {model!r} tensor {name!r} has unsupported type {datatype}")
         dims = tuple(int(d) for d in tensor.get("dims", []))
         entries.append((name, datatype, dims))
@@ -223,8 +243,9 @@ def layout_from_config(config: Mapping[str, Any], pool: PoolConfig) -> ModelLayo
         The layout.
 
     Raises:
-        LayoutError: BYTES tensors, a variable dim without a maximum, a maximum
-            that does not fit the dims, or a batch cap above the model's.
+        LayoutError: BYTES tensors in a CUDA pool, a variable dim without a
+            maximum, a maximum that does not fit the dims, or a batch cap above
+            the model's.
     """
     model = str(config.get("name", "?"))
     model_max_batch = int(config.get("max_batch_size", 0))
@@ -244,14 +265,16 @@ def layout_from_config(config: Mapping[str, Any], pool: PoolConfig) -> ModelLayo
         for name, datatype, dims in entries:
             known.add(name)
             max_dims = _max_dims(model, name, dims, pool.max_shapes.get(name))
-            nbytes = capacity * math.prod(max_dims) * TRITON_TO_NUMPY[datatype].itemsize
+            element = pool.max_element_bytes if datatype == "BYTES" else 0
+            item = PREFIX_BYTES + element if element else TRITON_TO_NUMPY[datatype].itemsize
+            nbytes = capacity * math.prod(max_dims) * item
             offset = _align(offset, TENSOR_ALIGN)
-            specs.append(TensorSpec(name, datatype, dims, max_dims, offset, nbytes))
+            specs.append(TensorSpec(name, datatype, dims, max_dims, offset, nbytes, element))
             offset += nbytes
         return tuple(specs)
 
-    inputs = place(_tensor_entries(config, "input", model))
-    outputs = place(_tensor_entries(config, "output", model))
+    inputs = place(_tensor_entries(config, "input", model, pool))
+    outputs = place(_tensor_entries(config, "output", model, pool))
     if not inputs or not outputs:
         raise LayoutError(f"model {model!r} declares no inputs or no outputs")
     unknown = set(pool.max_shapes) - known

@@ -135,7 +135,9 @@ class _NodeActor:
         if model_config is None:
             model_config = self._configs[model] = self._model_config(model)
         layout = layout_from_config(model_config, pool_config)
-        if device is None or not self._cuda_allowed(model_config, pool_config, force_cuda):
+        # Strings are host objects whatever the model runs on: BYTES models get system memory.
+        has_bytes = any(spec.is_bytes for spec in (*layout.inputs, *layout.outputs))
+        if device is None or has_bytes or not self._cuda_allowed(model_config, pool_config, force_cuda):
             self._pools.ensure_pool(model, layout, pool_config)
             return model
         key = pool_key(model, "cuda", device)

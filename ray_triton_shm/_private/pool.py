@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ray_triton_shm._private.bulk_copy import BulkCopier
+from ray_triton_shm._private.bytes_tensor import parse, serialize_into
 from ray_triton_shm._private.layout import ModelLayout, TensorSpec
 from ray_triton_shm._private.segment import Segment, new_segment_name
 from ray_triton_shm._private.slot_table import SlotTable
@@ -458,6 +459,8 @@ class Lease:
         self._released = False
         self._quarantine = False
         self.input_shapes: dict[str, tuple[int, ...]] = {}
+        # Serialised sizes of the BYTES inputs written by write_input.
+        self.input_nbytes: dict[str, int] = {}
 
     def __enter__(self) -> Lease:
         return self
@@ -510,6 +513,11 @@ class Lease:
         spec = self.layout.input(name)
         if spec is None:
             raise InputError(f"model {self.layout.model!r} has no input {name!r}")
+        if spec.is_bytes:
+            raise InputError(
+                f"{name} is a BYTES tensor: it cannot be filled in place; write_input() "
+                "(or infer()) serialises it into the slot"
+            )
         array = self._array(spec, shape)
         self.input_shapes[name] = tuple(int(d) for d in shape)
         return array
@@ -517,15 +525,21 @@ class Lease:
     def output(self, name: str, shape: Sequence[int]) -> np.ndarray:
         """A read-only view of output ``name`` with ``shape``.
 
+        A BYTES output is parsed out of the slot instead (an ``object`` array
+        of ``bytes``, a copy: strings cannot be viewed in place).
+
         Raises:
             InputError: Unknown name or a shape that does not fit.
             LeaseReleasedError: The lease has ended.
             PoolClosedError: The pool was closed.
+            TritonCallError: A BYTES output's lengths run past its region.
         """
         self._check_live()
         spec = self.layout.output(name)
         if spec is None:
             raise InputError(f"model {self.layout.model!r} has no output {name!r}")
+        if spec.is_bytes:
+            return self._parse_bytes(spec, shape)
         array = self._array(spec, shape)
         if isinstance(array, np.ndarray):  # device arrays (CUDA leases) have no read-only flag
             array.flags.writeable = False
@@ -535,12 +549,22 @@ class Lease:
         """Copy ``value`` (validated already) into input ``name``'s region; return its shape.
 
         A CUDA array is copied to the host first: this is system memory.
-        ``copier`` splits a large copy across threads.
+        ``copier`` splits a large copy across threads. A BYTES input (an
+        ``object`` array of ``bytes``) is serialised into the region in
+        Triton's form; its size is kept in :attr:`input_nbytes` and its shape
+        in :attr:`input_shapes` (so that ``client.run(lease)`` sends it).
 
         Raises:
             LeaseReleasedError / PoolClosedError: The lease ended or its pool was closed.
+            InputError: BYTES elements that are not bytes/str or do not fit the region.
         """
         self._check_live()
+        spec = self.layout.input(name)
+        if spec is not None and spec.is_bytes:
+            # Serialised straight into the region; its size goes with the request.
+            self.input_nbytes[name] = serialize_into(self.slot.arrays[name], value)
+            self.input_shapes[name] = tuple(value.shape)  # for run(), as input() does
+            return tuple(value.shape)
         if not isinstance(value, np.ndarray):
             from ray_triton_shm._private.cuda import import_cupy
 
@@ -557,14 +581,22 @@ class Lease:
 
         Raises:
             LeaseReleasedError / PoolClosedError: The lease ended or its pool was closed.
+            TritonCallError: A BYTES output's lengths run past its region.
         """
         self._check_live()
+        spec = self.layout.output(name)
+        if spec is not None and spec.is_bytes:
+            return self._parse_bytes(spec, shape)
         view = self.slot.arrays[name][: math.prod(shape)].reshape(shape)
         if copier is None:
             return np.array(view)
         out = np.empty(view.shape, view.dtype)
         copier.copy(out, view)
         return out
+
+    def _parse_bytes(self, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
+        count = _check_shape(spec, shape, self.layout.batched, self.layout.batch_capacity)
+        return parse(self.slot.arrays[spec.name], count, self.layout.model).reshape(tuple(shape))
 
     def flush(self) -> None:
         """Make written inputs visible to the server before a call (nothing to do for system memory)."""
@@ -583,6 +615,7 @@ class Lease:
             return
         self._released = True
         self.input_shapes = {}
+        self.input_nbytes = {}
         anchor, self._anchor = self._anchor, None
         ref = weakref.ref(anchor, self.pool._views_gone) if anchor is not None else None
         del anchor

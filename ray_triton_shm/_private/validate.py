@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_triton_shm._private.bytes_tensor import longest_element
 from ray_triton_shm._private.cuda import as_cupy, is_device_array
 from ray_triton_shm._private.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY, ModelLayout, ModelSignature
 from ray_triton_shm.errors import InputError
@@ -48,10 +49,15 @@ def check_inputs(layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInput
     Returns:
         The checked inputs.
 
+    BYTES inputs take numpy arrays of ``bytes``/``str`` (``object``, ``S`` or
+    ``U`` dtypes) and are returned as ``object`` arrays of ``bytes``; whether
+    their elements fit the slot is :func:`bytes_overflow`'s question.
+
     Raises:
-        InputError: Not a mapping, unknown or missing names, BYTES/object
-            arrays, wrong dtype, rank or shape, inconsistent batch sizes, an
-            empty batch, or a tensor too big for a slot.
+        InputError: Not a mapping, unknown or missing names, wrong dtype (strings
+            for a numeric tensor, or not bytes/str for a BYTES one), rank or
+            shape, inconsistent batch sizes, an empty batch, or a tensor too
+            big for a slot.
     """
     if not isinstance(inputs, Mapping):
         raise InputError(f"inputs must be a mapping of name to array, got {type(inputs).__name__}")
@@ -68,7 +74,11 @@ def check_inputs(layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInput
     nbytes = 0
     for spec in layout.inputs:
         value = inputs[spec.name]
-        if not isinstance(value, np.ndarray):
+        if spec.is_bytes:
+            if is_device_array(value):
+                raise InputError(f"{spec.name}: a BYTES tensor takes host arrays of bytes or str")
+            value = as_bytes_array(spec.name, value)
+        elif not isinstance(value, np.ndarray):
             if is_device_array(value):
                 # Stays on the GPU: a zero-copy cupy view (raises CudaUnavailableError without cupy).
                 value = as_cupy(value)
@@ -79,12 +89,14 @@ def check_inputs(layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInput
                 )
             else:
                 value = np.asarray(value)
-        if value.dtype.kind in "OSUV":
+        if spec.is_bytes:
+            pass  # bytes elements by construction
+        elif value.dtype.kind in "OSUV":
             raise InputError(
-                f"{spec.name}: {value.dtype} (BYTES/string) tensors are not supported over shared "
-                "memory; send them with plain gRPC"
+                f"{spec.name}: {value.dtype} (BYTES/string) data for a {spec.datatype} tensor; "
+                "convert it explicitly (no silent casts)"
             )
-        if value.dtype != spec.dtype:
+        elif value.dtype != spec.dtype:
             raise InputError(
                 f"{spec.name}: expected dtype {_describe(spec.dtype)}, got {_describe(value.dtype)}; "
                 "convert it explicitly (no silent casts)"
@@ -107,13 +119,29 @@ def check_inputs(layout: ModelLayout, inputs: Mapping[str, Any]) -> CheckedInput
         if layout.batched:
             batches.add(value.shape[0])
         arrays[spec.name] = value
-        nbytes += value.nbytes
+        nbytes += bytes_nbytes(value) if spec.is_bytes else value.nbytes
     if len(batches) > 1:
         raise InputError(f"inputs of {layout.model!r} have different batch sizes: {sorted(batches)}")
     batch = batches.pop() if batches else 1
     if batch < 1 or any(a.size == 0 for a in arrays.values()):
         raise InputError(f"inputs of {layout.model!r} are empty")
     return CheckedInputs(arrays=arrays, batch=batch, nbytes=nbytes, on_device=on_device)
+
+
+def bytes_overflow(layout: ModelLayout, checked: CheckedInputs) -> str | None:
+    """Why a BYTES input of ``checked`` does not fit ``layout``'s slots, or ``None`` if all fit.
+
+    An element may be at most ``max_element_bytes`` long (the bound the slot was sized for).
+    """
+    for spec in layout.inputs:
+        if spec.is_bytes:
+            longest = longest_element(checked.arrays[spec.name])
+            if longest > spec.element_bytes:
+                return (
+                    f"{spec.name}: an element of {longest} bytes is longer than the "
+                    f"{spec.element_bytes} bytes a slot holds per element; raise PoolConfig.max_element_bytes"
+                )
+    return None
 
 
 def as_bytes_array(name: str, value: Any) -> np.ndarray:

@@ -30,10 +30,12 @@ MODEL_REPOSITORY = REPO_ROOT / "deployments" / "models"
 NATIVE_MODEL_REPOSITORY = REPO_ROOT / "deployments" / "native_models"
 # Largest length of the variable dim of `identity` a slot of the default pools holds (float32 elements).
 IDENTITY_MAX = 1 << 20
+# Longest string element a slot of the default `strings` pool holds.
+STRINGS_BOUND = 16
 
 
 def default_pools() -> dict[str, PoolConfig]:
-    """Pools of the ``client`` fixture: small slots for the variable-size models, one slot for ``sleep``."""
+    """Pools of the ``client`` fixture: small slots for variable-size and BYTES models, one for ``sleep``."""
     return {
         "identity": PoolConfig(
             slots=2,
@@ -48,6 +50,14 @@ def default_pools() -> dict[str, PoolConfig]:
         ),
         "whoami": PoolConfig(slots=1, max_batch_size=2, max_shapes={"INPUT0": (1024,), "OUTPUT0": (1024,)}),
         "sleep": PoolConfig(slots=1),
+        # BYTES in and out: 4 strings per row of at most STRINGS_BOUND bytes; shm at every size.
+        "strings": PoolConfig(
+            slots=2,
+            max_batch_size=2,
+            max_shapes={"TEXT": (4,), "UPPER": (4,), "LENGTH": (4,)},
+            max_element_bytes=STRINGS_BOUND,
+            min_shm_bytes=0,
+        ),
     }
 
 

@@ -1,4 +1,4 @@
-"""Models without a fixed slot layout still work: BYTES tensors, reshape, variable dims without maxima.
+"""Every model works: BYTES tensors through shared memory, reshape, variable dims without maxima.
 
 Against the real embedded Triton serving ``deployments/models`` (``strings``: BYTES in and out;
 ``reshape``: dims differ from what the model sees).
@@ -7,16 +7,20 @@ Against the real embedded Triton serving ``deployments/models`` (``strings``: BY
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import urllib.request
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from ray_triton_shm import InputError, TritonServer, TritonShmClient
+from ray_triton_shm import InputError, OutputTooLargeError, PoolConfig, TritonServer, TritonShmClient
 from ray_triton_shm._private import kserve
+
+from .conftest import STRINGS_BOUND, default_pools
 
 
 def _texts() -> np.ndarray:
@@ -29,31 +33,140 @@ def _expected(texts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return upper, length
 
 
-def test_bytes_model_through_infer_goes_over_grpc_and_says_why(
-    client: TritonShmClient, caplog: pytest.LogCaptureFixture
-) -> None:
-    texts = _texts()
+def _free(client: TritonShmClient, model: str) -> bool:
+    stats = next(s for s in client.pool_stats() if s.model == model)
+    return stats.busy == stats.pinned == stats.quarantined == 0 and stats.free == stats.slots
+
+
+def _check(result: dict, texts: np.ndarray) -> None:
     upper, length = _expected(texts)
-    with caplog.at_level(logging.WARNING, logger="ray_triton_shm.client"):
-        first = client.infer("strings", {"TEXT": texts})
-        second = client.infer("strings", {"TEXT": texts.astype(str)})  # numpy unicode works too
-    assert first.path == "grpc" and second.path == "grpc"
-    for result in (first, second):
-        assert result["UPPER"].dtype == object
-        assert result["UPPER"].tolist() == upper.tolist()
-        np.testing.assert_array_equal(result["LENGTH"], length)
-    reasons = [r.getMessage() for r in caplog.records if "'strings'" in r.getMessage()]
-    assert len(reasons) == 1 and "BYTES/STRING" in reasons[0]  # logged once per model
-    assert "BYTES/STRING" in (client.shm_unavailable_reason("strings") or "")
-    assert client.shm_unavailable_reason("add_sub") is None
+    assert result["UPPER"].dtype == object and result["UPPER"].shape == texts.shape
+    assert result["UPPER"].tolist() == upper.tolist()
+    assert result["LENGTH"].dtype == np.int32
+    np.testing.assert_array_equal(result["LENGTH"], length)
 
 
-def test_bytes_model_through_ainfer(client: TritonShmClient) -> None:
+def test_bytes_round_trip_through_shm(client: TritonShmClient) -> None:
+    texts = _texts()  # non-ASCII and empty strings
+    for given in (texts, texts.astype(str), np.array([[t.encode() for t in row] for row in texts])):
+        result = client.infer("strings", {"TEXT": given})  # object, numpy unicode (U), bytes (S)
+        assert result.path == "shm"
+        _check(result, texts)
+    assert client.shm_unavailable_reason("strings") is None
+    assert _free(client, "strings")
+
+
+def test_bytes_through_ainfer_views_and_split_batches(client: TritonShmClient) -> None:
     texts = np.array([[b"x\x00y", b"z"]], dtype=object)  # arbitrary bytes, NUL included
     result = asyncio.run(client.ainfer("strings", {"TEXT": texts}))
+    assert result.path == "shm"
+    assert result["UPPER"].tolist() == [[b"X\x00Y", b"Z"]] and result["LENGTH"].tolist() == [[3, 1]]
+    # copy=False and infer_views: BYTES outputs are parsed out (copies that pin nothing); the
+    # numeric LENGTH is a view into the slot as always, which stays pinned while it lives.
+    views = client.infer("strings", {"TEXT": texts}, copy=False)
+    assert views.path == "shm" and views["UPPER"].tolist() == [[b"X\x00Y", b"Z"]]
+    upper = views["UPPER"]
+    with client.infer_views("strings", {"TEXT": texts}) as out:
+        assert out["UPPER"].tolist() == [[b"X\x00Y", b"Z"]] and out["LENGTH"].tolist() == [[3, 1]]
+    del views, out
+    assert _free(client, "strings")
+    assert client.infer("strings", {"TEXT": np.array([[b"other", b"qq"]], dtype=object)}).path == "shm"
+    assert upper.tolist() == [[b"X\x00Y", b"Z"]]  # a copy: intact after its slot was reused
+    # A batch of 5 rows over slots of 2: split, run in several slots, joined.
+    rows = np.array([[f"r{i}", "é" * i, ""] for i in range(5)], dtype=object)
+    split = client.infer("strings", {"TEXT": rows})
+    assert split.path == "shm"
+    _check(split, rows)
+    assert _free(client, "strings")
+
+
+def test_bytes_through_lease_and_run(client: TritonShmClient) -> None:
+    texts = _texts()
+    with client.lease("strings") as lease:
+        with pytest.raises(InputError, match="BYTES"):
+            lease.input("TEXT", texts.shape)  # strings cannot be filled in place
+        lease.write_input("TEXT", np.array([[t.encode() for t in row] for row in texts], dtype=object))
+        outputs = client.run(lease)
+        _check(outputs, texts)
+        del outputs
+    assert _free(client, "strings")
+
+
+def test_element_at_the_bound_fits_one_byte_over_falls_back(
+    make_client: Callable[..., TritonShmClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    at_bound = np.array([["é" * (STRINGS_BOUND // 2), "a"]], dtype=object)  # 16 bytes of UTF-8
+    over = np.array([["b" * (STRINGS_BOUND + 1), "a"]], dtype=object)
+    fallback = make_client(pools=default_pools(), grpc_fallback=True)
+    result = fallback.infer("strings", {"TEXT": at_bound})
+    assert result.path == "shm"
+    _check(result, at_bound)
+    with caplog.at_level(logging.WARNING, logger="ray_triton_shm.client"):
+        for _ in range(2):
+            result = fallback.infer("strings", {"TEXT": over})
+            assert result.path == "grpc"
+            _check(result, over)
+    reasons = [r.getMessage() for r in caplog.records if "'strings'" in r.getMessage()]
+    assert len(reasons) == 1 and "17 bytes" in reasons[0]  # logged once per model
+    strict = make_client(pools=default_pools())
+    with pytest.raises(InputError, match="max_element_bytes"):
+        strict.infer("strings", {"TEXT": over})
+    with pytest.raises(InputError, match="max_element_bytes"):
+        with strict.infer_views("strings", {"TEXT": over}):
+            pass
+    assert _free(fallback, "strings") and _free(strict, "strings")
+    # A request below min_shm_bytes goes over gRPC anyway: a long element is no error there.
+    small = dataclasses.replace(default_pools()["strings"], min_shm_bytes=1 << 20)
+    below = make_client(pools={"strings": small})
+    result = below.infer("strings", {"TEXT": over})
     assert result.path == "grpc"
-    assert result["UPPER"].tolist() == [[b"X\x00Y", b"Z"]]
-    assert result["LENGTH"].tolist() == [[3, 1]]
+    _check(result, over)
+
+
+def test_bytes_output_larger_than_its_region(make_client: Callable[..., TritonShmClient]) -> None:
+    # UPPER's region holds one element per row, TEXT's four: four strings come back too large.
+    small = {
+        "strings": PoolConfig(
+            slots=1,
+            max_batch_size=1,
+            max_shapes={"TEXT": (4,), "UPPER": (1,), "LENGTH": (4,)},
+            max_element_bytes=STRINGS_BOUND,
+            min_shm_bytes=0,
+        )
+    }
+    texts = np.array([["abcdefgh"] * 4], dtype=object)
+    strict = make_client(pools=small)
+    with pytest.raises(OutputTooLargeError):
+        strict.infer("strings", {"TEXT": texts})
+    assert _free(strict, "strings")
+    fits = strict.infer("strings", {"TEXT": texts[:, :1]})  # one element fits: still shm
+    assert fits.path == "shm"
+    _check(fits, texts[:, :1])
+    fallback = make_client(pools=small, grpc_fallback=True)
+    result = fallback.infer("strings", {"TEXT": texts})
+    assert result.path == "grpc"
+    _check(result, texts)
+    assert _free(fallback, "strings")
+
+
+def test_bytes_in_cuda_pools_go_over_grpc_and_say_why(
+    make_client: Callable[..., TritonShmClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    shapes = {"TEXT": (4,), "UPPER": (4,), "LENGTH": (4,)}
+    cuda = make_client(pools={"strings": PoolConfig(memory="cuda", max_shapes=shapes)})
+    texts = _texts()
+    with caplog.at_level(logging.WARNING, logger="ray_triton_shm.client"):
+        first = cuda.infer("strings", {"TEXT": texts})
+        second = cuda.infer("strings", {"TEXT": texts})
+    assert first.path == "grpc" and second.path == "grpc"
+    _check(first, texts)
+    reasons = [r.getMessage() for r in caplog.records if "'strings'" in r.getMessage()]
+    assert len(reasons) == 1 and "BYTES/STRING" in reasons[0]
+    assert "GPU memory" in (cuda.shm_unavailable_reason("strings") or "")
+    # Without max_shapes the variable dims have no bound: plain gRPC too, with that reason.
+    bare = make_client()
+    assert bare.infer("strings", {"TEXT": texts}).path == "grpc"
+    assert "variable dims" in (bare.shm_unavailable_reason("strings") or "")
 
 
 def test_infer_grpc_works_without_a_layout(client: TritonShmClient) -> None:

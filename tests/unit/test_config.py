@@ -497,6 +497,8 @@ def test_node_config_fingerprint_follows_what_triton_runs() -> None:
     for other in (
         config("/b", pools=base.pools),
         config(pools={"m": PoolConfig(slots=4), "n": PoolConfig(slots=3)}),
+        # Another BYTES bound is another slot layout: another node actor and pools.
+        config(pools={"m": PoolConfig(slots=2, max_element_bytes=1024), "n": PoolConfig(slots=3)}),
         config(pools=base.pools, idle_shutdown_s=None),
     ):
         assert other.fingerprint() != base.fingerprint()

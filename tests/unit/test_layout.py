@@ -162,10 +162,10 @@ def test_unknown_max_shape_names(multi_io_config: dict[str, Any], multi_io_shape
 
 
 @pytest.mark.parametrize("key", ["input", "output"])
-def test_string_tensor_refused(identity_config: dict[str, Any], key: str) -> None:
+def test_string_tensor_refused_in_cuda_pools(identity_config: dict[str, Any], key: str) -> None:
     identity_config[key][0]["data_type"] = "TYPE_STRING"
     with pytest.raises(LayoutError, match="BYTES/STRING"):
-        layout_from_config(identity_config, PoolConfig())
+        layout_from_config(identity_config, PoolConfig(memory="cuda"))
 
 
 def test_unsupported_type_refused(identity_config: dict[str, Any]) -> None:

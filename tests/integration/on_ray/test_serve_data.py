@@ -155,19 +155,50 @@ def test_ray_data_pandas_batches(serve_app):
         np.testing.assert_array_equal(row["OUTPUT0"], row["INPUT0"] + np.arange(16))
 
 
+def _strings_traffic() -> dict[str, int]:
+    """Requests of the ``strings`` model by path, as the node actor counts them (clients' reports)."""
+    import ray
+
+    from ray_triton_shm.node import get_node_actor
+
+    rows = ray.get(get_node_actor().status.remote())["traffic"]
+    return {row["path"]: row["requests"] for row in rows if row["model"] == "strings"}
+
+
+def _wait_for_traffic(start: dict[str, int], shm_at_least: int, timeout: float = 60.0) -> dict[str, int]:
+    """Wait until the node counted ``shm_at_least`` more shm requests of ``strings`` than ``start``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = _strings_traffic()
+        if now.get("shm", 0) - start.get("shm", 0) >= shm_at_least:
+            return now
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the node counted {now} after {start}; wanted {shm_at_least} more shm")
+        time.sleep(0.5)
+
+
 def test_bytes_model_through_handle_http_and_ray_data(serve_app):
-    """A BYTES (text) model through every entry point: it has no slot layout, so plain gRPC."""
+    """A BYTES (text) model through every entry point, all through the node's shared-memory slots.
+
+    The app's pools give ``strings`` a slot layout (``max_shapes``, ``max_element_bytes``):
+    the handle reports path ``shm``; the HTTP ingress and Ray Data are seen in the node's
+    traffic counts by path, where no ``strings`` request goes over gRPC.
+    """
     import ray
 
     from ray_triton_shm.data import TritonPredictor
 
     handle, address = serve_app
+    start = _strings_traffic()
     texts = np.array([["hello", "wörld"]], dtype=object)
     outputs, origin = handle.infer_with_origin.remote("strings", {"TEXT": texts}).result()
-    assert origin["path"] == "grpc"
+    assert origin["path"] == "shm"
     assert outputs["UPPER"].tolist() == [[b"HELLO", "wörld".encode().upper()]]
     assert outputs["LENGTH"].tolist() == [[5, 6]]
-    assert handle.infer.remote("strings", {"TEXT": texts}).result()["LENGTH"].tolist() == [[5, 6]]
+    # infer (copy=False in the replica): BYTES outputs are copies, numeric ones views, both arrive.
+    result = handle.infer.remote("strings", {"TEXT": texts}).result()
+    assert result["LENGTH"].tolist() == [[5, 6]] and result["UPPER"].tolist()[0][0] == b"HELLO"
+    after_handle = _wait_for_traffic(start, 2)
 
     client = httpclient.InferenceServerClient(address)
     for binary in (False, True):
@@ -179,6 +210,7 @@ def test_bytes_model_through_handle_http_and_ray_data(serve_app):
         upper = [u if isinstance(u, bytes) else u.encode() for u in result.as_numpy("UPPER").ravel()]
         assert upper == [b"HELLO", "wörld".encode().upper()]
         assert result.as_numpy("LENGTH").tolist() == [[5, 6]]
+    after_http = _wait_for_traffic(after_handle, 2)
 
     items = [{"TEXT": np.array([f"row{i}", "x" * (i % 5)], dtype=object)} for i in range(50)]
     rows = (
@@ -196,3 +228,28 @@ def test_bytes_model_through_handle_http_and_ray_data(serve_app):
     for row in rows:
         assert [t.upper() for t in row["TEXT"]] == [u.decode() for u in row["UPPER"]]
         assert row["LENGTH"].tolist() == [len(t) for t in row["TEXT"]]
+    # 50 rows in batches of 8 (Ray Data may cut them differently, but into 7 at least).
+    final = _wait_for_traffic(after_http, 7)
+    assert final.get("grpc", 0) == start.get("grpc", 0)  # no strings request went over gRPC
+
+
+def test_bytes_through_node_client(serve_app):
+    """NodeClient (the driver, on the app's node Triton): BYTES through the node's slots."""
+    import asyncio
+
+    from ray_triton_shm import InputError
+    from ray_triton_shm.node import NodeClient
+
+    texts = np.array([["héllo", "", "x\x00y"]], dtype=object)
+    with NodeClient() as client:
+        result = client.infer("strings", {"TEXT": texts})
+        assert result.path == "shm"
+        assert result["UPPER"].tolist() == [["HéLLO".encode(), b"", b"X\x00Y"]]
+        assert result["LENGTH"].tolist() == [[6, 0, 3]]
+        result = asyncio.run(client.ainfer("strings", {"TEXT": texts.astype(str)}))
+        assert result.path == "shm" and result["LENGTH"].tolist() == [[6, 0, 3]]
+        # The app's bound is 256 bytes; grpc_fallback is off by default: a typed error, nothing sent.
+        with pytest.raises(InputError, match="max_element_bytes"):
+            client.infer("strings", {"TEXT": np.array([["y" * 257]], dtype=object)})
+        stats = next(s for s in client.client.pool_stats() if s.model == "strings")
+        assert stats.busy == stats.pinned == stats.quarantined == 0
