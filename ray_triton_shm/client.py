@@ -559,17 +559,17 @@ class TritonShmClient:
         BYTES (STRING) inputs take numpy arrays of ``bytes``/``str`` (``object``,
         ``S`` or ``U`` dtypes) and are serialised into the slot (Triton's form,
         4-byte length prefixes); BYTES outputs come back as ``object`` arrays of
-        ``bytes``. An input element longer than ``PoolConfig.max_element_bytes``,
-        or a BYTES output larger than its region, goes over plain gRPC when
-        ``ClientConfig.grpc_fallback`` is on (``path == "grpc"``, the reason
-        logged once per model).
+        ``bytes``. A request with an input element longer than
+        ``PoolConfig.max_element_bytes`` goes over plain gRPC (``path ==
+        "grpc"``, the reason logged once per model): nothing was sent yet, so
+        this costs nothing. A BYTES output larger than its region is an
+        output that does not fit (below).
 
         Returns:
             Outputs by name; ``.path`` says whether shm or plain gRPC was used.
 
         Raises:
-            InputError: Inputs do not match the model, or a BYTES element is longer
-                than a slot holds and ``grpc_fallback`` is off; nothing was sent.
+            InputError: Inputs do not match the model; nothing was sent.
             PoolTimeoutError: No slot became free in time.
             OutputTooLargeError: An output does not fit its slot and ``grpc_fallback`` is off.
             TritonCallError / UnavailableError: The server refused or is gone.
@@ -587,10 +587,7 @@ class TritonShmClient:
         if checked.nbytes < threshold:
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
         overflow = bytes_overflow(layout, checked)
-        if overflow is not None:  # a string longer than a slot's per-element bound
-            if not self.config.grpc_fallback:
-                safely(self._observer.error, model, "InputError")
-                raise InputError(f"{overflow}, or set ClientConfig.grpc_fallback")
+        if overflow is not None:  # a string longer than a slot's per-element bound: nothing sent yet
             self._note_fallback(model, overflow)
             return InferResult(self._call_grpc(model, checked, wanted), "grpc")
         try:
@@ -610,7 +607,7 @@ class TritonShmClient:
             first = model not in self._fallbacks
             self._fallbacks.add(model)
         level = logging.WARNING if first else logging.DEBUG
-        logger.log(level, "model %r: request sent over plain gRPC (grpc_fallback): %s", model, reason)
+        logger.log(level, "model %r: request sent over plain gRPC: %s", model, reason)
 
     def _infer_shm(
         self, model: str, checked: CheckedInputs, wanted: list[str], lease_timeout: float, copy: bool = True
@@ -694,7 +691,7 @@ class TritonShmClient:
         wanted = self._wanted_outputs(layout, outputs)
         overflow = bytes_overflow(layout, checked)
         if overflow is not None:
-            raise InputError(f"{overflow}; or use infer() with ClientConfig.grpc_fallback")
+            raise InputError(f"{overflow}; infer() sends such requests over plain gRPC")
         with self.lease(model, timeout) as lease:
             shapes = self._write_and_call(lease, checked, (0, checked.batch), wanted)
             yield {name: lease.output(name, shape) for name, shape in shapes.items()}

@@ -459,10 +459,10 @@ class ClientConfig:
         grpc_fallback: When an output does not fit its slot (a variable-size
             output larger than ``max_shapes`` allows, or a BYTES output larger
             than its region), ``infer`` retries the request over plain gRPC
-            instead of raising ``OutputTooLargeError``; a BYTES input element
-            longer than ``PoolConfig.max_element_bytes`` is sent over plain
-            gRPC instead of raising ``InputError``. The reason is logged once
-            per model.
+            instead of raising ``OutputTooLargeError``. The reason is logged
+            once per model. (A BYTES input element longer than
+            ``PoolConfig.max_element_bytes`` goes over plain gRPC whatever
+            this says: that is known before anything is sent.)
         copy_threads: Threads that copy one large tensor (4 MB and more per
             thread) into or out of a system-memory slot; ``None`` uses the
             usable cores, at most 4; 1 copies on the calling thread only.

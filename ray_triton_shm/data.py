@@ -75,7 +75,9 @@ class TritonPredictor:
 
             node_config = build_node_config(model_repository, pools)
         self.model = model
-        self._client = NodeClient(node_config, slots_per_model=slots_per_model, memory=memory, kind="data")
+        self._client = NodeClient(
+            node_config, slots_per_model=slots_per_model, memory=memory, kind="data", grpc_fallback=True
+        )
         signature = self._client.client.signature(model)  # any model: BYTES ones go over gRPC
         self._inputs = dict(input_columns or {s.name: s.name for s in signature.inputs})
         self._outputs = dict(output_columns or {s.name: s.name for s in signature.outputs})

@@ -125,7 +125,10 @@ class TritonDeployment(KServeGrpcMixin):
     def __init__(
         self, node_config: NodeConfig, slots_per_model: int | None = None, memory: str = "system"
     ) -> None:
-        self._client = NodeClient(node_config, slots_per_model=slots_per_model, memory=memory, kind="serve")
+        # Outputs larger than their slot go over gRPC: the app answers whatever Triton answers.
+        self._client = NodeClient(
+            node_config, slots_per_model=slots_per_model, memory=memory, kind="serve", grpc_fallback=True
+        )
         self._versions: dict[str, tuple[float, str]] = {}  # model -> (expiry, version served)
         logger.info(
             "replica on node %s uses Triton %s", self._client.info.node_id, self._client.info.grpc_url

@@ -181,6 +181,9 @@ class NodeClient:
             runs on GPU; else system memory). See docs/cuda.md.
         device_id: For GPU memory: this process's GPU (default cupy's current one).
         kind: What this user is (``serve``, ``data``, ``client``), shown by ``status``.
+        grpc_fallback: ``ClientConfig.grpc_fallback`` of this client (``None``:
+            the environment's or the default, off). The Serve app and the Ray
+            Data predictor turn it on: they answer whatever Triton answers.
 
     Raises:
         ConfigError: Unknown ``memory``.
@@ -197,6 +200,7 @@ class NodeClient:
         memory: str = "system",
         device_id: int | None = None,
         kind: str = "client",
+        grpc_fallback: bool | None = None,
     ) -> None:
         if memory not in ("system", "cuda", "auto"):
             raise ConfigError(f"NodeClient memory must be system, cuda or auto, got {memory!r}")
@@ -211,6 +215,7 @@ class NodeClient:
         self._memory = memory
         self._device_id = device_id
         self._kind = kind
+        self._grpc_fallback = grpc_fallback
         if slots_per_model is not None and slots_per_model < 1:
             raise ConfigError(f"NodeClient slots_per_model must be >= 1 or None, got {slots_per_model!r}")
         self._config = config
@@ -261,15 +266,17 @@ class NodeClient:
         actor, info = attach(self._config, self._user_id, os.getpid(), self._kind)
         self._actor = actor
         config = self._config
-        timeout = (
+        extra: dict[str, Any] = (
             {} if isinstance(self._request_timeout, _Unset) else {"request_timeout_s": self._request_timeout}
         )
+        if self._grpc_fallback is not None:
+            extra["grpc_fallback"] = self._grpc_fallback
         client_config = ClientConfig(
             url=info.grpc_url,
             http_url=info.http_url,
             pools={m: self._pool_config(p) for m, p in (config.pools if config else {}).items()},
             default_pool=self._pool_config(config.default_pool if config else PoolConfig()),
-            **timeout,
+            **extra,
         )
         observer = metrics.RayMetricsObserver(actor)
         source = _GrantedPools(actor, self._slots, info, self._force_cuda)

@@ -95,26 +95,26 @@ def test_bytes_through_lease_and_run(client: TritonShmClient) -> None:
 def test_element_at_the_bound_fits_one_byte_over_falls_back(
     make_client: Callable[..., TritonShmClient], caplog: pytest.LogCaptureFixture
 ) -> None:
+    """An element over the bound is known before anything is sent: gRPC, whatever grpc_fallback says."""
     at_bound = np.array([["é" * (STRINGS_BOUND // 2), "a"]], dtype=object)  # 16 bytes of UTF-8
     over = np.array([["b" * (STRINGS_BOUND + 1), "a"]], dtype=object)
-    fallback = make_client(pools=default_pools(), grpc_fallback=True)
-    result = fallback.infer("strings", {"TEXT": at_bound})
+    strict = make_client(pools=default_pools())  # grpc_fallback off (the default)
+    assert not strict.config.grpc_fallback
+    result = strict.infer("strings", {"TEXT": at_bound})
     assert result.path == "shm"
     _check(result, at_bound)
     with caplog.at_level(logging.WARNING, logger="ray_triton_shm.client"):
         for _ in range(2):
-            result = fallback.infer("strings", {"TEXT": over})
+            result = strict.infer("strings", {"TEXT": over})
             assert result.path == "grpc"
             _check(result, over)
     reasons = [r.getMessage() for r in caplog.records if "'strings'" in r.getMessage()]
     assert len(reasons) == 1 and "17 bytes" in reasons[0]  # logged once per model
-    strict = make_client(pools=default_pools())
-    with pytest.raises(InputError, match="max_element_bytes"):
-        strict.infer("strings", {"TEXT": over})
+    # infer_views must hand out views of a slot: it cannot go over gRPC, so it says why.
     with pytest.raises(InputError, match="max_element_bytes"):
         with strict.infer_views("strings", {"TEXT": over}):
             pass
-    assert _free(fallback, "strings") and _free(strict, "strings")
+    assert _free(strict, "strings")
     # A request below min_shm_bytes goes over gRPC anyway: a long element is no error there.
     small = dataclasses.replace(default_pools()["strings"], min_shm_bytes=1 << 20)
     below = make_client(pools={"strings": small})

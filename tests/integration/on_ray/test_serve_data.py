@@ -232,6 +232,18 @@ def test_bytes_model_through_handle_http_and_ray_data(serve_app):
     final = _wait_for_traffic(after_http, 7)
     assert final.get("grpc", 0) == start.get("grpc", 0)  # no strings request went over gRPC
 
+    # An element longer than the app's bound (256 bytes) still gets Triton's answer: over gRPC.
+    long_text = np.array([["z" * 300]], dtype=object)
+    outputs, origin = handle.infer_with_origin.remote("strings", {"TEXT": long_text}).result()
+    assert origin["path"] == "grpc"
+    assert outputs["UPPER"].tolist() == [[b"Z" * 300]] and outputs["LENGTH"].tolist() == [[300]]
+    tensor = httpclient.InferInput("TEXT", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(long_text, binary_data=True)
+    wanted = [httpclient.InferRequestedOutput(n, binary_data=True) for n in ("UPPER", "LENGTH")]
+    result = client.infer("strings", [tensor], outputs=wanted)
+    assert result.as_numpy("UPPER").tolist() == [[b"Z" * 300]]
+    assert result.as_numpy("LENGTH").tolist() == [[300]]
+
 
 def test_bytes_through_node_client(serve_app):
     """NodeClient (the driver, on the app's node Triton): BYTES through the node's slots."""
@@ -248,8 +260,11 @@ def test_bytes_through_node_client(serve_app):
         assert result["LENGTH"].tolist() == [[6, 0, 3]]
         result = asyncio.run(client.ainfer("strings", {"TEXT": texts.astype(str)}))
         assert result.path == "shm" and result["LENGTH"].tolist() == [[6, 0, 3]]
-        # The app's bound is 256 bytes; grpc_fallback is off by default: a typed error, nothing sent.
-        with pytest.raises(InputError, match="max_element_bytes"):
-            client.infer("strings", {"TEXT": np.array([["y" * 257]], dtype=object)})
+        # The app's bound is 256 bytes: a longer element goes over gRPC, and says so.
+        result = client.infer("strings", {"TEXT": np.array([["y" * 257]], dtype=object)})
+        assert result.path == "grpc" and result["UPPER"].tolist() == [[b"Y" * 257]]
+        with pytest.raises(InputError, match="max_element_bytes"):  # views must live in a slot
+            with client.infer_views("strings", {"TEXT": np.array([["y" * 257]], dtype=object)}):
+                pass
         stats = next(s for s in client.client.pool_stats() if s.model == "strings")
         assert stats.busy == stats.pinned == stats.quarantined == 0
