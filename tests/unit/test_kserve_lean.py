@@ -11,14 +11,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import tracemalloc
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from starlette.requests import Request
 
 from ray_triton_shm._private import kserve, kserve_http
+from ray_triton_shm._private.pool import Lease, SlotPool
 from ray_triton_shm.errors import InputError
+from tests.unit.conftest import shm_path
 from tests.unit.test_kserve import BAD_REQUESTS
 
 PAYLOAD = 16 * 1024 * 1024
@@ -170,3 +175,101 @@ def test_scatter_refuses_more_bytes_than_the_spans_hold() -> None:
     scatter.feed(b"")
     with pytest.raises(InputError, match="longer"):
         scatter.feed(b"i")
+
+
+class _Triton:
+    """Stands in for the node's Triton (a unit test: no server): the identity, run in the slot."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        from ray_triton_shm.client import TritonShmClient
+        from ray_triton_shm.config import PoolConfig
+
+        self._pool = pool
+        self._recheck = False
+        self.runs = 0
+        self.client = SimpleNamespace(
+            _layout_or_none=lambda model: pool.layout,
+            pool=lambda model: pool,
+            _wanted_outputs=TritonShmClient._wanted_outputs,
+            config=SimpleNamespace(pool_for=lambda model: PoolConfig()),
+            _http=None,
+        )
+
+    async def alease(self, model: str) -> Lease:
+        return await self._pool.acquire_async(5.0)
+
+    async def arun(self, lease: Lease, outputs: list[str] | None) -> dict[str, np.ndarray]:
+        self.runs += 1
+        shape = lease.input_shapes["INPUT0"]
+        spec = lease.layout.output("OUTPUT0")
+        np.copyto(lease._array(spec, shape), lease.input("INPUT0", shape))  # Triton writes the output
+        return {"OUTPUT0": lease.output("OUTPUT0", shape)}
+
+    async def ainfer(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("the general path ran: the body was read whole")
+
+
+def _asgi_request(chunks: list[bytes], headers: dict[str, str]) -> Request:
+    messages = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
+    ]
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v2/models/identity/infer",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    return Request(scope, receive)
+
+
+def test_the_whole_http_inference_makes_one_copy_each_way(identity_config: dict) -> None:
+    """Chunks -> slot (no copy of ours beyond that), slot -> body (the one copy), the slot given back."""
+    from ray_triton_shm._private.layout import layout_from_config
+    from ray_triton_shm.config import PoolConfig
+
+    n = PAYLOAD // 4
+    identity_config["input"][0]["dims"] = ["-1"]
+    identity_config["output"][0]["dims"] = ["-1"]
+    layout = layout_from_config(
+        identity_config, PoolConfig(max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
+    )
+    pool = SlotPool.create(layout, 1)
+    try:
+        _, chunks, length, x = _request(n)
+        headers = {
+            "content-length": str(sum(map(len, chunks))),
+            "inference-header-content-length": str(length),
+        }
+        triton = _Triton(pool)
+
+        async def version(model: str) -> str:
+            return "1"
+
+        extra, response = _peak(
+            lambda: asyncio.run(
+                kserve_http.http_infer(triton, "identity", _asgi_request(chunks, headers), version)
+            )
+        )
+        assert triton.runs == 1
+        split = int(response.headers[kserve.HEADER_LENGTH])
+        answer = json.loads(response.body[:split])
+        assert answer["outputs"] == [
+            {
+                "name": "OUTPUT0",
+                "datatype": "FP32",
+                "shape": [1, n],
+                "parameters": {"binary_data_size": x.nbytes},
+            }
+        ]
+        assert response.body[split:] == x.tobytes()
+        assert extra < PAYLOAD + PAYLOAD // 4, f"{extra / PAYLOAD:.2f} payloads: a copy of ours came back"
+        del response
+        gc.collect()
+        assert pool.stats().busy == 0  # the slot went back
+    finally:
+        pool.close()
+    assert not os.path.exists(shm_path(pool.region_name))
