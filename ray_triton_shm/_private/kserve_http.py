@@ -143,6 +143,15 @@ def _fast_path_lengths(request: Request) -> tuple[int, int] | None:
     return header_length, int(text)
 
 
+def _pool_at_hand(client: Any, model: str) -> bool:
+    """Whether ``client`` has a live pool of ``model`` and nothing to look up first (no I/O needed)."""
+    try:
+        pool = None if getattr(client, "_recheck", False) else client.client._pools.get(model)
+    except RayTritonShmError:
+        return False
+    return pool is not None and not pool.retired
+
+
 def _shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
     """Whether ``client.ainfer`` would run ``decoded`` through one system-memory slot of ``model``.
 
@@ -194,7 +203,12 @@ async def http_infer(
                 planned = None  # the general path raises the same error
         if planned is not None and planned[1]:
             decoded, spans = planned
-            if await asyncio.to_thread(_shm_plan, client, model, decoded):
+            # With the model's pool at hand the check is a few microseconds: no thread hop then.
+            if (
+                _shm_plan(client, model, decoded)
+                if _pool_at_hand(client, model)
+                else (await asyncio.to_thread(_shm_plan, client, model, decoded))
+            ):
                 return await _infer_in_slot(client, model, decoded, spans, rest, stream, served_version)
     body = await request_body(request, prefix, stream)
     header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))

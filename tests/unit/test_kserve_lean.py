@@ -189,6 +189,7 @@ class _Triton:
         self.runs = 0
         self.client = SimpleNamespace(
             _layout_or_none=lambda model: pool.layout,
+            _pools={"identity": pool},
             pool=lambda model: pool,
             _wanted_outputs=TritonShmClient._wanted_outputs,
             config=SimpleNamespace(pool_for=lambda model: PoolConfig()),
