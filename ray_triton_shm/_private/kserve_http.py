@@ -133,9 +133,11 @@ async def _read_header(stream: AsyncIterator[bytes], length: int) -> tuple[list[
 def _fast_path_lengths(request: Request) -> tuple[int, int] | None:
     """(header length, body length) when the body can go straight into a slot, else ``None``."""
     encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
+    if encoding != "identity":  # the general path refuses a bad encoding before a bad header length
+        return None
     header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
     content_length = request.headers.get("content-length")
-    if encoding != "identity" or header_length is None or content_length is None:
+    if header_length is None or content_length is None:
         return None
     text = content_length.strip()
     if not (text.isdigit() and text.isascii()):
