@@ -9,6 +9,10 @@ body is never joined into one ``bytes``. The answer is built from views of the
 slot's outputs, copied once into the response body
 (:func:`~ray_triton_shm._private.kserve.encode_response`), before the slot goes back.
 
+The price: the slot is held while the tensor bytes arrive, not only during
+Triton's call, so a slow upload keeps a slot of the model busy that long
+(``slots_per_model`` and the pool size bound how many).
+
 Every other request (JSON tensors, BYTES data, a compressed body, a model
 without a slot layout, inputs the model refuses, a batch larger than one
 slot, a payload small enough to go over gRPC) takes the general path: the
