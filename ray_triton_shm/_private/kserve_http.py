@@ -173,6 +173,9 @@ def _shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
     layout = inner._layout_or_none(model)
     if layout is None:
         return False
+    # BYTES tensors (serialised in their regions where slots hold them) take the general path.
+    if any(spec.datatype == "BYTES" for spec in (*layout.inputs, *layout.outputs)):
+        return False
     try:
         pool = inner.pool(model)
         checked = check_inputs(layout, decoded.inputs)
