@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,13 +35,13 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ray_triton_shm._private import kserve
-from ray_triton_shm._private.cuda import to_host
+from ray_triton_shm._private import kserve, kserve_http
 from ray_triton_shm._private.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
+from ray_triton_shm._private.kserve_http import request_body as _request_body
 from ray_triton_shm._private.node_config import split_app_args
 from ray_triton_shm._private.repository import resolve_repositories
 from ray_triton_shm._private.segment import redact
-from ray_triton_shm.errors import InputError, RayTritonShmError
+from ray_triton_shm.errors import RayTritonShmError
 from ray_triton_shm.node import NodeClient, NodeConfig
 
 __all__ = [
@@ -238,17 +237,9 @@ class TritonDeployment(KServeGrpcMixin):
         return Response(answer, status_code=code, headers=answer_headers)
 
     async def _http_infer(self, model: str, request: Request) -> Response:
-        body = await _request_body(request)
-        header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
-        decoded = kserve.decode_request(body, header_length)
-        version = await self._served_version(model)
-        # Encoding the answer copies the outputs: read them straight from the slot, which stays
-        # pinned only until the answer is encoded (nothing awaited in between).
-        outputs = await self._client.ainfer(model, decoded.inputs, outputs=decoded.outputs, copy=False)
-        host = {name: to_host(value) for name, value in outputs.items()}
-        payload, headers = kserve.encode_response(model, decoded, host, version)
-        del outputs, host
-        return Response(payload, headers=headers)
+        # A binary request goes from Serve's chunks straight into a slot, its answer from the slot
+        # straight into the response body (see kserve_http).
+        return await kserve_http.http_infer(self._client, model, request, self._served_version)
 
     async def _served_version(self, model: str) -> str:
         """The version Triton runs for a request without one: its highest ready version (cached briefly)."""
@@ -306,24 +297,6 @@ def _triton_http(
         raise OSError(f"unreadable answer from Triton: {e}") from e
     finally:
         conn.close()
-
-
-async def _request_body(request: Request) -> bytes:
-    """The request body, inflated when the client compressed it (``Content-Encoding``).
-
-    Raises:
-        InputError: An unsupported encoding, or data that does not inflate.
-    """
-    body = await request.body()
-    encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
-    if encoding == "identity":
-        return body
-    if encoding not in ("gzip", "deflate"):
-        raise InputError(f"unsupported Content-Encoding {encoding!r}")
-    try:
-        return zlib.decompress(body, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    except zlib.error as e:
-        raise InputError(f"request body is not valid {encoding} data: {e}") from e
 
 
 def redact_bytes(data: bytes) -> bytes:

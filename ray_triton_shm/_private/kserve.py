@@ -215,6 +215,51 @@ def _refuse_shm(header: dict[str, Any]) -> None:
                 )
 
 
+@dataclass(frozen=True)
+class BinarySpan:
+    """Where a binary input's bytes lie in the request body (see :func:`plan_request`)."""
+
+    name: str
+    start: int
+    size: int
+
+
+class _NotPlannable(Exception):
+    """A request :func:`plan_request` cannot describe without its data (BYTES binary data)."""
+
+
+def plan_request(
+    header: bytes | memoryview, header_length: int, body_length: int
+) -> tuple[DecodedRequest, list[BinarySpan]] | None:
+    """Decode a binary-extension request from its JSON header alone, before its tensor data arrives.
+
+    Every check of :func:`decode_request` runs, in the same order, with the
+    body taken to be ``body_length`` bytes long. Binary inputs come back as
+    read-only placeholders of their dtype and shape (no memory behind them),
+    and the spans of the body that hold their bytes (one after another, to
+    the end of the body).
+
+    Args:
+        header: The first ``header_length`` bytes of the body.
+        header_length: Value of ``Inference-Header-Content-Length``.
+        body_length: Length of the whole body (``Content-Length``).
+
+    Returns:
+        The request and the spans, or ``None`` when an input's data must be
+        read to decode it (BYTES binary data): decode the whole body then.
+
+    Raises:
+        InputError: As :func:`decode_request` (with the body it would get).
+    """
+    if len(header) != min(header_length, body_length):
+        raise ValueError("header must be exactly the first header_length bytes of the body")
+    spans: list[BinarySpan] = []
+    try:
+        return _decode(header, body_length, header_length, spans), spans
+    except _NotPlannable:
+        return None
+
+
 def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
     """Parse a v2 inference request body.
 
@@ -231,11 +276,18 @@ def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
             datatype, values that are not of the tensor's datatype, sizes that
             do not add up.
     """
-    split = len(body) if header_length is None else header_length
-    if split < 0 or split > len(body):
-        raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {len(body)} bytes")
+    return _decode(body, len(body), header_length, None)
+
+
+def _decode(
+    body: bytes | memoryview, length: int, header_length: int | None, spans: list[BinarySpan] | None
+) -> DecodedRequest:
+    """:func:`decode_request` of a body of ``length`` bytes; with ``spans``, ``body`` is its header only."""
+    split = length if header_length is None else header_length
+    if split < 0 or split > length:
+        raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {length} bytes")
     try:
-        header = json.loads(body[:split] or b"{}")
+        header = json.loads(bytes(body[:split]) or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"request JSON is malformed: {e}") from e
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
@@ -259,9 +311,11 @@ def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
         if size is not None:
             if not _is_int(size) or size < 0:
                 raise InputError(f"input {name!r}: binary_data_size must be a non-negative integer")
-            if cursor + size > len(body):
+            if cursor + size > length:
                 raise InputError(f"input {name!r}: binary data runs past the end of the body")
             if dtype is None:
+                if spans is not None:
+                    raise _NotPlannable(name)
                 array = deserialize_bytes(memoryview(body)[cursor : cursor + size])
             else:
                 if size != count * dtype.itemsize:
@@ -269,7 +323,11 @@ def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
                         f"input {name!r}: {size} bytes of binary data do not match"
                         f" shape {shape} of {datatype}"
                     )
-                array = np.frombuffer(body, dtype=dtype, count=count, offset=cursor)
+                if spans is None:
+                    array = np.frombuffer(body, dtype=dtype, count=count, offset=cursor)
+                else:  # a placeholder of the right dtype and shape: no memory behind it
+                    array = np.broadcast_to(np.zeros((), dtype=dtype), shape)
+                    spans.append(BinarySpan(name, cursor, size))
             cursor += size
         elif "data" in entry:
             array = (
@@ -282,8 +340,8 @@ def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
         if array.size != count:
             raise InputError(f"input {name!r}: {array.size} elements do not fill shape {shape}")
         inputs[name] = array.reshape(shape)
-    if cursor != len(body):
-        raise InputError(f"{len(body) - cursor} bytes after the last input's binary data")
+    if cursor != length:
+        raise InputError(f"{length - cursor} bytes after the last input's binary data")
     params = _object(header.get("parameters"), "request parameters")
     default_binary = params.get("binary_data_output", False)
     if not isinstance(default_binary, bool):
@@ -314,11 +372,15 @@ def encode_response(
 ) -> tuple[bytes, dict[str, str]]:
     """Build a v2 response body and headers for ``outputs``.
 
+    Binary outputs are copied once, straight from ``outputs`` (views of a
+    slot, say) into the body: ``outputs`` need to stay valid only until this
+    returns.
+
     Returns:
         The body and the headers to send (content type, header length if binary).
     """
     entries = []
-    blobs = []
+    blobs: list[bytes | np.ndarray] = []
     for name, array in outputs.items():
         array = np.ascontiguousarray(array)
         is_bytes = array.dtype == object
@@ -328,7 +390,8 @@ def encode_response(
             "shape": list(array.shape),
         }
         if request.binary_outputs.get(name, request.default_binary):
-            blob = serialize_bytes(array) if is_bytes else array.tobytes()
+            # Numeric data as a byte view of the array: the join below is its only copy.
+            blob = serialize_bytes(array) if is_bytes else array.reshape(-1).view(np.uint8)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif is_bytes:
@@ -345,7 +408,7 @@ def encode_response(
     head = json.dumps(reply).encode()
     if not blobs:
         return head, {"content-type": "application/json"}
-    return head + b"".join(blobs), {
+    return b"".join([head, *blobs]), {
         "content-type": "application/octet-stream",
         HEADER_LENGTH: str(len(head)),
     }

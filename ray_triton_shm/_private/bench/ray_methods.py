@@ -67,16 +67,21 @@ class EchoDeployment:
         return {"OUTPUT0": inputs["INPUT0"]}
 
 
-def start_serve_apps(node_config: Any, grpc_url: str) -> dict[str, Any]:
+def start_serve_apps(node_config: Any, grpc_url: str, http_url: str | None = None) -> dict[str, Any]:
     """Deploy our deployment and the plain one, and Serve's gRPC proxy with our KServe v2 ingress.
 
     Returns:
-        Method name -> a deployment handle (handle cells), or a gRPC address
+        Method name -> a deployment handle (handle cells), or an address: a gRPC one
         (``tritonclient.grpc`` cells): ``ingress-grpc`` is Serve's gRPC proxy in
-        front of ``serve-ours``, ``triton-grpc`` the same Triton straight.
+        front of ``serve-ours``, ``triton-grpc`` the same Triton straight; an HTTP one
+        (``tritonclient.http`` cells, see :mod:`~ray_triton_shm._private.bench.http_ingress`):
+        ``ingress-http`` is Serve's HTTP proxy in front of ``serve-ours``,
+        ``ingress-http-grpc`` the same app calling Triton over gRPC, ``triton-http``
+        Triton's own HTTP endpoint (with ``http_url``).
     """
     import socket
 
+    from ray_triton_shm._private.bench import http_ingress
     from ray_triton_shm._private.kserve_grpc import SERVICER_FUNCTION
     from ray_triton_shm.serve import TritonDeployment
 
@@ -99,7 +104,15 @@ def start_serve_apps(node_config: Any, grpc_url: str) -> dict[str, Any]:
         PlainGrpcDeployment.options(name="BenchPlain").bind(grpc_url), name="bench-plain", route_prefix=None
     )
     echo = serve.run(EchoDeployment.options(name="BenchEcho").bind(), name="bench-echo", route_prefix=None)
+    http_grpc = http_ingress.start_grpc_behind(node_config)
+    http = {
+        "ingress-http": f"127.0.0.1:{ports[0]}/bench-ours",
+        "ingress-http-grpc": f"127.0.0.1:{ports[0]}{http_grpc}",
+    }
+    if http_url:
+        http["triton-http"] = http_url
     return {
+        **http,
         "serve-ours": ours,
         "serve-grpc": plain,
         "serve-echo": echo,

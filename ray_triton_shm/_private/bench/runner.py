@@ -377,7 +377,7 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
     servers = [SERVERS[name] for name in options.servers or ()]
     ray_cells = 0
     if options.ray:
-        serve_cells = 5 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ())
+        serve_cells = 8 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ())
         app_cells = 2 * len(options.serve_concurrency or ())
         ray_cells = serve_cells + app_cells + len(DATA_METHODS)
     progress = Progress((len(plan) + ray_cells) * rounds * len(servers), enabled=options.progress)
@@ -449,11 +449,11 @@ def _profile(options: BenchOptions, endpoints: Endpoints, server: BenchServer) -
 def _run_ray(
     options: BenchOptions, endpoints: Endpoints, node_config: Any, progress: Progress, server: BenchServer
 ) -> list[Record]:
-    from ray_triton_shm._private.bench import ray_methods
+    from ray_triton_shm._private.bench import http_ingress, ray_methods
 
     records: list[Record] = []
     progress.step("starting Serve")
-    handles = ray_methods.start_serve_apps(node_config, endpoints.grpc_url)
+    handles = ray_methods.start_serve_apps(node_config, endpoints.grpc_url, endpoints.http_url)
     for size in options.serve_sizes or ():
         for concurrency in options.serve_concurrency or ():
             inputs = make_inputs(size, concurrency, seed=1)
@@ -463,6 +463,8 @@ def _run_ray(
                     lambda m=method, h=handle, i=inputs: (
                         ray_methods.serve_cell(m, h, i, server.identity)
                         if not isinstance(h, str)
+                        else http_ingress.http_cell(m, h, i, server.identity)
+                        if m in http_ingress.HTTP_METHODS
                         else ray_methods.grpc_ingress_cell(
                             m, h, i, server.identity, "bench-ours" if m == "ingress-grpc" else None
                         )

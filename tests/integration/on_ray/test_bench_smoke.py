@@ -56,6 +56,7 @@ def test_quick_bench_on_tiny_sizes(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
     cells |= {
         (m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo", "ingress-grpc", "triton-grpc")
     }
+    cells |= {(m, 64 * KB, 1) for m in ("ingress-http", "ingress-http-grpc", "triton-http")}
     expected = {(server, *cell) for server in ("native", "python") for cell in cells}
     cell_records = [r for r in records if r.group in ("core", "serve")]
     got = [(r.server, r.method, r.payload_bytes, r.concurrency) for r in cell_records]

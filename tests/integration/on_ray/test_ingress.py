@@ -307,6 +307,76 @@ def test_every_bad_request_is_a_400_error_object(ingress, triton, header, tail, 
         assert theirs.status_code in (400, 500), theirs.content
 
 
+def _split_answer(response: requests.Response) -> tuple[int, object, bytes]:
+    """Status, the JSON header and the binary tail of a (binary-extension) answer."""
+    length = response.headers.get("inference-header-content-length")
+    split = len(response.content) if length is None else int(length)
+    return response.status_code, json.loads(response.content[:split]), response.content[split:]
+
+
+@pytest.mark.parametrize("binary_output", [True, False])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_large_binary_requests_answer_exactly_as_triton(ingress, triton, binary_output, chunked) -> None:
+    """4 MB of binary FP32 (the body written from Serve's chunks straight into a slot) and the answer.
+
+    ``chunked`` sends the body without a Content-Length (the general path, body read whole).
+    """
+    _, base = ingress
+    x = np.random.default_rng(18).random((1, 1024 * 1024), dtype=np.float32)
+    tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x, binary_data=True)
+    wanted = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary_output)]
+    body, length = httpclient.InferenceServerClient.generate_request_body([tensor], wanted, request_id="r18")
+    headers = {"Inference-Header-Content-Length": str(length), "Content-Type": "application/octet-stream"}
+    data = iter([body[: len(body) // 3], body[len(body) // 3 :]]) if chunked else body
+    ours = requests.post(base + "/v2/models/identity/infer", data=data, headers=headers, timeout=120)
+    theirs = requests.post(triton + "/v2/models/identity/infer", data=body, headers=headers, timeout=120)
+    assert ours.status_code == 200, ours.content[:300]
+    assert _split_answer(ours) == _split_answer(theirs)
+    assert ours.headers["content-type"] == theirs.headers["content-type"]
+    out = httpclient.InferenceServerClient.parse_response_body(
+        ours.content,
+        header_length=int(ours.headers.get("inference-header-content-length") or len(ours.content)),
+    )
+    assert np.array_equal(out.as_numpy("OUTPUT0"), x)
+
+
+def test_binary_inputs_of_several_tensors_answer_exactly_as_triton(ingress, triton) -> None:
+    """add_sub with one binary input and one JSON input, and with both binary."""
+    _, base = ingress
+    a = np.arange(32, dtype=np.int32).reshape(2, 16)
+    b = np.full((2, 16), 7, dtype=np.int32)
+    for binary_b in (False, True):
+        t0 = httpclient.InferInput("INPUT0", [2, 16], "INT32")
+        t0.set_data_from_numpy(a, binary_data=True)
+        t1 = httpclient.InferInput("INPUT1", [2, 16], "INT32")
+        t1.set_data_from_numpy(b, binary_data=binary_b)
+        wanted = [
+            httpclient.InferRequestedOutput("OUTPUT0", binary_data=True),
+            httpclient.InferRequestedOutput("OUTPUT1", binary_data=False),
+        ]
+        body, length = httpclient.InferenceServerClient.generate_request_body([t0, t1], wanted)
+        headers = {"Inference-Header-Content-Length": str(length)}
+        ours = requests.post(base + "/v2/models/add_sub/infer", data=body, headers=headers, timeout=60)
+        theirs = requests.post(triton + "/v2/models/add_sub/infer", data=body, headers=headers, timeout=60)
+        assert ours.status_code == 200, ours.content[:300]
+        assert _split_answer(ours) == _split_answer(theirs)
+
+
+def test_a_binary_body_shorter_or_longer_than_its_tensors_is_tritons_400(ingress, triton) -> None:
+    _, base = ingress
+    x = np.ones((1, 64 * 1024), dtype=np.float32)
+    tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x, binary_data=True)
+    body, length = httpclient.InferenceServerClient.generate_request_body([tensor])
+    headers = {"Inference-Header-Content-Length": str(length)}
+    for data in (body[:-4], body + b"junk"):
+        ours = requests.post(base + "/v2/models/identity/infer", data=data, headers=headers, timeout=60)
+        theirs = requests.post(triton + "/v2/models/identity/infer", data=data, headers=headers, timeout=60)
+        assert ours.status_code == theirs.status_code == 400, (ours.content, theirs.content)
+        assert assert_error_object(ours)
+
+
 def test_compressed_requests_are_inflated(ingress, triton) -> None:
     import gzip
 
