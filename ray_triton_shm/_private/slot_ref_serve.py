@@ -26,6 +26,7 @@ import numpy as np
 import ray
 
 from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES
+from ray_triton_shm._private.layout import TRITON_TO_NUMPY
 from ray_triton_shm._private.pool import Lease, _check_shape
 from ray_triton_shm._private.slot_ref import SlotRef, make_ref, run_ref
 from ray_triton_shm.client import InferResult
@@ -80,7 +81,10 @@ class SlotRefMixin:
             TritonCallError: Triton does not know the model.
         """
         signature = await asyncio.to_thread(self._client.client.signature, model)
-        return {spec.name: spec.dtype.str for spec in signature.inputs}
+        # BYTES (and any type numpy has no fixed size for) are object arrays, as for infer_grpc.
+        return {
+            spec.name: TRITON_TO_NUMPY.get(spec.datatype, np.dtype(object)).str for spec in signature.inputs
+        }
 
 
 class SlotRefLease:
