@@ -51,7 +51,8 @@ def test_quick_bench_on_tiny_sizes(tmp_path) -> None:
         cell for cell in core_plan(options.resolved()) if have_competitor or cell[0] != "triton-shm-client"
     }
     cells |= {
-        (m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo", "ingress-grpc", "triton-grpc")
+        (m, 64 * KB, 1)
+        for m in ("serve-ours", "serve-slotref", "serve-grpc", "serve-echo", "ingress-grpc", "triton-grpc")
     }
     expected = {(server, *cell) for server in ("native", "python") for cell in cells}
     cell_records = [r for r in records if r.group in ("core", "serve")]
