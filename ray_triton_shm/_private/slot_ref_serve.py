@@ -335,13 +335,17 @@ def _prefer_local(handle: Any) -> Any:
     """A handle of the same deployment that prefers replicas on this node (Serve's local-node routing).
 
     Ray 2.x sets it when a handle is initialised (``_init(_prefer_local_routing=True)``, private);
-    a handle already initialised cannot change it, so a fresh one is made. Without that API the
+    an initialised handle cannot change it, so a fresh one is made (not through
+    ``serve.get_deployment_handle``, which hands out one cached handle). Without that API the
     handle is used as given.
     """
+    options = getattr(handle, "init_options", None)
+    if options is not None and getattr(options, "_prefer_local_routing", False):
+        return handle
     try:
-        from ray import serve
+        from ray.serve.handle import DeploymentHandle
 
-        fresh = serve.get_deployment_handle(handle.deployment_name, handle.app_name)
+        fresh = DeploymentHandle(handle.deployment_name, handle.app_name)
         fresh._init(_prefer_local_routing=True)
         return fresh
     except (AttributeError, RuntimeError, TypeError) as e:

@@ -85,7 +85,9 @@ def test_ref_round_trip_reads_outputs_in_the_slot(app) -> None:
         # Read in place: the output is the slot's own OUTPUT0 region.
         assert _address(out["OUTPUT0"]) == _address(lease.lease.slot.arrays["OUTPUT0"])
         assert not out["OUTPUT0"].flags.writeable
-        # The local replica served it (the replica checks the ref's node too).
+        # The local replica served it (the replica checks the ref's node too), through a handle
+        # that prefers replicas on this node (Serve's local routing, set at the handle's init).
+        assert caller.handle.init_options._prefer_local_routing
         assert lease.served_by["node_id"] == ray.get_runtime_context().get_node_id()
         assert lease.served_by["pid"] == handle.whereami.remote().result()["pid"]
 
