@@ -46,11 +46,11 @@ def slotref_cell(method: str, target: SlotRefTarget, inputs: list[np.ndarray], m
         if not lease.in_slot:
             raise OutputMismatch(f"{method}: no slot of {model!r} on this node to reference")
         lease.input("INPUT0", x.shape)[...] = x
-        output_region = lease.lease.slot.arrays["OUTPUT0"]
+        slot = lease.lease.slot  # not its arrays: the cell must keep no view once it is closed
 
         def call(check: bool) -> object:
             if check:  # whatever a previous call left in the output region cannot pass
-                output_region[: x.size] = np.nan
+                slot.arrays["OUTPUT0"][: x.size] = np.nan
             out = caller.run(lease)
             if check:
                 if out.path != "slot_ref":

@@ -133,8 +133,9 @@ def test_stale_ref_is_refused_and_nothing_runs(app) -> None:
     ref = make_ref(lease.lease, caller.node_id)
     lease.release()
     before = _successes(caller, "affine")
-    with pytest.raises(StaleSlotRefError):
-        handle.infer_ref.remote(ref).result()
+    for through in (caller.ref_handle, handle):  # Serve's gRPC transport, and the object store
+        with pytest.raises(StaleSlotRefError):
+            through.infer_ref.remote(ref).result()
     assert _successes(caller, "affine") == before
 
 
@@ -143,7 +144,7 @@ def test_ref_of_a_process_not_holding_the_slot_is_refused(app) -> None:
     from ray_triton_shm._private.slot_table import lease_token
     from ray_triton_shm.errors import StaleSlotRefError
 
-    handle, caller, _ = app
+    _, caller, _ = app
     with caller.lease("affine") as lease:
         lease.input("INPUT0", (1, 8))[...] = 1.0
         ref = make_ref(lease.lease, caller.node_id)
@@ -151,7 +152,7 @@ def test_ref_of_a_process_not_holding_the_slot_is_refused(app) -> None:
         forged = dataclasses.replace(ref, pid=other, token=lease_token(other, 12345))
         before = _successes(caller, "affine")
         with pytest.raises(StaleSlotRefError):
-            handle.infer_ref.remote(forged).result()
+            caller.ref_handle.infer_ref.remote(forged).result()
         assert _successes(caller, "affine") == before
         # The holder's own ref still runs.
         assert caller.run(lease).path == "slot_ref"
@@ -161,13 +162,13 @@ def test_a_ref_from_another_node_falls_back_to_arrays(app) -> None:
     from ray_triton_shm._private.slot_ref import make_ref
     from ray_triton_shm.errors import SlotRefElsewhereError
 
-    handle, caller, _ = app
+    _, caller, _ = app
     x = np.arange(50, dtype=np.float32)[None]
     with caller.lease("affine") as lease:
         lease.input("INPUT0", x.shape)[...] = x
         ref = dataclasses.replace(make_ref(lease.lease, caller.node_id), node_id="f" * 56)
         with pytest.raises(SlotRefElsewhereError):
-            handle.infer_ref.remote(ref).result()
+            caller.ref_handle.infer_ref.remote(ref).result()
         # The caller, believing itself on another node, sends its arrays instead, transparently.
         real = caller.node_id
         caller.node_id = "f" * 56
