@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 ARGS = {
     "model_repository": "examples",
     "quarantine_s": 1.0,
+    "server": {"load_models": ["affine"]},  # two Tritons on a small machine: one model each
     "pools": {
         "affine": {"slots": 4, "max_batch_size": 1, "max_shapes": {"INPUT0": [1024], "OUTPUT0": [1024]}}
     },
