@@ -217,21 +217,12 @@ def _triton_on(options: BenchOptions, repository: str) -> Iterator[tuple[Endpoin
         logging_level=logging.WARNING,
     )
     _quiet_ray()
-    user = None
     try:
         infos = ensure_node_actors(node_config)
-        # The run is a user of the node actor throughout: without one (between the core cells
-        # and the Serve replicas' attach, or between servers) it retires after idle_shutdown_s,
-        # and the run's fixed endpoints then point at a Triton that is gone.
-        from ray_triton_shm.node import NodeClient
-
-        user = NodeClient(node_config, kind="bench")
         node = next(iter(infos.values()))
         info = {"triton": node.version, "ray": ray.__version__}
         yield Endpoints(node.grpc_url, node.http_url), info, node_config
     finally:
-        if user is not None:
-            user.close()
         try:
             from ray import serve
 
