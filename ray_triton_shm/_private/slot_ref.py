@@ -97,7 +97,7 @@ def make_ref(lease: Lease, node_id: str, outputs: Sequence[str] | None = None) -
     """A reference to ``lease``'s slot, or ``None`` when its slot cannot be named to another process.
 
     Only leases of system-memory pools shared through a slot table (a
-    ``NodeClient``'s) have one; a CUDA pool or a client's private pool sends arrays.
+    ``NodeClient``'s) of models without BYTES inputs have one; others send arrays.
 
     Raises:
         LeaseReleasedError / PoolClosedError: The lease ended or its pool was closed.
@@ -109,9 +109,9 @@ def make_ref(lease: Lease, node_id: str, outputs: Sequence[str] | None = None) -
     if table is None or pool.memory != "system":
         return None
     token = table.token(lease.slot.index)
-    if token is None:
-        return None
     layout = pool.layout
+    if token is None or _has_bytes_inputs(layout):
+        return None
     missing = [spec.name for spec in layout.inputs if spec.name not in lease.input_shapes]
     if missing:
         raise InputError(f"lease of {layout.model!r} has no shape for inputs {missing}")
@@ -137,6 +137,7 @@ class _BorrowedSlot:
         self.region_name = pool.region_name
         self.offset = index * pool.layout.slot_bytes
         self.in_doubt = False
+        self.input_nbytes: dict[str, int] = {}  # BYTES inputs' sizes: none (refused by check_ref)
 
     def flush(self) -> None:
         """Nothing to flush: system memory."""
@@ -145,11 +146,17 @@ class _BorrowedSlot:
         self.in_doubt = True
 
 
+def _has_bytes_inputs(layout: Any) -> bool:
+    """Whether a layout has BYTES inputs, whose serialised sizes a reference does not carry."""
+    return any(getattr(spec, "is_bytes", False) for spec in layout.inputs)
+
+
 def check_ref(pool: SlotPool, ref: SlotRef, node_id: str) -> dict[str, tuple[int, ...]]:
     """Check that ``ref`` names a slot of ``pool`` held right now by its lease; its input shapes.
 
     Raises:
-        SlotRefElsewhereError: Another node's slot, or a slot of another pool (layout).
+        SlotRefElsewhereError: Another node's slot, a slot of another pool (layout), or a
+            model with BYTES inputs.
         StaleSlotRefError: The slot is not (any more) held by that lease.
         InputError: The shapes do not fit the model's slot.
     """
@@ -169,6 +176,10 @@ def check_ref(pool: SlotPool, ref: SlotRef, node_id: str) -> dict[str, tuple[int
         raise StaleSlotRefError(
             f"slot {ref.slot} of {ref.model!r} is not held by the lease of pid {ref.pid} that the "
             "reference names (released, or leased by someone else since): nothing was run"
+        )
+    if _has_bytes_inputs(layout):
+        raise SlotRefElsewhereError(
+            f"model {ref.model!r} has BYTES inputs: slot references carry fixed-size tensors only"
         )
     shapes = ref.shapes
     unknown = [name for name in shapes if layout.input(name) is None]
