@@ -37,6 +37,9 @@ from ray_triton_shm.errors import (
     ServerNotFoundError,
     ServerStartError,
     SharedMemoryError,
+    SlotRefElsewhereError,
+    SlotRefError,
+    StaleSlotRefError,
     TritonCallError,
     UnavailableError,
 )
@@ -45,6 +48,7 @@ from ray_triton_shm.server import TritonServer
 if TYPE_CHECKING:
     from ray_triton_shm.data import TritonPredictor
     from ray_triton_shm.node import NodeClient, TritonNodeActor, ensure_node_actors, get_node_actor
+    from ray_triton_shm.serve import SlotRef, SlotRefCaller
 
 __version__ = "0.1.0"
 
@@ -54,6 +58,8 @@ _LAZY = {
     "ensure_node_actors": "ray_triton_shm.node",
     "get_node_actor": "ray_triton_shm.node",
     "TritonPredictor": "ray_triton_shm.data",
+    "SlotRef": "ray_triton_shm.serve",
+    "SlotRefCaller": "ray_triton_shm.serve",
 }
 
 __all__ = [
@@ -79,6 +85,11 @@ __all__ = [
     "ServerNotFoundError",
     "ServerStartError",
     "SharedMemoryError",
+    "SlotRef",
+    "SlotRefCaller",
+    "SlotRefElsewhereError",
+    "SlotRefError",
+    "StaleSlotRefError",
     "TritonCallError",
     "TritonNodeActor",
     "TritonPredictor",

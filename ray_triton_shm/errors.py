@@ -33,6 +33,9 @@ __all__ = [
     "ServerNotFoundError",
     "ServerStartError",
     "SharedMemoryError",
+    "SlotRefElsewhereError",
+    "SlotRefError",
+    "StaleSlotRefError",
     "TritonCallError",
     "UnavailableError",
 ]
@@ -147,6 +150,18 @@ class PoolClosedError(RayTritonShmError, RuntimeError):
 
 class LeaseReleasedError(RayTritonShmError, RuntimeError):
     """A lease was used after it was released."""
+
+
+class SlotRefError(RayTritonShmError, ValueError):
+    """A slot reference passed through a handle cannot be run (see ``SlotRefCaller``)."""
+
+
+class StaleSlotRefError(SlotRefError):
+    """The slot a reference names is not held by that lease (any more): nothing was run."""
+
+
+class SlotRefElsewhereError(SlotRefError):
+    """The reference names another node's (or another pool's) slot: send the arrays instead."""
 
 
 class TritonCallError(RayTritonShmError):

@@ -41,10 +41,15 @@ from ray_triton_shm._private.kserve_http import request_body as _request_body
 from ray_triton_shm._private.node_config import split_app_args
 from ray_triton_shm._private.repository import resolve_repositories
 from ray_triton_shm._private.segment import redact
+from ray_triton_shm._private.slot_ref import SlotRef
+from ray_triton_shm._private.slot_ref_serve import SlotRefCaller, SlotRefLease, SlotRefMixin
 from ray_triton_shm.errors import RayTritonShmError
 from ray_triton_shm.node import NodeClient, NodeConfig
 
 __all__ = [
+    "SlotRef",
+    "SlotRefCaller",
+    "SlotRefLease",
     "TritonDeployment",
     "add_kserve_grpc_servicer",
     "app",
@@ -103,8 +108,11 @@ def build_node_config(
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
-class TritonDeployment(KServeGrpcMixin):
+class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
     """Serve replica: KServe v2 over HTTP and gRPC, numpy over the handle, shm to its node's Triton.
+
+    Handle callers on the replica's node can send slot references instead of
+    arrays (``infer_ref``, from :class:`SlotRefMixin`; see :class:`SlotRefCaller`).
 
     The gRPC methods (``ModelInfer``, ``ServerLive``, ...) come from
     :class:`~ray_triton_shm._private.kserve_grpc.KServeGrpcMixin`; Serve's gRPC

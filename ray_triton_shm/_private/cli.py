@@ -120,6 +120,10 @@ def _bench(args: argparse.Namespace) -> int:
         methods=runner.methods_arg(args.methods, list(runner.CORE_METHODS)),
         ray=not args.no_ray,
         serve_sizes=runner.parse_sizes(args.serve_sizes) if args.serve_sizes else None,
+        serve_concurrency=tuple(int(c) for c in args.serve_concurrency.split(","))
+        if args.serve_concurrency
+        else None,
+        serve_methods=runner.methods_arg(args.serve_methods, list(runner.SERVE_METHODS)),
         data_rows=args.data_rows,
         data_batch=args.data_batch,
         rounds=args.rounds,
@@ -161,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", help="caller counts, e.g. 1,4,16")
     bench.add_argument("--methods", help="core methods to run (default: all)")
     bench.add_argument("--serve-sizes", help="payload sizes of the Serve cells")
+    bench.add_argument("--serve-concurrency", help="caller counts of the Serve cells, e.g. 1,4")
+    bench.add_argument(
+        "--serve-methods",
+        help="only these Serve rows, e.g. serve-grpc,serve-slotref (then no image-app or Ray Data rows)",
+    )
     bench.add_argument("--data-rows", type=int, default=None, help="rows of the Ray Data run")
     bench.add_argument("--data-batch", type=int, default=64, help="rows per map_batches batch")
     bench.add_argument(

@@ -13,11 +13,16 @@ user let go::
 
     word 0        magic and version (the retired magic once the pool's owner retired it)
     word 1        quarantine in ns (for slots whose user died while leasing)
-    word 2 + i    slot i: 0 free, -1 leased, > 0 protected until CLOCK_MONOTONIC ns
+    word 2 + i    slot i: 0 free, < 0 leased, > 0 protected until CLOCK_MONOTONIC ns
+
+A leased slot's word is its lease token, ``-(pid << 32 | nonce)``: the
+leasing process's pid and a random nonce drawn for this lease. Another process
+on the node can so check that a slot is still held by the lease a slot
+reference names (see :mod:`.slot_ref`); -1 (no token) also means leased.
 
 A process that ends a lease normally writes 0 before it unlocks. One whose
 request timed out (Triton may still write the outputs) writes a deadline. A
-process that dies while leasing leaves -1 behind: the next process to lock
+process that dies while leasing leaves its token (< 0) behind: the next process to lock
 that slot sees it and starts the quarantine itself. CLOCK_MONOTONIC is one
 clock for the whole machine, containers included.
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import secrets
 import struct
 import time
 from collections.abc import Iterable
@@ -49,6 +55,16 @@ RETIRED = 0x52545348_4D0001FF
 _WORD = struct.Struct("<q")
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 FREE, LEASED = 0, -1
+
+
+def lease_token(pid: int, nonce: int) -> int:
+    """The slot word of a lease by ``pid`` (22 bits on Linux) with ``nonce`` (31 bits, not 0)."""
+    return -(((pid & 0x3FFFFF) << 32) | (nonce & 0x7FFFFFFF))
+
+
+def token_pid(token: int) -> int:
+    """The pid a lease token was written by (see :func:`lease_token`)."""
+    return (-token) >> 32
 
 
 def _flock(kind: int, index: int) -> bytes:
@@ -68,7 +84,7 @@ class SlotTable:
         self._fd = fd
         self._view = memoryview(segment.mm)
         self.slots = segment.size // _WORD.size - 2
-        self._held: set[int] = set()
+        self._held: dict[int, int] = {}  # slot -> the token this process wrote for its lease
 
     @classmethod
     def create(cls, name: str, *, slots: int, quarantine_s: float) -> SlotTable:
@@ -146,11 +162,12 @@ class SlotTable:
         if not self._lock(index):
             return False
         state, now = self._word(index), time.monotonic_ns()
-        if state == LEASED:  # its last user died while leasing: a request may still be running
+        if state < 0:  # its last user died while leasing: a request may still be running
             self._set(index, now + self.quarantine_ns)
         elif state <= now:
-            self._set(index, LEASED)
-            self._held.add(index)
+            token = lease_token(os.getpid(), secrets.randbits(31) | 1)
+            self._set(index, token)
+            self._held[index] = token
             return True
         self._unlock(index)
         return False
@@ -158,16 +175,31 @@ class SlotTable:
     def release(self, index: int, protect_until_ns: int = FREE) -> None:
         """Give slot ``index`` back, protected until ``protect_until_ns`` (monotonic ns) if given."""
         self._set(index, protect_until_ns)
-        self._held.discard(index)
+        self._held.pop(index, None)
         self._unlock(index)
+
+    def token(self, index: int) -> int | None:
+        """The token of this process's lease of slot ``index``, or None if it does not hold it."""
+        return self._held.get(index)
+
+    def held_elsewhere_by(self, index: int, token: int) -> bool:
+        """Whether another process holds slot ``index`` right now under the lease ``token``.
+
+        True only while the slot's lock is held (by another open file
+        description than this process's) and its word is still ``token``: a
+        lease that ended, or a slot someone else leased since, reads False.
+        """
+        if token >= LEASED or index in self._held:
+            return False
+        return self._word(index) == token and self._locked_elsewhere(index)
 
     def sweep(self) -> int:
         """Start the quarantine of slots left leased by processes that died. Returns how many."""
         found = 0
         for index in range(self.slots):
-            if index in self._held or self._word(index) != LEASED or not self._lock(index):
+            if index in self._held or self._word(index) >= 0 or not self._lock(index):
                 continue
-            if self._word(index) == LEASED:
+            if self._word(index) < 0:
                 self._set(index, time.monotonic_ns() + self.quarantine_ns)
                 found += 1
             self._unlock(index)
@@ -180,7 +212,7 @@ class SlotTable:
         quarantine from now.
         """
         word = self._word(index)
-        if index in self._held or self._locked_elsewhere(index) or word == LEASED:
+        if index in self._held or self._locked_elsewhere(index) or word < 0:
             return (time.monotonic_ns() + self.quarantine_ns) / 1e9
         return max(word, 0) / 1e9
 
@@ -191,7 +223,7 @@ class SlotTable:
         for index in range(self.slots):
             if index in self._held or self._locked_elsewhere(index):
                 in_use += 1
-            elif self._word(index) == LEASED or self._word(index) > now_ns:
+            elif self._word(index) < 0 or self._word(index) > now_ns:
                 protected += 1
         return {"in_use": in_use, "protected": protected, "free": self.slots - in_use - protected}
 
@@ -211,7 +243,7 @@ class SlotTable:
             return None
         self._view.release()
         self.segment.close()
-        kept = set(keep) & self._held
+        kept = set(keep) & self._held.keys()
         self._held.clear()
         if kept:
             return fd

@@ -19,6 +19,7 @@ import numpy as np
 from ray import serve
 
 from ray_triton_shm._private.bench.core_methods import Caller, Cell, check_equal
+from ray_triton_shm._private.bench.slotref_methods import SlotRefTarget, slotref_cell
 
 SERVE_MODEL = "identity"
 DATA_MODEL = "multi_io"
@@ -71,7 +72,8 @@ def start_serve_apps(node_config: Any, grpc_url: str, http_url: str | None = Non
     """Deploy our deployment and the plain one, and Serve's gRPC proxy with our KServe v2 ingress.
 
     Returns:
-        Method name -> a deployment handle (handle cells), or an address: a gRPC one
+        Method name -> a deployment handle (handle cells; ``serve-slotref``'s with the
+        node config to lease from, see :mod:`.slotref_methods`), or an address: a gRPC one
         (``tritonclient.grpc`` cells): ``ingress-grpc`` is Serve's gRPC proxy in
         front of ``serve-ours``, ``triton-grpc`` the same Triton straight; an HTTP one
         (``tritonclient.http`` cells, see :mod:`~ray_triton_shm._private.bench.http_ingress`):
@@ -114,6 +116,7 @@ def start_serve_apps(node_config: Any, grpc_url: str, http_url: str | None = Non
     return {
         **http,
         "serve-ours": ours,
+        "serve-slotref": SlotRefTarget(ours, node_config),
         "serve-grpc": plain,
         "serve-echo": echo,
         "ingress-grpc": f"127.0.0.1:{ports[1]}",
@@ -159,6 +162,8 @@ def grpc_ingress_cell(
 
 def serve_cell(method: str, handle: Any, inputs: list[np.ndarray], model: str = SERVE_MODEL) -> Cell:
     """Callers of one Serve handle, each sending its own input to ``model`` (an identity)."""
+    if isinstance(handle, SlotRefTarget):
+        return slotref_cell(method, handle, inputs, model)
 
     def caller(x: np.ndarray) -> Caller:
         def call(check: bool) -> object:

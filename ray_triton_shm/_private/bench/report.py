@@ -172,6 +172,20 @@ def targets(records: Sequence[Any]) -> list[tuple[str, str, str]]:
     for c in sorted({r.concurrency for r in records if r.group == "serve"}):
         ratio = _ratio(index.get(("serve-ours", 16 * MB, c)), index.get(("serve-grpc", 16 * MB, c)))
         out.append((f"Serve 16 MB >= 5x Serve+gRPC (x{c})", f"{_fmt(ratio, 2)}x", verdict(ratio, 5)))
+        slot = index.get(("serve-slotref", 16 * MB, c))
+        if slot is not None:  # issue 18: >= 10x Serve + gRPC, within 1.5x of ours-inplace
+            ratio = _ratio(slot, index.get(("serve-grpc", 16 * MB, c)))
+            out.append(
+                (f"Serve slot refs 16 MB >= 10x Serve+gRPC (x{c})", f"{_fmt(ratio, 2)}x", verdict(ratio, 10))
+            )
+            ratio = _ratio(index.get(("ours-inplace", 16 * MB, c)), slot)
+            out.append(
+                (
+                    f"ours-inplace <= 1.5x Serve slot refs 16 MB (x{c})",
+                    f"{_fmt(ratio, 2)}x",
+                    verdict(ratio, 1.5, False),
+                )
+            )
     data = {r.method: r for r in records if r.group == "data" and r.ok}
     if data:
         ratio = _ratio(data.get("data-ours"), data.get("data-grpc"), "rows_per_s")

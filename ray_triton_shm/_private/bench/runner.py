@@ -48,6 +48,18 @@ QUICK_SIZES = (4 * KB, MB, 16 * MB)
 MAX_BYTES_IN_FLIGHT = 16 * 128 * MB - 1
 # data-local (no Triton) is the reference: Ray Data's own cost per batch.
 DATA_METHODS = ("data-ours", "data-grpc", "data-local")
+SERVE_METHODS = (
+    "serve-ours",
+    "serve-slotref",
+    "serve-grpc",
+    "serve-echo",
+    "ingress-grpc",
+    "triton-grpc",
+    "ingress-http",
+    "ingress-http-grpc",
+    "triton-http",
+)
+"""The Serve rows (see ``ray_methods.start_serve_apps``)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,8 @@ class BenchOptions:
         methods: Core method names to run; None runs all.
         ray: Also run the Serve and Data methods (and use the node actor's Triton).
         serve_sizes / serve_concurrency: Serve cells.
+        serve_methods: Only these Serve handle rows (and then no image-app or
+            Ray Data rows); None runs every Serve, app and Data row.
         data_rows / data_batch / data_actors: Ray Data run (per round).
         rounds: Each cell runs in this many rounds, the methods of one payload
             size and caller count taking turns (in a rotating order), so a
@@ -85,6 +99,7 @@ class BenchOptions:
     ray: bool = True
     serve_sizes: tuple[int, ...] | None = None
     serve_concurrency: tuple[int, ...] | None = None
+    serve_methods: tuple[str, ...] | None = None
     data_rows: int | None = None
     data_batch: int = 64
     data_actors: int = 1
@@ -115,6 +130,7 @@ class BenchOptions:
             ray=self.ray,
             serve_sizes=self.serve_sizes or ((16 * MB,) if quick else (MB, 16 * MB)),
             serve_concurrency=self.serve_concurrency or ((1,) if quick else (1, 4)),
+            serve_methods=self.serve_methods,
             data_rows=self.data_rows or (256 if quick else 1024),
             data_batch=self.data_batch,
             data_actors=self.data_actors,
@@ -377,9 +393,10 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
     servers = [SERVERS[name] for name in options.servers or ()]
     ray_cells = 0
     if options.ray:
-        serve_cells = 8 * len(options.serve_sizes or ()) * len(options.serve_concurrency or ())
+        serve_methods = len(options.serve_methods or SERVE_METHODS)
+        serve_cells = serve_methods * len(options.serve_sizes or ()) * len(options.serve_concurrency or ())
         app_cells = 2 * len(options.serve_concurrency or ())
-        ray_cells = serve_cells + app_cells + len(DATA_METHODS)
+        ray_cells = serve_cells + (0 if options.serve_methods else app_cells + len(DATA_METHODS))
     progress = Progress((len(plan) + ray_cells) * rounds * len(servers), enabled=options.progress)
     profiles: list[dict[str, Any]] = []
     with _triton(options) as (run_endpoints, info, node_config):
@@ -454,6 +471,8 @@ def _run_ray(
     records: list[Record] = []
     progress.step("starting Serve")
     handles = ray_methods.start_serve_apps(node_config, endpoints.grpc_url, endpoints.http_url)
+    if options.serve_methods:
+        handles = {m: h for m, h in handles.items() if m in options.serve_methods}
     for size in options.serve_sizes or ():
         for concurrency in options.serve_concurrency or ():
             inputs = make_inputs(size, concurrency, seed=1)
@@ -476,6 +495,8 @@ def _run_ray(
     from ray import serve
 
     serve.shutdown()
+    if options.serve_methods:  # only the Serve rows asked for
+        return records
     records.extend(_run_apps(options, node_config, progress, server))
     progress.step(f"making {options.data_rows} image rows")
     source = ray_methods.make_source(options.data_rows or 256, options.data_batch)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import pytest
 
@@ -54,7 +55,8 @@ def test_quick_bench_on_tiny_sizes(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
         cell for cell in core_plan(options.resolved()) if have_competitor or cell[0] != "triton-shm-client"
     }
     cells |= {
-        (m, 64 * KB, 1) for m in ("serve-ours", "serve-grpc", "serve-echo", "ingress-grpc", "triton-grpc")
+        (m, 64 * KB, 1)
+        for m in ("serve-ours", "serve-slotref", "serve-grpc", "serve-echo", "ingress-grpc", "triton-grpc")
     }
     cells |= {(m, 64 * KB, 1) for m in ("ingress-http", "ingress-http-grpc", "triton-http")}
     expected = {(server, *cell) for server in ("native", "python") for cell in cells}
@@ -111,4 +113,12 @@ def test_quick_bench_on_tiny_sizes(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
         for server in ("native", "python"):
             assert (tmp_path / f"throughput-{server}.png").stat().st_size > 0
             assert (tmp_path / f"latency-{server}.png").stat().st_size > 0
-    assert _competitor_segments() <= before, "triton-shm-client left segments behind"
+    # Another bench on this machine (make bench beside make test) makes such segments too, for the
+    # seconds a cell lasts; a leak of this run's stays. So: those still here a minute on.
+    deadline = time.monotonic() + 60
+    while (_competitor_segments() - before) and time.monotonic() < deadline:
+        time.sleep(1)
+    left = _competitor_segments() - before
+    for name in left:
+        os.unlink(f"/dev/shm/{name}")
+    assert not left, f"triton-shm-client left segments behind: {sorted(left)}"
