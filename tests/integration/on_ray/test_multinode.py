@@ -44,11 +44,15 @@ def test_each_replica_uses_the_triton_of_its_own_node(two_nodes):
     import ray
     from ray import serve
 
-    from ray_triton_shm.node import NodeConfig, ensure_node_actors
+    from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
     from ray_triton_shm.serve import TritonDeployment
 
     config = NodeConfig.for_repository(
-        REPO_MODELS, pools={"whoami": PoolConfig(slots=4, max_shapes={"INPUT0": (256,), "OUTPUT0": (256,)})}
+        REPO_MODELS,
+        pools={"whoami": PoolConfig(slots=4, max_shapes={"INPUT0": (256,), "OUTPUT0": (256,)})},
+        # Compared with ensure_node_actors' answer once Serve is up, which a loaded machine may take
+        # longer than the default 30 s to be: until then the actors have no user.
+        idle_shutdown_s=None,
     )
     infos = ensure_node_actors(config)
     assert len(infos) == 2
@@ -71,6 +75,8 @@ def test_each_replica_uses_the_triton_of_its_own_node(two_nodes):
         seen_nodes.add(origin["node_id"])
     assert seen_nodes == set(triton_of_node), "replicas should be spread over both nodes"
     assert ray.get_runtime_context().get_node_id() in triton_of_node
+    serve.delete("multinode")
+    shutdown_node_actors()  # kept by idle_shutdown_s=None
 
 
 def test_a_node_added_after_deploy_serves_through_its_own_triton(two_nodes):

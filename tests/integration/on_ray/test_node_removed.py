@@ -68,6 +68,7 @@ def test_removed_node_stops_serving_and_the_rest_carries_on(cluster):
         REPO_MODELS,
         quarantine_s=1.0,
         pools={"whoami": PoolConfig(slots=4, max_shapes={"INPUT0": (64,), "OUTPUT0": (64,)})},
+        idle_shutdown_s=None,  # compared with ensure_node_actors' answer once Serve is up (slow when loaded)
     )
     infos = ensure_node_actors(config)
     assert len(infos) == 2
