@@ -25,8 +25,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
-import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,26 +33,21 @@ from typing import Any, Protocol
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.bulk_copy import BulkCopier, default_copy_threads
-from ray_triton_shm._private.bytes_tensor import serialized_size
-from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES, call_error, region_unknown
-from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput, check_datatype
-from ray_triton_shm._private.layout import (
-    NUMPY_TO_TRITON,
-    ModelLayout,
-    ModelSignature,
-    config_fingerprint,
-    layout_from_config,
-    signature_from_config,
-)
+from ray_triton_shm._private.call_errors import translate_error as translate_error
+from ray_triton_shm._private.http_infer import HttpShmSender
+from ray_triton_shm._private.layout import ModelLayout, ModelSignature
+from ray_triton_shm._private.local_pools import LocalPools
+from ray_triton_shm._private.local_pools import fetch_layout as fetch_layout
+from ray_triton_shm._private.model_pools import ModelPools
 from ray_triton_shm._private.observe import NULL_OBSERVER, Observer, safely
 from ray_triton_shm._private.pool import Lease, PoolStats, SlotPool
-from ray_triton_shm._private.segment import check_span, redact
+from ray_triton_shm._private.slot_runs import SlotRunner, to_device
+from ray_triton_shm._private.slot_runs import chunks as _chunks  # noqa: F401  (imported from here)
+from ray_triton_shm._private.triton_requests import TritonRequests
 from ray_triton_shm._private.validate import (
     CheckedInputs,
-    bytes_nbytes,
     bytes_overflow,
     check_inputs,
     check_signature_inputs,
@@ -62,20 +55,16 @@ from ray_triton_shm._private.validate import (
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     InputError,
-    LayoutError,
     LayoutMismatchError,
     LeaseReleasedError,
     OutputTooLargeError,
     PoolClosedError,
     RayTritonShmError,
-    TritonCallError,
 )
 
 __all__ = ["InferResult", "PoolSource", "TritonShmClient"]
 
 logger = logging.getLogger(__name__)
-
-_UNREGISTER_WAIT_S = 5.0
 
 
 class InferResult(dict):
@@ -94,30 +83,6 @@ class InferResult(dict):
         return (InferResult, (dict(self), self.path))
 
 
-def _status_name(error: InferenceServerException) -> str | None:
-    status = error.status()
-    return str(status).rsplit(".", 1)[-1] if status else None
-
-
-def translate_error(error: InferenceServerException, model: str | None = None) -> TritonCallError:
-    """Turn a tritonclient exception into ours (typed by gRPC status), segment keys redacted."""
-    return call_error(str(error.message() or error), _status_name(error), model)
-
-
-def fetch_layout(grpc: grpcclient.InferenceServerClient, model: str, config: PoolConfig) -> ModelLayout:
-    """Derive ``model``'s slot layout from its configuration on the server.
-
-    Raises:
-        TritonCallError: The server does not know the model.
-        LayoutError: The model cannot use shared-memory slots.
-    """
-    try:
-        model_config = grpc.get_model_config(model, as_json=True)["config"]
-    except InferenceServerException as e:
-        raise translate_error(e, model) from e
-    return layout_from_config(model_config, config)
-
-
 class PoolSource(Protocol):
     """Where a client gets its slot pools (created here, or granted by a Ray node actor).
 
@@ -127,172 +92,6 @@ class PoolSource(Protocol):
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool: ...
 
     def close(self) -> None: ...
-
-
-class LocalPools:
-    """Pools created and registered with Triton by this process."""
-
-    def __init__(
-        self,
-        grpc: grpcclient.InferenceServerClient,
-        server_visible_devices: str | None = None,
-        shm_api_key: str | None = None,
-        url: str = "",
-    ) -> None:
-        from ray_triton_shm.server import SHM_API_GRPC_HEADER
-
-        self._grpc = grpc
-        self._url = url
-        self._server_visible = server_visible_devices
-        self._headers = {SHM_API_GRPC_HEADER: shm_api_key} if shm_api_key else None
-        self._pools: list[SlotPool] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
-        layout = fetch_layout(self._grpc, model, config)
-        if config.memory == "cuda":
-            from ray_triton_shm._private.cuda_pool import CudaSlotPool
-
-            pool: SlotPool = CudaSlotPool.create(layout, config.slots, device=config.device_id)
-        else:
-            pool = SlotPool.create(layout, config.slots)
-        try:
-            self._register(pool)
-        except BaseException:
-            pool.close()
-            raise
-        self._pools.append(pool)
-        logger.info(
-            "registered pool %s for %s: %d slots x %d bytes",
-            pool.region_name,
-            model,
-            config.slots,
-            layout.slot_bytes,
-        )
-        return pool
-
-    def _register(self, pool: SlotPool) -> None:
-        model = pool.layout.model
-        if pool.memory != "cuda":
-            check_span(pool.region_name, pool.segment.size, 0, pool.segment.size)
-            try:
-                self._grpc.register_system_shared_memory(
-                    pool.region_name, pool.segment.key, pool.segment.size, headers=self._headers
-                )
-            except InferenceServerException as e:
-                raise translate_error(e, model) from e
-            return
-        from ray_triton_shm._private.cuda_devices import server_device_id, server_visible_devices_of
-        from ray_triton_shm.errors import CudaError
-
-        buffer = pool.buffer  # type: ignore[attr-defined]
-        device = server_device_id(
-            buffer.device,
-            os.environ.get("CUDA_VISIBLE_DEVICES"),
-            server_visible_devices_of(self._server_visible, self._url),
-        )
-        check_span(pool.region_name, buffer.size, 0, buffer.size)
-        try:
-            self._grpc.register_cuda_shared_memory(
-                pool.region_name, buffer.handle_b64, device, buffer.size, headers=self._headers
-            )
-        except InferenceServerException as e:
-            if _status_name(e) == "ALREADY_EXISTS":
-                raise translate_error(e, model) from e
-            raise CudaError(
-                f"Triton refused CUDA region {pool.region_name!r} of {model!r} on its GPU {device}: "
-                f"{redact(str(e.message() or e))}"
-            ) from e
-
-    def reregister(self, pool: SlotPool) -> None:
-        """Register ``pool`` again after the server lost it (e.g. it restarted).
-
-        Raises:
-            PoolClosedError: The pools were closed meanwhile.
-            TritonCallError: The server refused.
-            CudaError: The server refused a CUDA region.
-        """
-        with self._lock:
-            if self._closed:  # a request that raced close(): never register a freed segment again
-                raise PoolClosedError("the client is closed")
-            try:
-                self._register(pool)
-            except TritonCallError as e:
-                if e.status == "ALREADY_EXISTS":  # another thread got there first
-                    return
-                raise
-        logger.warning("re-registered pool of %s: the server had lost it", pool.layout.model)
-
-    def _unregister(self, pool: SlotPool) -> None:
-        # Triton refuses while a request still uses the region; such requests end soon.
-        deadline = time.monotonic() + _UNREGISTER_WAIT_S
-        while True:
-            try:
-                if pool.memory == "cuda":
-                    self._grpc.unregister_cuda_shared_memory(pool.region_name, headers=self._headers)
-                else:
-                    self._grpc.unregister_system_shared_memory(pool.region_name, headers=self._headers)
-                return
-            except InferenceServerException as e:
-                if "in use" in str(e.message()) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                # The server may be gone already; whether a CUDA region may be freed is
-                # decided by _cuda_region_gone.
-                logger.debug("unregister %s failed: %s", pool.region_name, e)
-                return
-
-    def _cuda_region_gone(self, pool: SlotPool) -> bool:
-        """Whether Triton has let go of ``pool``'s CUDA region, polling its status until NOT_FOUND.
-
-        Since Triton r24.11 unregistering a region that a request still uses
-        succeeds and the region is closed when the request ends, so success
-        alone does not mean the memory is free to go. A server that cannot be
-        reached (UNAVAILABLE: not listening) holds nothing.
-        """
-        deadline = time.monotonic() + _UNREGISTER_WAIT_S
-        while True:
-            try:
-                status = self._grpc.get_cuda_shared_memory_status(
-                    pool.region_name, headers=self._headers, as_json=True
-                )
-            except InferenceServerException as e:
-                message = str(e.message() or e).lower()
-                if _status_name(e) in ("NOT_FOUND", "UNAVAILABLE") or "unable to find" in message:
-                    return True
-                logger.debug("status of %s: %s", pool.region_name, e)
-            else:
-                if pool.region_name not in ((status or {}).get("regions") or {}):
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        for pool in self._pools:
-            wait = pool.in_doubt_until() - time.monotonic()
-            if pool.memory == "cuda" and wait > 0:
-                # A timed-out request may still run on the server: its device memory must outlive it.
-                logger.warning(
-                    "waiting %.1fs before freeing %s: a request may be in flight", wait, pool.region_name
-                )
-                time.sleep(wait)
-            self._unregister(pool)
-            if pool.memory == "cuda" and not self._cuda_region_gone(pool):
-                # Freeing memory Triton may still write to could corrupt whatever reuses it.
-                logger.warning(
-                    "Triton still holds CUDA region %s after unregistering it; leaking its %d bytes "
-                    "rather than freeing memory the server may write to",
-                    pool.region_name,
-                    pool.region_bytes,
-                )
-                pool.abandon()  # type: ignore[attr-defined]
-                continue
-            pool.close()
-        self._pools.clear()
 
 
 # Threads for ainfer's calls: a call waiting for a slot holds one while it waits.
@@ -336,16 +135,23 @@ class TritonShmClient:
             self._grpc, config.server_visible_devices, config.shm_api_key, url=config.url
         )
         self._observer: Observer = observer or NULL_OBSERVER
-        self._pools: dict[str, SlotPool] = {}
-        # Models without a slot layout (variable dims without maxima, BYTES in CUDA pools): why, per model.
-        self._no_layout: dict[str, str] = {}
-        self._signatures: dict[str, ModelSignature] = {}
-        self._fallbacks: set[str] = set()  # models whose requests grpc_fallback sent over gRPC (logged once)
+        self._requests = TritonRequests(
+            self._grpc,
+            self._http,
+            config.request_timeout_s,
+            self._observer,
+            getattr(self._source, "reregister", None),
+            self.verify_layout,
+        )
         self._lock = threading.Lock()
-        self._model_locks: dict[str, threading.Lock] = {}
-        self._executor: ThreadPoolExecutor | None = None
+        self._models = ModelPools(self._source, self._grpc, config, self._lock, lambda: self._closed)
+        self._pools = self._models.pools  # by model; the same dict
+        self._fallbacks: set[str] = set()  # models whose requests grpc_fallback sent over gRPC (logged once)
         self._async_executor: ThreadPoolExecutor | None = None
         self._copier = BulkCopier(config.copy_threads or default_copy_threads())
+        self._runner = SlotRunner(
+            self._requests, self._observer, self._copier, config.max_parallel_chunks, lambda: self._closed
+        )
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------
@@ -361,11 +167,10 @@ class TritonShmClient:
             if self._closed:
                 return
             self._closed = True
-            executors = (self._async_executor, self._executor)
-            self._async_executor = self._executor = None
-        for executor in executors:
-            if executor is not None:
-                executor.shutdown(wait=True)
+            executor, self._async_executor = self._async_executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        self._runner.close()
         self._copier.close()
         self._source.close()
         self._pools.clear()
@@ -390,24 +195,7 @@ class TritonShmClient:
             PoolClosedError: The client is closed.
             TritonCallError / LayoutError / SharedMemoryError: As creation fails.
         """
-        pool = self._pools.get(model)
-        if pool is not None and not pool.retired:
-            return pool
-        with self._lock:
-            if self._closed:
-                raise PoolClosedError("the client is closed")
-            model_lock = self._model_locks.setdefault(model, threading.Lock())
-        with model_lock:
-            pool = self._pools.get(model)
-            if pool is None or pool.retired:
-                # A retired pool (the model was reloaded with another configuration): its owner
-                # grants one of the new layout; the old one stays with the source until idle.
-                if pool is not None:
-                    logger.info("pool of %r retired by its owner; taking the new layout's", model)
-                    self._signatures.pop(model, None)
-                pool = self._source.get_pool(model, self.config.pool_for(model))
-                self._pools[model] = pool
-        return pool
+        return self._models.pool(model)
 
     def signature(self, model: str) -> ModelSignature:
         """Every input and output of ``model`` as its configuration declares them (no layout needed).
@@ -415,14 +203,7 @@ class TritonShmClient:
         Raises:
             TritonCallError: The server does not know the model.
         """
-        signature = self._signatures.get(model)
-        if signature is None:
-            try:
-                config = self._grpc.get_model_config(model, as_json=True)["config"]
-            except InferenceServerException as e:
-                raise translate_error(e, model) from e
-            signature = self._signatures[model] = signature_from_config(config)
-        return signature
+        return self._models.signature(model)
 
     def shm_unavailable_reason(self, model: str) -> str | None:
         """Why ``model`` goes over plain gRPC rather than slots, or ``None`` if it has slots.
@@ -430,7 +211,7 @@ class TritonShmClient:
         Raises:
             TritonCallError: The server does not know the model.
         """
-        return None if self._layout_or_none(model) is not None else self._no_layout[model]
+        return None if self._layout_or_none(model) is not None else self._models.no_layout[model]
 
     def verify_layout(self, layout: ModelLayout) -> None:
         """Check that the server still runs the model configuration ``layout`` was derived from.
@@ -439,31 +220,11 @@ class TritonShmClient:
             LayoutMismatchError: The model was reloaded with another configuration.
             TritonCallError: The server does not know the model (any more).
         """
-        try:
-            config = self._grpc.get_model_config(layout.model, as_json=True)["config"]
-        except InferenceServerException as e:
-            raise translate_error(e, layout.model) from e
-        current = config_fingerprint(config)
-        if layout.fingerprint and current != layout.fingerprint:
-            self._signatures.pop(layout.model, None)
-            raise LayoutMismatchError(layout.model, layout.fingerprint, current)
+        self._models.verify_layout(layout)
 
     def _layout_or_none(self, model: str) -> ModelLayout | None:
         """The model's slot layout, or ``None`` when it has none (the reason is logged once)."""
-        if model in self._no_layout:
-            return None
-        pool = self._pools.get(model)
-        if pool is not None and not pool.retired:
-            return pool.layout
-        try:
-            return self.layout(model)
-        except LayoutError as e:
-            with self._lock:
-                first = model not in self._no_layout
-                self._no_layout[model] = str(e)
-            if first:
-                logger.warning("model %r has no shared-memory slot layout; plain gRPC it is: %s", model, e)
-            return None
+        return self._models.layout_or_none(model)
 
     def pool_stats(self) -> list[PoolStats]:
         """Slot usage of every pool this client uses."""
@@ -481,20 +242,7 @@ class TritonShmClient:
             PoolTimeoutError: No slot became free in time.
         """
         pool = self.pool(model)
-        return self._acquire(pool, self._lease_timeout(model, timeout))
-
-    def _acquire(self, pool: SlotPool, timeout: float) -> Lease:
-        started = time.perf_counter()
-        try:
-            lease = pool.acquire(timeout)
-            if self._closed:  # close() has begun: it waits for requests in flight, starts none
-                lease.release()
-                raise PoolClosedError("the client is closed")
-        except RayTritonShmError as e:
-            safely(self._observer.error, pool.layout.model, type(e).__name__)
-            raise
-        safely(self._observer.lease_wait, pool.layout.model, time.perf_counter() - started)
-        return lease
+        return self._runner.acquire(pool, self._lease_timeout(model, timeout))
 
     async def alease(self, model: str, timeout: float | None = None) -> Lease:
         """:meth:`lease` for asyncio code."""
@@ -598,7 +346,7 @@ class TritonShmClient:
             self._note_fallback(model, str(e))
             result = self._call_grpc(model, checked, wanted)
             if pool.memory == "cuda":  # outputs of a CUDA pool are cupy arrays, whichever way they came
-                result = _to_device(result, pool)
+                result = to_device(result, pool)
             return InferResult(result, "grpc")
 
     def _note_fallback(self, model: str, reason: str) -> None:
@@ -614,23 +362,7 @@ class TritonShmClient:
     ) -> InferResult:
         pool = self.pool(model)
         path = "cuda_shm" if pool.memory == "cuda" else "shm"
-        chunks = _chunks(pool.layout, checked.batch)
-        if len(chunks) == 1:
-            outputs = self._run_chunk(pool, checked, chunks[0], wanted, lease_timeout, copy)
-            return InferResult(outputs, path)
-        executor = self._chunk_executor()
-        futures = [
-            executor.submit(self._run_chunk, pool, checked, chunk, wanted, lease_timeout) for chunk in chunks
-        ]
-        parts = [f.result() for f in futures]
-        if pool.memory == "cuda":
-            from ray_triton_shm._private.cuda import import_cupy
-
-            cupy = import_cupy()
-            with cupy.cuda.Device(pool.device):  # type: ignore[attr-defined]
-                joined = {name: cupy.concatenate([p[name] for p in parts]) for name in wanted}
-            return InferResult(joined, path)
-        return InferResult({name: np.concatenate([p[name] for p in parts]) for name in wanted}, path)
+        return InferResult(self._runner.run(pool, checked, wanted, lease_timeout, copy), path)
 
     async def ainfer(
         self,
@@ -693,7 +425,7 @@ class TritonShmClient:
         if overflow is not None:
             raise InputError(f"{overflow}; infer() sends such requests over plain gRPC")
         with self.lease(model, timeout) as lease:
-            shapes = self._write_and_call(lease, checked, (0, checked.batch), wanted)
+            shapes = self._runner.write_and_call(lease, checked, (0, checked.batch), wanted)
             yield {name: lease.output(name, shape) for name, shape in shapes.items()}
 
     def infer_grpc(
@@ -748,195 +480,15 @@ class TritonShmClient:
         except RayTritonShmError as e:  # cannot tell: the caller's own error stands
             logger.debug("verifying the layout of %r failed: %s", layout.model, e)
 
-    def _chunk_executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._closed:
-                raise PoolClosedError("the client is closed")
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.config.max_parallel_chunks, thread_name_prefix="rtshm-chunk"
-                )
-            return self._executor
-
-    def _run_chunk(
-        self,
-        pool: SlotPool,
-        checked: CheckedInputs,
-        chunk: tuple[int, int],
-        wanted: list[str],
-        lease_timeout: float,
-        copy: bool = True,
-    ) -> dict[str, np.ndarray]:
-        try:
-            with self._acquire(pool, lease_timeout) as lease:
-                shapes = self._write_and_call(lease, checked, chunk, wanted)
-                if copy:
-                    return {
-                        name: lease.copy_output(name, shape, self._copier) for name, shape in shapes.items()
-                    }
-                return {name: lease.output(name, shape) for name, shape in shapes.items()}
-        except PoolClosedError:
-            raise
-        except Exception as e:
-            # close() from another thread freed the slot, unregistered the region or shut the
-            # connection under this request: whatever that broke, the caller learns the one cause.
-            if not self._closed:
-                raise
-            raise PoolClosedError("the client was closed while this request ran") from e
-
-    def _write_and_call(
-        self,
-        lease: Lease,
-        checked: CheckedInputs,
-        chunk: tuple[int, int],
-        wanted: list[str],
-    ) -> dict[str, tuple[int, ...]]:
-        start, stop = chunk
-        layout = lease.layout
-        shapes = {}
-        for name, array in checked.arrays.items():
-            part = array[start:stop] if layout.batched else array
-            shapes[name] = lease.write_input(name, part, self._copier)
-        return self._call_shm(lease, shapes, wanted)
-
     def _call_shm(
         self,
         lease: Lease,
         shapes: Mapping[str, tuple[int, ...]],
         wanted: Sequence[str] | None,
     ) -> dict[str, tuple[int, ...]]:
-        layout = lease.layout
-        region, base, size = lease.region_name, lease.offset, lease.pool.region_bytes
-        inputs = []
-        nbytes_in = 0
-        for spec in layout.inputs:
-            shape = tuple(shapes[spec.name])
-            if spec.is_bytes:
-                if spec.name not in lease.input_nbytes:
-                    raise InputError(f"{spec.name}: a BYTES input must be written with write_input")
-                nbytes = lease.input_nbytes[spec.name]  # Triton's serialised size, exactly
-            else:
-                nbytes = math.prod(shape) * spec.dtype.itemsize
-            if nbytes > spec.capacity:
-                raise InputError(f"{spec.name}: {nbytes} bytes do not fit its {spec.capacity} byte slot")
-            check_span(region, size, base + spec.offset, nbytes)
-            inputs.append(ShmInput(spec.name, shape, spec.datatype, region, nbytes, base + spec.offset))
-            nbytes_in += nbytes
-        names = list(wanted) if wanted is not None else [spec.name for spec in layout.outputs]
-        outputs = []
-        for name in names:
-            spec = layout.output(name)
-            if spec is None:
-                raise InputError(f"model {layout.model!r} has no output {name!r}")
-            check_span(region, size, base + spec.offset, spec.capacity)
-            outputs.append(ShmOutput(name, region, spec.capacity, base + spec.offset, spec.datatype))
-        lease.flush()
-        started = time.perf_counter()
-        reregister = getattr(self._source, "reregister", None)
-        for attempt in (0, 1):
-            try:
-                shapes_out = self._send_shm(layout.model, inputs, outputs)
-                break
-            except TritonCallError as error:
-                if error.status in IN_DOUBT_STATUSES:
-                    lease.mark_in_doubt()
-                # A restarted server has forgotten our region: register it again, once.
-                if attempt == 0 and reregister is not None and region_unknown(error):
-                    reregister(lease.pool)
-                    continue
-                safely(self._observer.error, layout.model, type(error).__name__)
-                if error.status == "INVALID_ARGUMENT":
-                    self.verify_layout(layout)  # a reloaded model: a typed error, not a puzzle
-                raise
-        seconds = time.perf_counter() - started
-        nbytes = nbytes_in + sum(_output_nbytes(lease, name, shape) for name, shape in shapes_out.items())
-        path = "cuda_shm" if lease.pool.memory == "cuda" else "shm"
-        safely(self._observer.request, layout.model, path, nbytes, seconds)
-        return shapes_out
-
-    def _send_shm(
-        self, model: str, inputs: Sequence[ShmInput], outputs: Sequence[ShmOutput]
-    ) -> dict[str, tuple[int, ...]]:
-        """One request whose tensors all lie in registered regions; returns the output shapes."""
-        if self._http is not None:
-            return self._http.infer(model, inputs, outputs)
-        request_inputs = []
-        for t in inputs:
-            tensor = grpcclient.InferInput(t.name, list(t.shape), t.datatype)
-            tensor.set_shared_memory(t.region, t.byte_size, offset=t.offset)
-            request_inputs.append(tensor)
-        request_outputs = []
-        for t in outputs:
-            tensor = grpcclient.InferRequestedOutput(t.name)
-            tensor.set_shared_memory(t.region, t.byte_size, offset=t.offset)
-            request_outputs.append(tensor)
-        try:
-            response = self._grpc.infer(
-                model, request_inputs, outputs=request_outputs, client_timeout=self.config.request_timeout_s
-            )
-        except InferenceServerException as e:
-            raise translate_error(e, model) from e
-        shapes = {}
-        for t in outputs:
-            out = response.get_output(t.name)
-            if out is None:
-                raise TritonCallError(f"server returned no output {t.name!r}", None, model)
-            check_datatype(t, out.datatype, model)  # another config than the layout's: not our bytes
-            shapes[t.name] = tuple(int(d) for d in out.shape)
-        return shapes
+        """Run the model on the inputs in ``lease``'s slot (slot references come this way too)."""
+        return self._requests.call_shm(lease, shapes, wanted)
 
     def _call_grpc(self, model: str, checked: CheckedInputs, wanted: list[str]) -> dict[str, np.ndarray]:
-        request_inputs = []
-        for name, array in checked.arrays.items():
-            if not isinstance(array, np.ndarray):  # a cupy array: plain gRPC sends host bytes
-                from ray_triton_shm._private.cuda import import_cupy
-
-                array = import_cupy().asnumpy(array)
-            datatype = "BYTES" if array.dtype == object else NUMPY_TO_TRITON[array.dtype]
-            tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-            tensor.set_data_from_numpy(np.ascontiguousarray(array))
-            request_inputs.append(tensor)
-        request_outputs = [grpcclient.InferRequestedOutput(name) for name in wanted]
-        started = time.perf_counter()
-        try:
-            response = self._grpc.infer(
-                model,
-                request_inputs,
-                outputs=request_outputs,
-                client_timeout=self.config.request_timeout_s,
-            )
-        except InferenceServerException as e:
-            error = translate_error(e, model)
-            safely(self._observer.error, model, type(error).__name__)
-            raise error from e
-        seconds = time.perf_counter() - started
-        outputs = {name: response.as_numpy(name) for name in wanted}
-        nbytes = checked.nbytes + sum(
-            bytes_nbytes(a) if a.dtype == object else a.nbytes for a in outputs.values()
-        )
-        safely(self._observer.request, model, "grpc", nbytes, seconds)
-        return outputs
-
-
-def _output_nbytes(lease: Lease, name: str, shape: tuple[int, ...]) -> int:
-    """Bytes Triton wrote for output ``name`` (a BYTES output's serialised size)."""
-    spec = lease.layout.output(name)
-    if spec.is_bytes:
-        return serialized_size(lease.slot.arrays[name], math.prod(shape))
-    return math.prod(shape) * spec.dtype.itemsize
-
-
-def _to_device(outputs: dict[str, Any], pool: SlotPool) -> dict[str, Any]:
-    """Host outputs as cupy arrays on a CUDA pool's GPU."""
-    from ray_triton_shm._private.cuda import import_cupy
-
-    cupy = import_cupy()
-    with cupy.cuda.Device(pool.device):  # type: ignore[attr-defined]
-        return {name: cupy.asarray(value) for name, value in outputs.items()}
-
-
-def _chunks(layout: ModelLayout, batch: int) -> list[tuple[int, int]]:
-    if not layout.batched:
-        return [(0, 1)]
-    step = layout.batch_capacity
-    return [(start, min(start + step, batch)) for start in range(0, batch, step)]
+        """Run ``model`` with its tensors serialised into the request; returns the outputs."""
+        return self._requests.call_grpc(model, checked, wanted)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ray_triton_shm._private.segment import redact
 from ray_triton_shm.errors import OutputTooLargeError, TritonCallError, UnavailableError
+
+if TYPE_CHECKING:
+    from tritonclient.utils import InferenceServerException
 
 IN_DOUBT_STATUSES = ("DEADLINE_EXCEEDED", "CANCELLED")
 """After these the server may still be working on the request (and writing into its slot)."""
@@ -33,3 +38,14 @@ def call_error(message: str, status: str | None, model: str | None = None) -> Tr
 def region_unknown(error: TritonCallError) -> bool:
     """Whether Triton answered that a shared-memory region of the request is not registered."""
     return error.status == "NOT_FOUND" and "shared memory region" in error.message
+
+
+def status_name(error: InferenceServerException) -> str | None:
+    """The gRPC status name (``"NOT_FOUND"``) of a tritonclient exception, or ``None``."""
+    status = error.status()
+    return str(status).rsplit(".", 1)[-1] if status else None
+
+
+def translate_error(error: InferenceServerException, model: str | None = None) -> TritonCallError:
+    """Turn a tritonclient exception into ours (typed by gRPC status), segment keys redacted."""
+    return call_error(str(error.message() or error), status_name(error), model)

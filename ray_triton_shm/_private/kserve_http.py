@@ -165,7 +165,7 @@ def _shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
     small enough for gRPC, GPU memory) answers ``False``: the general path then
     runs and gives the same answer or error as it always did.
     """
-    from ray_triton_shm.client import _chunks
+    from ray_triton_shm._private.slot_runs import chunks
 
     if getattr(client, "_recheck", False):  # as ainfer does first: Triton may have restarted
         client._before_call()
@@ -182,7 +182,7 @@ def _shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
         inner._wanted_outputs(layout, decoded.outputs)
     except RayTritonShmError:
         return False
-    if pool.memory != "system" or checked.on_device or len(_chunks(layout, checked.batch)) != 1:
+    if pool.memory != "system" or checked.on_device or len(chunks(layout, checked.batch)) != 1:
         return False
     threshold = inner.config.pool_for(model).shm_threshold(over_http=inner._http is not None, cuda=False)
     return checked.nbytes >= threshold

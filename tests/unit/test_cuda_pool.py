@@ -267,7 +267,7 @@ def test_close_frees_a_cuda_region_only_once_triton_let_go(gpu: Any, status_erro
 def test_close_leaks_a_cuda_region_triton_keeps(gpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from ray_triton_shm._private import cuda_pool
 
-    monkeypatch.setattr("ray_triton_shm.client._UNREGISTER_WAIT_S", 0.3)
+    monkeypatch.setattr("ray_triton_shm._private.local_pools._UNREGISTER_WAIT_S", 0.3)
     monkeypatch.setattr(cuda_pool, "LEAKED", [])
     triton = _FakeTriton(held=10**6)
     pools, pool = _local_pools(triton)
