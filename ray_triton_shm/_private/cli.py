@@ -111,19 +111,21 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from ray_triton_shm._private.bench import runner
+    from ray_triton_shm._private.bench.core_methods import CORE_METHODS
+    from ray_triton_shm._private.bench.options import SERVE_METHODS, BenchOptions, methods_arg, parse_sizes
     from ray_triton_shm._private.bench.servers import parse_servers
 
-    options = runner.BenchOptions(
+    options = BenchOptions(
         quick=args.quick,
-        sizes=runner.parse_sizes(args.sizes) if args.sizes else None,
+        sizes=parse_sizes(args.sizes) if args.sizes else None,
         concurrency=tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None,
-        methods=runner.methods_arg(args.methods, list(runner.CORE_METHODS)),
+        methods=methods_arg(args.methods, list(CORE_METHODS)),
         ray=not args.no_ray,
-        serve_sizes=runner.parse_sizes(args.serve_sizes) if args.serve_sizes else None,
+        serve_sizes=parse_sizes(args.serve_sizes) if args.serve_sizes else None,
         serve_concurrency=tuple(int(c) for c in args.serve_concurrency.split(","))
         if args.serve_concurrency
         else None,
-        serve_methods=runner.methods_arg(args.serve_methods, list(runner.SERVE_METHODS)),
+        serve_methods=methods_arg(args.serve_methods, list(SERVE_METHODS)),
         data_rows=args.data_rows,
         data_batch=args.data_batch,
         rounds=args.rounds,
