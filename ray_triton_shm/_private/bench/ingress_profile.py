@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         if args.compare:
-            from ray_triton_shm._private.bench import report
+            from ray_triton_shm._private.bench.tables import size_label
 
             records = compare(sizes, args.rounds, args.budget_s, port, node_config)
             result: Any = [r.__dict__ for r in records]
@@ -282,11 +282,11 @@ def main(argv: list[str] | None = None) -> int:
             for r in records:
                 if r.ok:
                     print(
-                        f"{report.size_label(r.payload_bytes):>8} {r.method:<18} "
+                        f"{size_label(r.payload_bytes):>8} {r.method:<18} "
                         f"{r.throughput_mb_s:9.1f} {r.p50_ms:9.2f}"
                     )
                 else:
-                    print(f"{report.size_label(r.payload_bytes):>8} {r.method:<18} FAILED {r.error}")
+                    print(f"{size_label(r.payload_bytes):>8} {r.method:<18} FAILED {r.error}")
         else:
             result = profile(sizes[0], args.calls, port, node_config)
             for key, value in result.items():
