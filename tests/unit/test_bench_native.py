@@ -133,3 +133,36 @@ def test_make_native_says_what_is_missing_without_a_compiler(tmp_path: Path) -> 
     )
     assert result.returncode != 0
     assert "no C compiler '/nonexistent/cc'" in result.stderr
+
+
+def test_slot_ref_targets_on_either_server_name_the_handle_floor() -> None:
+    def serve(method: str, mb_s: float, p50: float, callers: int, **extra: float) -> Record:
+        record = _record(method, 16 * MB, mb_s, p50=p50, callers=callers)
+        record.group = "serve"
+        record.extra.update(extra)
+        return record
+
+    records = [
+        _record("ours-inplace", 16 * MB, 10_000.0, p50=1.5),
+        _record("ours-inplace", 16 * MB, 12_000.0, p50=5.0, callers=4),
+        serve("serve-grpc", 250.0, 60.0, 1),
+        serve("serve-slotref", 3_000.0, 5.5, 1, handle_floor_p50_ms=1.8),
+        serve("serve-grpc", 400.0, 150.0, 4),
+        serve("serve-slotref", 9_000.0, 7.0, 4, handle_floor_p50_ms=1.9),
+    ]
+    for rows in (report.native_targets(records), report.targets(records)):
+        got = {target: (measured, verdict) for target, measured, verdict in rows}
+        assert got["Serve slot refs 16 MB >= 10x Serve+gRPC (x1)"] == ("12.00x", "met")
+        assert got["Serve slot refs 16 MB >= 10x Serve+gRPC (x4)"] == ("22.50x", "met")
+        measured, verdict = got["ours-inplace <= 1.5x Serve slot refs 16 MB (x1)"]
+        # 1.5 ms in place plus a 1.8 ms handle floor: 2.2x at best, so the floor alone misses 1.5x.
+        assert measured == "3.33x (handle floor p50 1.80 ms on ours-inplace's 1.50 ms: 2.20x at best)"
+        assert verdict == "NOT met (the handle floor alone exceeds it)"
+        assert got["ours-inplace <= 1.5x Serve slot refs 16 MB (x4)"] == (
+            "1.33x (handle floor p50 1.90 ms)",
+            "met",
+        )
+    # A miss the floor does not explain is a plain miss.
+    records[3] = serve("serve-slotref", 3_000.0, 5.5, 1, handle_floor_p50_ms=0.5)
+    got = {t: v for t, _, v in report.native_targets(records)}
+    assert got["ours-inplace <= 1.5x Serve slot refs 16 MB (x1)"] == "NOT met"

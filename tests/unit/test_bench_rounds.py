@@ -6,6 +6,7 @@ import pytest
 
 from ray_triton_shm._private.bench.core_methods import Cell
 from ray_triton_shm._private.bench.runner import BenchOptions, _run_group
+from ray_triton_shm._private.bench import timing
 from ray_triton_shm._private.bench.timing import CellTiming, Progress
 
 
@@ -74,3 +75,44 @@ def test_rounds_must_be_positive() -> None:
         BenchOptions(rounds=0)
     assert BenchOptions(quick=True).resolved().rounds == 1
     assert BenchOptions().resolved().rounds == 3
+
+
+def test_a_cells_extra_figures_reach_its_record_as_the_median_over_rounds() -> None:
+    figures = iter([3.0, 1.0, 2.0])
+
+    def open_cell() -> Cell:
+        return Cell([lambda check: None], extra={"handle_floor_p50_ms": next(figures)})
+
+    progress = Progress(3, enabled=False)
+    (record,) = _run_group([("a", open_cell)], 4096, 1, _options(3), "serve", progress)
+    assert record.extra["handle_floor_p50_ms"] == 2.0
+
+
+def test_settle_waits_for_idle_cpus_and_no_longer_than_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (busy, total) ticks: 90 % busy for two windows, then 10 %.
+    ticks = iter([(0, 0), (90, 100), (180, 200), (190, 300), (200, 400)])
+    monkeypatch.setattr(timing, "_cpu_ticks", lambda: next(ticks))
+    waited = timing.settle(window_s=0.01, max_wait_s=5.0)
+    assert 0.025 <= waited < 1.0
+    assert next(ticks) == (200, 400)  # stopped at the first idle window
+
+    always_busy = iter((100 * i, 100 * i) for i in range(10_000))
+    monkeypatch.setattr(timing, "_cpu_ticks", lambda: next(always_busy))
+    waited = timing.settle(window_s=0.01, max_wait_s=0.2)
+    assert 0.2 <= waited < 1.0
+
+
+def test_callers_settle_after_their_warm_up_and_before_the_timed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    monkeypatch.setattr(timing, "settle", lambda max_wait_s: events.append(f"settle {max_wait_s}") or 0.0)
+
+    def caller(check: bool) -> None:
+        events.append("warm-up" if check and "settle 0.5" not in events else "call")
+
+    timing.run_callers([caller, caller], warmup=1, min_calls=1, budget_s=0.0, settle_s=0.5)
+    assert events[:3] == ["warm-up", "warm-up", "settle 0.5"]
+    assert events.count("settle 0.5") == 1 and "warm-up" not in events[3:]
+
+    events.clear()
+    timing.run_callers([caller], warmup=1, min_calls=1, budget_s=0.0)
+    assert not any(e.startswith("settle") for e in events)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,14 +52,16 @@ def failed(method: str, size: int, concurrency: int, error: BaseException, group
 
 
 def time_cell(
-    open_cell: Callable[[], Any], calls: int, budget_s: float, warmup: int
-) -> tuple[CellTiming, set[str]]:
-    """Open a cell, time its callers and close it; returns the timing and the paths taken."""
+    open_cell: Callable[[], Any], calls: int, budget_s: float, warmup: int, settle_s: float = 0.0
+) -> tuple[CellTiming, set[str], dict[str, float]]:
+    """Open a cell, time its callers and close it; the timing, the paths taken, the cell's extra figures."""
     cell = None
     try:
         cell = open_cell()
-        timing = run_callers(cell.callers, warmup=warmup, min_calls=calls, budget_s=budget_s)
-        return timing, cell.paths
+        timing = run_callers(
+            cell.callers, warmup=warmup, min_calls=calls, budget_s=budget_s, settle_s=settle_s
+        )
+        return timing, cell.paths, dict(cell.extra)
     finally:
         if cell is not None:
             cell.close()
@@ -88,6 +91,7 @@ def run_group(
     warmup = options.warmup + (1 if concurrency == 1 else 0)
     timings: dict[str, list[CellTiming]] = {method: [] for method, _ in openers}
     paths: dict[str, set[str]] = {method: set() for method, _ in openers}
+    extras: dict[str, list[dict[str, float]]] = {method: [] for method, _ in openers}
     errors: dict[str, BaseException] = {}
     for index in range(rounds):
         shift = index % len(openers)
@@ -97,9 +101,12 @@ def run_group(
             )
             if method not in errors:
                 try:
-                    timing, cell_paths = time_cell(open_cell, calls, budget_s, warmup)
+                    timing, cell_paths, cell_extra = time_cell(
+                        open_cell, calls, budget_s, warmup, options.settle_s or 0.0
+                    )
                     timings[method].append(timing)
                     paths[method] |= cell_paths
+                    extras[method].append(cell_extra)
                 except Exception as e:
                     errors[method] = e
             progress.advance()
@@ -110,6 +117,9 @@ def run_group(
         else:
             merged = CellTiming.merged(timings[method])
             record = record_from(method, size, concurrency, merged, paths[method], group)
+            for key in sorted({k for extra in extras[method] for k in extra}):
+                # a figure a cell measured besides its calls: the median over the rounds
+                record.extra[key] = round(statistics.median(e[key] for e in extras[method] if key in e), 3)
             if rounds > 1:  # the spread between rounds says how far one cell can be trusted
                 record.extra["mb_s_by_round"] = [
                     round(record_from(method, size, concurrency, t, set(), group).throughput_mb_s, 2)

@@ -38,6 +38,8 @@ class Cell:
     callers: list[Caller]
     closers: list[Callable[[], None]] = field(default_factory=list)
     paths: set[str] = field(default_factory=set)
+    extra: dict[str, float] = field(default_factory=dict)
+    """Figures the cell measured besides its calls (kept in the record's ``extra``)."""
 
     def close(self) -> None:
         for close in reversed(self.closers):

@@ -63,6 +63,9 @@ class BenchOptions:
         servers: Which servers' models to measure, main table first (``native``, ``python``).
         profile: Also time where a request's time goes on each server (Triton's own statistics).
         progress: Show the progress bar on stderr.
+        settle_s: Before its timed calls, a cell waits (this long at most) for the
+            machine's CPUs to go idle, so what the cell before left running is
+            not timed with it (quick 0.25, full 1.0; 0: no wait).
     """
 
     quick: bool = False
@@ -87,10 +90,13 @@ class BenchOptions:
     profile: bool = True
     progress: bool = True
     plots: bool = True
+    settle_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.rounds is not None and self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.settle_s is not None and not self.settle_s >= 0:
+            raise ValueError(f"settle_s must be >= 0, got {self.settle_s}")
 
     def resolved(self) -> BenchOptions:
         """A copy with every None replaced by the default of the chosen mode."""
@@ -118,6 +124,7 @@ class BenchOptions:
             profile=self.profile,
             progress=self.progress,
             plots=self.plots,
+            settle_s=self.settle_s if self.settle_s is not None else (0.25 if quick else 1.0),
         )
 
 

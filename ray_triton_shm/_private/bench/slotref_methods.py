@@ -6,10 +6,16 @@ does; a timed call sends only a :class:`~ray_triton_shm._private.slot_ref.SlotRe
 through the ``DeploymentHandle`` (the replica runs Triton on that slot) and
 reads the output in the slot. So the row is ``ours-inplace`` plus a handle
 round trip, beside ``serve-grpc`` (arrays through the handle, gRPC behind).
+
+Each cell also measures the floor of that round trip: the same handle
+calling a method that runs nothing (``whereami``), one call at a time. No
+slot-reference call can be faster than ``ours-inplace`` plus that floor.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,4 +67,17 @@ def slotref_cell(method: str, target: SlotRefTarget, inputs: list[np.ndarray], m
         return call
 
     cell.callers = [make(x) for x in inputs]
+    cell.extra["handle_floor_p50_ms"] = handle_floor_ms(caller.ref_handle)
     return cell
+
+
+def handle_floor_ms(handle: Any, calls: int = 40, warmup: int = 10) -> float:
+    """Median milliseconds of a round trip through ``handle`` to a method that runs nothing."""
+    for _ in range(warmup):
+        handle.whereami.remote().result()
+    times = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        handle.whereami.remote().result()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times) * 1e3

@@ -55,26 +55,49 @@ def targets(records: Sequence[Any]) -> list[tuple[str, str, str]]:
     for c in sorted({r.concurrency for r in records if r.group == "serve"}):
         ratio = ratio_of(index.get(("serve-ours", 16 * MB, c)), index.get(("serve-grpc", 16 * MB, c)))
         out.append((f"Serve 16 MB >= 5x Serve+gRPC (x{c})", f"{fmt(ratio, 2)}x", verdict(ratio, 5)))
-        slot = index.get(("serve-slotref", 16 * MB, c))
-        if slot is not None:  # issue 18: >= 10x Serve + gRPC, within 1.5x of ours-inplace
-            ratio = ratio_of(slot, index.get(("serve-grpc", 16 * MB, c)))
-            out.append(
-                (f"Serve slot refs 16 MB >= 10x Serve+gRPC (x{c})", f"{fmt(ratio, 2)}x", verdict(ratio, 10))
-            )
-            ratio = ratio_of(index.get(("ours-inplace", 16 * MB, c)), slot)
-            out.append(
-                (
-                    f"ours-inplace <= 1.5x Serve slot refs 16 MB (x{c})",
-                    f"{fmt(ratio, 2)}x",
-                    verdict(ratio, 1.5, False),
-                )
-            )
+    out.extend(slot_ref_targets(records))
     data = {r.method: r for r in records if r.group == "data" and r.ok}
     if data:
         ratio = ratio_of(data.get("data-ours"), data.get("data-grpc"), "rows_per_s")
         out.append(
             ("Ray Data image rows >= 3x gRPC predictor", f"{fmt(ratio, 2)}x rows/s", verdict(ratio, 3))
         )
+    return out
+
+
+def slot_ref_targets(records: Sequence[Any]) -> list[tuple[str, str, str]]:
+    """Issue 18's slot-reference targets at 16 MB: >= 10x Serve + gRPC, <= 1.5x ours-inplace.
+
+    The second is bounded below by the handle itself: a reference call is
+    ``ours-inplace`` plus one handle round trip, and the cell measures that
+    round trip's floor (a call that runs nothing, ``handle_floor_p50_ms``). At
+    one caller the row says how close the floor lets the call come at best,
+    and a miss the floor alone explains is marked so.
+    """
+    index = by_cell(records)
+    out: list[tuple[str, str, str]] = []
+    for c in sorted({r.concurrency for r in records if r.group == "serve"}):
+        slot = index.get(("serve-slotref", 16 * MB, c))
+        if slot is None:
+            continue
+        ratio = ratio_of(slot, index.get(("serve-grpc", 16 * MB, c)))
+        goal = f"Serve slot refs 16 MB >= 10x Serve+gRPC (x{c})"
+        out.append((goal, f"{fmt(ratio, 2)}x", verdict(ratio, 10)))
+        inplace = index.get(("ours-inplace", 16 * MB, c))
+        ratio = ratio_of(inplace, slot)
+        measured, met = f"{fmt(ratio, 2)}x", verdict(ratio, 1.5, False)
+        floor = slot.extra.get("handle_floor_p50_ms") if slot.ok else None
+        if c == 1 and floor is not None and inplace is not None and inplace.ok and inplace.p50_ms > 0:
+            best = (inplace.p50_ms + floor) / inplace.p50_ms
+            measured += (
+                f" (handle floor p50 {floor:.2f} ms on ours-inplace's {inplace.p50_ms:.2f} ms:"
+                f" {best:.2f}x at best)"
+            )
+            if met == "NOT met" and best > 1.5:
+                met = "NOT met (the handle floor alone exceeds it)"
+        elif floor is not None:
+            measured += f" (handle floor p50 {floor:.2f} ms)"
+        out.append((f"ours-inplace <= 1.5x Serve slot refs 16 MB (x{c})", measured, met))
     return out
 
 
@@ -156,6 +179,7 @@ def native_targets(records: Sequence[Any]) -> list[tuple[str, str, str]]:
                 "see note",
             )
         )
+    out.extend(slot_ref_targets(records))
     data = {r.method: r for r in records if r.group == "data" and r.ok}
     if data:
         local = ratio_of(data.get("data-ours"), data.get("data-local"), "rows_per_s")

@@ -40,6 +40,41 @@ class CellTiming:
         )
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) CPU ticks of the whole machine since boot; None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def settle(*, busy_below: float = 0.25, window_s: float = 0.1, max_wait_s: float = 1.0) -> float:
+    """Wait until the machine's CPUs are mostly idle (at most ``max_wait_s``); the seconds waited.
+
+    The cell before may leave work behind that is not its own timing's (Ray
+    freeing its objects, a replica collecting garbage, a backend stub's
+    arenas): on 2 cores that work lands in the next cell's numbers, whichever
+    method it is. Every cell waits the same way before its timed calls.
+    """
+    began = time.monotonic()
+    last = _cpu_ticks()
+    if last is None:
+        return 0.0
+    while time.monotonic() - began < max_wait_s:
+        time.sleep(window_s)
+        now = _cpu_ticks()
+        if now is None:
+            break
+        busy, total = now[0] - last[0], now[1] - last[1]
+        last = now
+        if total > 0 and busy / total < busy_below:
+            break
+    return time.monotonic() - began
+
+
 def run_callers(
     callers: Sequence[Callable[[bool], object]],
     *,
@@ -47,6 +82,7 @@ def run_callers(
     min_calls: int,
     budget_s: float,
     max_calls: int = 10_000,
+    settle_s: float = 0.0,
 ) -> CellTiming:
     """Run every caller in its own thread, check outputs during warm-up, time the rest.
 
@@ -60,6 +96,8 @@ def run_callers(
         min_calls: Timed calls each caller makes at least.
         budget_s: After this long, callers stop once they have ``min_calls``.
         max_calls: Upper bound of timed calls per caller.
+        settle_s: After the warm-up, wait up to this long for the machine to go
+            idle before the timed calls (see :func:`settle`; 0: no wait).
 
     Returns:
         The timings.
@@ -103,6 +141,11 @@ def run_callers(
     threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
     for thread in threads:
         thread.start()
+    if settle_s > 0:
+        while start.n_waiting < count and any(t.is_alive() for t in threads):
+            time.sleep(0.005)  # every caller has warmed up (or failed)
+        if not errors:
+            settle(max_wait_s=settle_s)
     start.wait()
     for thread in threads:
         thread.join()
