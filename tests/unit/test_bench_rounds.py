@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ray_triton_shm._private.bench import timing
 from ray_triton_shm._private.bench.core_methods import Cell
 from ray_triton_shm._private.bench.runner import BenchOptions, _run_group
-from ray_triton_shm._private.bench import timing
 from ray_triton_shm._private.bench.timing import CellTiming, Progress
 
 
@@ -102,7 +102,7 @@ def test_settle_waits_for_idle_cpus_and_no_longer_than_its_bound(monkeypatch: py
     assert 0.2 <= waited < 1.0
 
 
-def test_callers_settle_after_their_warm_up_and_before_the_timed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_callers_settle_after_warm_up_before_the_timed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[str] = []
     monkeypatch.setattr(timing, "settle", lambda max_wait_s: events.append(f"settle {max_wait_s}") or 0.0)
 
