@@ -40,6 +40,7 @@ from tritonclient.utils import InferenceServerException
 from ray_triton_shm._private.bulk_copy import BulkCopier, default_copy_threads
 from ray_triton_shm._private.bytes_tensor import serialized_size
 from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES, call_error, region_unknown
+from ray_triton_shm._private.grpc_channel import GrpcClient, TritonGrpc
 from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput, check_datatype
 from ray_triton_shm._private.layout import (
     NUMPY_TO_TRITON,
@@ -104,7 +105,7 @@ def translate_error(error: InferenceServerException, model: str | None = None) -
     return call_error(str(error.message() or error), _status_name(error), model)
 
 
-def fetch_layout(grpc: grpcclient.InferenceServerClient, model: str, config: PoolConfig) -> ModelLayout:
+def fetch_layout(grpc: GrpcClient, model: str, config: PoolConfig) -> ModelLayout:
     """Derive ``model``'s slot layout from its configuration on the server.
 
     Raises:
@@ -134,7 +135,7 @@ class LocalPools:
 
     def __init__(
         self,
-        grpc: grpcclient.InferenceServerClient,
+        grpc: GrpcClient,
         server_visible_devices: str | None = None,
         shm_api_key: str | None = None,
         url: str = "",
@@ -329,7 +330,8 @@ class TritonShmClient:
 
             config = dataclasses.replace(config, **overrides)
         self.config = config
-        self._grpc = grpcclient.InferenceServerClient(url=config.url)
+        # A channel that is still backing off from a server that is back is replaced, not failed on.
+        self._grpc = TritonGrpc(config.url)
         # Shared-memory requests carry only descriptors; HTTP sends them for less CPU than gRPC.
         self._http = HttpShmSender(config.http_url, config.request_timeout_s) if config.http_url else None
         self._source: PoolSource = pool_source or LocalPools(
