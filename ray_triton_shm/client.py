@@ -32,10 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 
 from ray_triton_shm._private.bulk_copy import BulkCopier, default_copy_threads
 from ray_triton_shm._private.call_errors import translate_error as translate_error
+from ray_triton_shm._private.grpc_channel import TritonGrpc
 from ray_triton_shm._private.http_infer import HttpShmSender
 from ray_triton_shm._private.layout import ModelLayout, ModelSignature
 from ray_triton_shm._private.local_pools import LocalPools
@@ -128,7 +128,8 @@ class TritonShmClient:
 
             config = dataclasses.replace(config, **overrides)
         self.config = config
-        self._grpc = grpcclient.InferenceServerClient(url=config.url)
+        # A channel that is still backing off from a server that is back is replaced, not failed on.
+        self._grpc = TritonGrpc(config.url)
         # Shared-memory requests carry only descriptors; HTTP sends them for less CPU than gRPC.
         self._http = HttpShmSender(config.http_url, config.request_timeout_s) if config.http_url else None
         self._source: PoolSource = pool_source or LocalPools(

@@ -150,6 +150,12 @@ def _backend_prefixes(pids: set[int]) -> tuple[str, ...]:
     return tuple(prefixes)
 
 
+def _backend_segment(name: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``name`` is a Python-backend file of a server with one of ``prefixes``, or the
+    locked segment guarding them, named by the prefix less its final ``_`` (``TritonServer``)."""
+    return any(name.startswith(prefix) or name == prefix.removesuffix("_") for prefix in prefixes)
+
+
 def _wait_for_leftovers(
     segments_before: set[str], triton_before: set[int], token: str, grace_s: float, spared: set[int]
 ) -> tuple[list[str], dict[int, str]]:
@@ -159,7 +165,7 @@ def _wait_for_leftovers(
         segments = [
             name
             for name in _leftover_segments(segments_before, token)
-            if not (spared_prefixes and name.startswith(spared_prefixes))
+            if not _backend_segment(name, spared_prefixes)
         ]
         processes = {
             pid: cmdline
@@ -188,7 +194,8 @@ def _remove_and_fail(segments: list[str], processes: dict[int, str], what: str) 
 def session_lived_pids() -> set[int]:
     """Servers that session-scoped fixtures keep across modules add their pid here: the
     per-module check leaves them, their descendants (Python-backend stubs) and their
-    Python-backend segments alone."""
+    Python-backend segments (and the segment guarding those) alone; the session check
+    does not."""
     return set()
 
 

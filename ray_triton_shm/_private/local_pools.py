@@ -7,10 +7,10 @@ import os
 import threading
 import time
 
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.call_errors import status_name, translate_error
+from ray_triton_shm._private.grpc_channel import GrpcClient
 from ray_triton_shm._private.layout import ModelLayout, layout_from_config
 from ray_triton_shm._private.pool import SlotPool
 from ray_triton_shm._private.segment import check_span, redact
@@ -23,7 +23,7 @@ logger = logging.getLogger("ray_triton_shm.client")
 _UNREGISTER_WAIT_S = 5.0
 
 
-def fetch_layout(grpc: grpcclient.InferenceServerClient, model: str, config: PoolConfig) -> ModelLayout:
+def fetch_layout(grpc: GrpcClient, model: str, config: PoolConfig) -> ModelLayout:
     """Derive ``model``'s slot layout from its configuration on the server.
 
     Raises:
@@ -42,7 +42,7 @@ class LocalPools:
 
     def __init__(
         self,
-        grpc: grpcclient.InferenceServerClient,
+        grpc: GrpcClient,
         server_visible_devices: str | None = None,
         shm_api_key: str | None = None,
         url: str = "",

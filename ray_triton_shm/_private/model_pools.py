@@ -7,10 +7,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.call_errors import translate_error
+from ray_triton_shm._private.grpc_channel import GrpcClient
 from ray_triton_shm._private.layout import (
     ModelLayout,
     ModelSignature,
@@ -42,7 +42,7 @@ class ModelPools:
     def __init__(
         self,
         source: PoolSource,
-        grpc: grpcclient.InferenceServerClient,
+        grpc: GrpcClient,
         config: ClientConfig,
         lock: threading.Lock,
         is_closed: Callable[[], bool],

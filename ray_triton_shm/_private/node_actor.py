@@ -21,10 +21,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private import metrics
+from ray_triton_shm._private.grpc_channel import new_grpc_client
 from ray_triton_shm._private.layout import config_fingerprint, layout_from_config
 from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node_health import HealthMonitor
@@ -79,7 +79,7 @@ class _NodeActor:
             raise
         self._reaper.watch_triton(self._server.pid)
         self._epoch = 1
-        self._grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
+        self._grpc = new_grpc_client(self._server.grpc_url)
         self._pools = NodePools(self._register, self._unregister, quarantine_s=config.quarantine_s)
         # Model configs as Triton served them when last asked: fetched again only after a load,
         # unload or restart, or when a client found the served config changed (layout_changed).
@@ -232,7 +232,8 @@ class _NodeActor:
             try:
                 self._server.restart(kill=True)  # SIGKILL works on a stopped or hung process too
                 self._reaper.watch_triton(self._server.pid)
-                grpc = grpcclient.InferenceServerClient(self._server.grpc_url)
+                # Its own subchannels: the old channel's reconnect backoff from the dead Triton stays there.
+                grpc = new_grpc_client(self._server.grpc_url)
                 with self._lock:
                     if self._stopping.is_set():
                         grpc.close()

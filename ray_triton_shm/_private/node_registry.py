@@ -120,10 +120,12 @@ for line in sys.stdin:
         triton = int(value)
 if triton > 0:
     # Triton may be dead already (Ray kills a killed worker's children) while its backend
-    # stubs live on in its group; a pid is not reused while its group has members.
+    # stubs live on in its group; a pid is not reused while its group has members. A dead
+    # Triton not yet reaped (a zombie: init may take seconds) has an empty command line.
     try:
         with open("/proc/%d/cmdline" % triton, "rb") as f:
-            ours = b"tritonserver" in f.read()
+            cmdline = f.read()
+        ours = not cmdline or b"tritonserver" in cmdline
     except OSError:
         ours = True
     if ours:

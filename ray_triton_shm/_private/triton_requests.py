@@ -12,6 +12,7 @@ from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.bytes_tensor import serialized_size
 from ray_triton_shm._private.call_errors import IN_DOUBT_STATUSES, region_unknown, translate_error
+from ray_triton_shm._private.grpc_channel import GrpcClient
 from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput, check_datatype
 from ray_triton_shm._private.layout import NUMPY_TO_TRITON, ModelLayout
 from ray_triton_shm._private.observe import Observer, safely
@@ -38,7 +39,7 @@ class TritonRequests:
 
     def __init__(
         self,
-        grpc: grpcclient.InferenceServerClient,
+        grpc: GrpcClient,
         http: HttpShmSender | None,
         request_timeout_s: float | None,
         observer: Observer,

@@ -26,6 +26,7 @@ from ray_triton_shm import (
     ServerConfig,
     TritonServer,
     TritonShmClient,
+    UnavailableError,
 )
 from ray_triton_shm._private import segment
 
@@ -131,6 +132,44 @@ def test_triton_killed_while_requests_hold_leases(own_server: TritonServer, shm_
     finally:
         client.close()
     assert region not in regions(own_server.grpc_url)
+    assert not os.path.exists(os.path.join(segment.SHM_DIR, region))
+
+
+def test_first_requests_after_a_restart_are_answered(own_server: TritonServer, shm_transport: str) -> None:
+    """Requests that failed while Triton was down leave the client's gRPC channel reconnecting
+    with backoff (1 s, 1.6 s, 2.6 s, ...), failing every call at once meanwhile; the first
+    requests once the restarted Triton is ready must be answered all the same, through shm
+    (region registered again) and over plain gRPC."""
+    pools = {"sleep": PoolConfig(slots=1, lease_timeout_s=30)}
+    client = TritonShmClient(
+        **transport_overrides(own_server, shm_transport), pools=pools, request_timeout_s=60
+    )
+    try:
+        client.infer("sleep", {"INPUT0": np.zeros((1, 1), np.float32)})
+        region = client.pool("sleep").region_name
+        pid = own_server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not own_server.is_alive(), what="the killed Triton to be gone")
+        # Both paths fail while it is down (each with our typed error), and each try
+        # makes the gRPC channel attempt a connection that is refused.
+        with pytest.raises(UnavailableError):
+            client.infer("sleep", {"INPUT0": np.zeros((1, 1), np.float32)})
+        with pytest.raises(UnavailableError):
+            client.infer_grpc("sleep", {"INPUT0": np.zeros((1, 1), np.float32)})
+        time.sleep(2.0)  # down a while: the channel's backoff grows past the restart's length
+        assert client.pool("sleep").stats().free == 1
+
+        own_server.restart()
+        over_shm = client.infer("sleep", {"INPUT0": np.full((1, 1), 0.01, np.float32)})
+        np.testing.assert_allclose(over_shm["OUTPUT0"], [[0.01]], rtol=1e-6)
+        assert over_shm.path == "shm"
+        assert region in regions(own_server.grpc_url), "the region was not registered again"
+        over_grpc = client.infer_grpc("sleep", {"INPUT0": np.full((1, 1), 0.02, np.float32)})
+        np.testing.assert_allclose(over_grpc["OUTPUT0"], [[0.02]], rtol=1e-6)
+        assert over_grpc.path == "grpc"
+    finally:
+        close_and_check(client)
     assert not os.path.exists(os.path.join(segment.SHM_DIR, region))
 
 
