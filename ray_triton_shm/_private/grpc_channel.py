@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 # What a call gets when the channel fails it while picking a connection (pick_first in
 # TRANSIENT_FAILURE): it never left the client. A call cut off by the server going away
 # gets another message ("Stream removed (Socket closed)", "Connection reset by peer").
-_NEVER_SENT_PREFIX = "failed to connect to all addresses"
+NEVER_SENT_PREFIX = "failed to connect to all addresses"
 _CLOSED_CHANNEL = "closed channel"
 _PROBE_TIMEOUT_S = 1.0
 
@@ -68,7 +68,7 @@ def new_grpc_client(url: str) -> grpcclient.InferenceServerClient:
 def never_sent(error: InferenceServerException) -> bool:
     """Whether ``error`` is a call the channel failed before sending it (no connection to pick)."""
     status = str(error.status() or "").rsplit(".", 1)[-1]
-    return status == "UNAVAILABLE" and str(error.message() or "").startswith(_NEVER_SENT_PREFIX)
+    return status == "UNAVAILABLE" and str(error.message() or "").startswith(NEVER_SENT_PREFIX)
 
 
 def split_host_port(url: str) -> tuple[str, int] | None:

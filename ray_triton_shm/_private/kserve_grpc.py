@@ -25,6 +25,7 @@ Ray's internals; segment keys are redacted from every message.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import sys
@@ -38,6 +39,7 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.cuda import to_host
+from ray_triton_shm._private.grpc_channel import NEVER_SENT_PREFIX, accepts_connections
 from ray_triton_shm._private.kserve import SHM_PARAMETERS, deserialize_bytes, serialize_bytes
 from ray_triton_shm._private.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
 from ray_triton_shm._private.segment import redact
@@ -76,7 +78,13 @@ def add_kserve_grpc_servicer(servicer: Any, server: Any) -> None:
 
 PROBE_TIMEOUT_S = 2.0
 PROXY_TIMEOUT_S = 60.0
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    # A channel's reconnect backoff is its own (see _private/grpc_channel.py): a fresh channel
+    # made after Triton came back must not inherit the old one's through the global pool.
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
 # The typed ``InferTensorContents`` field of each datatype (FP16 and BF16 travel raw only).
 _CONTENTS_FIELD = {
@@ -321,22 +329,40 @@ class KServeGrpcMixin:
             GrpcAnswerError: Triton answered with an error status, or could not be reached.
         """
         url = self._client.info.grpc_url
+        fresh = False
+        while True:
+            channel = await self._channel(url, fresh=fresh)
+            call = channel.unary_unary(
+                f"/{SERVICE}/{method}",
+                request_serializer=type(request).SerializeToString,
+                response_deserializer=response_cls.FromString,
+            )
+            try:
+                return await call(request, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                # A call the channel failed without sending it, while Triton accepts
+                # connections: the channel is still backing off from a time Triton was down.
+                if (
+                    not fresh
+                    and e.code() == grpc.StatusCode.UNAVAILABLE
+                    and (e.details() or "").startswith(NEVER_SENT_PREFIX)
+                    and await asyncio.to_thread(accepts_connections, url)
+                ):
+                    logger.info("gRPC ingress: replacing a channel to %s still backing off", url)
+                    fresh = True
+                    continue
+                raise GrpcAnswerError(e.code().name, e.details() or "") from e
+
+    async def _channel(self, url: str, *, fresh: bool = False) -> grpc.aio.Channel:
+        """The channel to ``url``: the one kept, or a new one (``fresh``, or Triton moved)."""
         channels = self.__dict__.setdefault("_channels", {})
         channel = channels.get(url)
-        if channel is None:
-            for old in channels.values():  # Triton restarted on another port
+        if channel is None or fresh:
+            for old in channels.values():  # Triton restarted on another port, or a stale channel
                 await old.close()
             channels.clear()
             channel = channels[url] = grpc.aio.insecure_channel(url, options=_CHANNEL_OPTIONS)
-        call = channel.unary_unary(
-            f"/{SERVICE}/{method}",
-            request_serializer=type(request).SerializeToString,
-            response_deserializer=response_cls.FromString,
-        )
-        try:
-            return await call(request, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise GrpcAnswerError(e.code().name, e.details() or "") from e
+        return channel
 
 
 def _fail(grpc_context: Any, error: BaseException) -> None:
