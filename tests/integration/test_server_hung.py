@@ -10,6 +10,9 @@ from pathlib import Path
 from ray_triton_shm import ServerConfig, TritonServer
 
 REPO_MODELS = str(Path(__file__).resolve().parents[2] / "deployments" / "models")
+# One Python-backend model (its stub is a child of the server to stop or kill too): a server with
+# every model of the repository takes seconds more to start on a small machine.
+MODELS = ("add_sub",)
 
 
 def _gone(pid: int) -> bool:
@@ -19,7 +22,7 @@ def _gone(pid: int) -> bool:
 
 def test_stop_of_a_stopped_server_does_not_wait_forever():
     """TritonServer.stop on a SIGSTOPped process continues it to handle SIGINT (no Ray here)."""
-    server = TritonServer(ServerConfig(model_repository=REPO_MODELS, stop_timeout_s=60.0))
+    server = TritonServer(ServerConfig(model_repository=REPO_MODELS, load_models=MODELS, stop_timeout_s=60.0))
     server.start()
     try:
         pid = server.pid
@@ -35,7 +38,7 @@ def test_stop_of_a_stopped_server_does_not_wait_forever():
 
 
 def test_kill_of_a_stopped_server_reaps_it_at_once():
-    server = TritonServer(ServerConfig(model_repository=REPO_MODELS))
+    server = TritonServer(ServerConfig(model_repository=REPO_MODELS, load_models=MODELS))
     server.start()
     try:
         pid = server.pid

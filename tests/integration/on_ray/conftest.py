@@ -31,6 +31,24 @@ def config_copy(tmp_dir: Path, **app_args) -> tuple[Path, int]:
     return path, port
 
 
+def _stop_node_actors_together() -> None:
+    """Ask every node actor to stop its Triton at once: each stop takes seconds, and
+    shutdown_node_actors (which then finds them stopped and removes them) goes one by one."""
+    import ray
+
+    from ray_triton_shm._private.node_config import NAMESPACE
+    from ray_triton_shm._private.node_lifecycle import node_actor_names
+
+    refs = []
+    for name in node_actor_names():
+        try:
+            refs.append(ray.get_actor(name, namespace=NAMESPACE).shutdown.remote())
+        except ValueError:  # already gone
+            continue
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+
+
 def teardown_ray() -> None:
     import ray
     from ray import serve
@@ -41,8 +59,11 @@ def teardown_ray() -> None:
         try:
             serve.shutdown()
         finally:
-            shutdown_node_actors()
-            ray.shutdown()
+            try:
+                _stop_node_actors_together()
+            finally:
+                shutdown_node_actors()
+                ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from ray_triton_shm import PoolConfig, RayTritonShmError, TritonCallError, UnavailableError
+from ray_triton_shm import PoolConfig, RayTritonShmError, ServerConfig, TritonCallError, UnavailableError
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +29,9 @@ def node(tmp_path_factory):
     from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor, shutdown_node_actors
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    config = NodeConfig.for_repository(
-        REPO_MODELS,
+    config = NodeConfig(
+        # Only the models called here: a Triton with every model takes seconds more to start and stop.
+        server=ServerConfig(model_repository=REPO_MODELS, load_models=("add_sub", "sleep")),
         quarantine_s=1.0,
         health_interval_s=0.2,
         idle_shutdown_s=None,

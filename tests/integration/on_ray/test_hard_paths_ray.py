@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ray_triton_shm import PoolClosedError, PoolConfig, RayTritonShmError
+from ray_triton_shm import PoolClosedError, PoolConfig, RayTritonShmError, ServerConfig
 from ray_triton_shm.config import GRPC_MIN_SHM_BYTES
 
 pytestmark = pytest.mark.slow
@@ -52,8 +52,9 @@ def node():
 
     saved = os.environ.pop(ENV, None)  # Ray's workers inherit the shipped default
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    config = NodeConfig.for_repository(
-        REPO_MODELS,
+    config = NodeConfig(
+        # Only the models called through this node (its Triton is killed and restarted here).
+        server=ServerConfig(model_repository=REPO_MODELS, load_models=("affine", "sleep")),
         quarantine_s=1.0,
         health_interval_s=0.2,
         idle_shutdown_s=None,  # the module holds the actor's handle across tests

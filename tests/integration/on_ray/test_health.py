@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from ray_triton_shm import PoolConfig, TritonCallError, UnavailableError
+from ray_triton_shm import PoolConfig, ServerConfig, TritonCallError, UnavailableError
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,9 @@ def node():
     from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor, shutdown_node_actors
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    config = NodeConfig.for_repository(
-        REPO_MODELS,
+    config = NodeConfig(
+        # Only the model called here: the tests restart this Triton several times.
+        server=ServerConfig(model_repository=REPO_MODELS, load_models=("add_sub",)),
         quarantine_s=1.0,
         health_interval_s=0.2,
         unhealthy_after_s=UNHEALTHY_S,

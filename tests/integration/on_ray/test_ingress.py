@@ -24,7 +24,10 @@ import yaml
 from .conftest import CONFIG_FILE, free_port, teardown_ray
 
 PREFIX = "/triton"
-SLEEP_HOLD_S = 45.0  # longer than NodeClient's 30 s lease timeout
+# The sleep pool's lease timeout (how long a request waits for its one slot; 30 s by default)
+# and a request that holds the slot well past it.
+SLEEP_LEASE_TIMEOUT_S = 6.0
+SLEEP_HOLD_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def ingress(tmp_path_factory):
     app["route_prefix"] = PREFIX
     app["args"]["quarantine_s"] = 1.0
     app["args"]["slots_per_model"] = 1
-    app["args"]["pools"]["sleep"] = {"slots": 1}
+    app["args"]["pools"]["sleep"] = {"slots": 1, "lease_timeout_s": SLEEP_LEASE_TIMEOUT_S}
     app["deployments"] = [{"name": "TritonDeployment", "num_replicas": 1}]
     path = tmp_path_factory.mktemp("ingress") / "ingress.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -393,7 +396,7 @@ def test_compressed_requests_are_inflated(ingress, triton) -> None:
 
 @pytest.mark.slow
 def test_pool_timeout_is_503(ingress) -> None:
-    """The only slot of ``sleep`` held past the 30 s lease timeout: the next request answers 503."""
+    """The only slot of ``sleep`` held past the pool's lease timeout: the next request answers 503."""
     _, base = ingress
     hold = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [SLEEP_HOLD_S]}]}
     quick = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [0.0]}]}
@@ -404,8 +407,11 @@ def test_pool_timeout_is_503(ingress) -> None:
     holder.start()
     try:
         time.sleep(2.0)  # let the holder take the slot (its request runs SLEEP_HOLD_S)
+        asked = time.monotonic()
         refused = requests.post(url, json=quick, timeout=120)
         assert refused.status_code == 503, refused.content
+        # Refused once it had waited out the lease timeout, not sooner.
+        assert time.monotonic() - asked >= SLEEP_LEASE_TIMEOUT_S * 0.9, time.monotonic() - asked
         assert "no shared-memory slot of model 'sleep'" in assert_error_object(refused)
     finally:
         holder.join(timeout=180)

@@ -30,11 +30,14 @@ def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
     """Case 10 for the node actor: attach/grant/detach cycles, then NodeClient leases; RSS and fds flat."""
     import ray
 
+    from ray_triton_shm import ServerConfig
     from ray_triton_shm.node import NodeClient, NodeConfig, ensure_node_actors, get_node_actor
 
     from ..footprint import Footprint, assert_flat, process_footprint, triton_ports
 
-    config = NodeConfig.for_repository(REPO_MODELS, quarantine_s=1.0, idle_shutdown_s=None)
+    # Only the model called here: a Triton with every model takes seconds more to start and stop.
+    server = ServerConfig(model_repository=REPO_MODELS, load_models=("add_sub",))
+    config = NodeConfig(server=server, quarantine_s=1.0, idle_shutdown_s=None)
     ensure_node_actors(config)
     actor = get_node_actor()
     actor_pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))

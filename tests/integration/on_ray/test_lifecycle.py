@@ -54,10 +54,14 @@ def _segments_of(pid: int) -> list[str]:
 
 
 def _config(**kwargs):
+    from ray_triton_shm import ServerConfig
     from ray_triton_shm.node import NodeConfig
 
     kwargs.setdefault("health_interval_s", 0.2)
-    return NodeConfig.for_repository(str(REPO_MODELS), **kwargs)
+    # Only the models these tests call: each node actor here starts a Triton of its own, and every
+    # Python-backend model is a stub process to start (and stop) on a 2-core machine.
+    server = ServerConfig(model_repository=str(REPO_MODELS), load_models=("add_sub", "sleep"))
+    return NodeConfig(server=server, **kwargs)
 
 
 def _gone(info) -> bool:

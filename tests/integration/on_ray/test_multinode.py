@@ -13,6 +13,14 @@ pytestmark = pytest.mark.slow
 REPO_MODELS = str(__import__("pathlib").Path(__file__).resolve().parents[3] / "deployments" / "models")
 
 
+def _config(**kwargs):
+    """A node config serving only ``whoami``: a Triton per node on a small machine, one model each."""
+    from ray_triton_shm import ServerConfig
+    from ray_triton_shm.node import NodeConfig
+
+    return NodeConfig(server=ServerConfig(model_repository=REPO_MODELS, load_models=("whoami",)), **kwargs)
+
+
 def setup_module(module):
     # Ray workers cannot import test modules: ship this one's classes by value.
     from ray import cloudpickle
@@ -44,11 +52,10 @@ def test_each_replica_uses_the_triton_of_its_own_node(two_nodes):
     import ray
     from ray import serve
 
-    from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
+    from ray_triton_shm.node import ensure_node_actors, shutdown_node_actors
     from ray_triton_shm.serve import TritonDeployment
 
-    config = NodeConfig.for_repository(
-        REPO_MODELS,
+    config = _config(
         pools={"whoami": PoolConfig(slots=4, max_shapes={"INPUT0": (256,), "OUTPUT0": (256,)})},
         # Compared with ensure_node_actors' answer once Serve is up, which a loaded machine may take
         # longer than the default 30 s to be: until then the actors have no user.
@@ -83,12 +90,10 @@ def test_a_node_added_after_deploy_serves_through_its_own_triton(two_nodes):
     import ray
     from ray import serve
 
-    from ray_triton_shm.node import NodeConfig, get_node_actor
+    from ray_triton_shm.node import get_node_actor
     from ray_triton_shm.serve import TritonDeployment
 
-    config = NodeConfig.for_repository(
-        REPO_MODELS, pools={"whoami": PoolConfig(slots=2, max_shapes={"INPUT0": (64,), "OUTPUT0": (64,)})}
-    )
+    config = _config(pools={"whoami": PoolConfig(slots=2, max_shapes={"INPUT0": (64,), "OUTPUT0": (64,)})})
     options = {"max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 0.1}}
     handle = serve.run(
         TritonDeployment.options(num_replicas=2, **options).bind(config), name="late", route_prefix=None
@@ -138,10 +143,9 @@ class _Where:
 def test_ray_data_workers_use_the_triton_of_their_own_node(two_nodes):
     import ray
 
-    from ray_triton_shm.node import NodeConfig, ensure_node_actors
+    from ray_triton_shm.node import ensure_node_actors
 
-    config = NodeConfig.for_repository(
-        REPO_MODELS,
+    config = _config(
         idle_shutdown_s=None,  # compared with ensure_node_actors' answer after the job
         pools={"whoami": PoolConfig(slots=2, max_shapes={"INPUT0": (32,), "OUTPUT0": (32,)})},
     )
@@ -149,16 +153,24 @@ def test_ray_data_workers_use_the_triton_of_their_own_node(two_nodes):
     rows = 400
     # One stage only: its two workers take 0.6 of a node's one CPU each, so one lands on each node.
     data = np.arange(rows * 32, dtype=np.float32).reshape(rows, 32)
-    ds = ray.data.from_numpy(np.split(data, 10))  # ten blocks, so both workers get some
-    out = ds.map_batches(
-        _Where,
-        fn_constructor_kwargs={"config": config},
-        compute=ray.data.ActorPoolStrategy(size=2),
-        num_cpus=0.6,  # one worker per node: each node has one CPU
-        batch_size=20,
-        batch_format="numpy",
-        scheduling_strategy="SPREAD",
-    ).take_all()
+    # Both workers up before the first block is handed out: a pool that starts its actors one by
+    # one can give every block to the first while the second still starts.
+    context = ray.data.DataContext.get_current()
+    waited = context.wait_for_min_actors_s
+    context.wait_for_min_actors_s = 300
+    try:
+        ds = ray.data.from_numpy(np.split(data, 10))  # ten blocks, so both workers get some
+        out = ds.map_batches(
+            _Where,
+            fn_constructor_kwargs={"config": config},
+            compute=ray.data.ActorPoolStrategy(size=2),
+            num_cpus=0.6,  # one worker per node: each node has one CPU
+            batch_size=20,
+            batch_format="numpy",
+            scheduling_strategy="SPREAD",
+        ).take_all()
+    finally:
+        context.wait_for_min_actors_s = waited
     assert len(out) == rows
     nodes = set()
     for row in out:

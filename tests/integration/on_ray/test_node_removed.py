@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_triton_shm import PoolConfig
+from ray_triton_shm import PoolConfig, ServerConfig
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +64,9 @@ def test_removed_node_stops_serving_and_the_rest_carries_on(cluster):
 
     worker = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
-    config = NodeConfig.for_repository(
-        REPO_MODELS,
+    config = NodeConfig(
+        # Only the model called here: a Triton per node on a small machine, one model each.
+        server=ServerConfig(model_repository=str(REPO_MODELS), load_models=("whoami",)),
         quarantine_s=1.0,
         pools={"whoami": PoolConfig(slots=4, max_shapes={"INPUT0": (64,), "OUTPUT0": (64,)})},
         idle_shutdown_s=None,  # compared with ensure_node_actors' answer once Serve is up (slow when loaded)

@@ -68,6 +68,7 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
         "model_repository": REPO_MODELS,
         "slots_per_model": PER_REPLICA,
         "quarantine_s": 1.0,
+        "server": {"load_models": ["sleep"]},  # only the model called here: a quicker Triton start
         "pools": {"sleep": {"slots": SLOTS}},
     }
     config = build_node_config(**{k: v for k, v in args.items() if k != "slots_per_model"})
@@ -137,9 +138,12 @@ class _DiesOnce:
 def test_ray_data_worker_dying_mid_batch_every_row_once_and_correct(ray_local, tmp_path: Path):
     import ray
 
+    from ray_triton_shm import ServerConfig
     from ray_triton_shm.node import NodeConfig, ensure_node_actors
 
-    config = NodeConfig.for_repository(REPO_MODELS, quarantine_s=1.0)
+    # Only the model called here: a quicker Triton start and stop.
+    server = ServerConfig(model_repository=REPO_MODELS, load_models=("add_sub",))
+    config = NodeConfig(server=server, quarantine_s=1.0)
     ensure_node_actors(config)
     marker = str(tmp_path / "died")
     rows = 2_000
