@@ -131,7 +131,8 @@ def test_serve_run_two_apps_then_ctrl_c(cluster) -> None:
     try:
         apps_gone(cluster["base"])
     except AssertionError as e:  # what serve run said after Ctrl-C is the clue
-        raise AssertionError(f"{e}\nserve run exited {process.returncode}; its output ends:\n{output[-3000:]}") from e
+        said = output[-3000:]
+        raise AssertionError(f"{e}\nserve run exited {process.returncode}; its output ends:\n{said}") from e
 
 
 @pytest.mark.slow
