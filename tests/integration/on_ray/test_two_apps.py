@@ -107,6 +107,10 @@ def apps_gone(base: str, timeout_s: float = 120) -> None:
         time.sleep(1.0)
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_serve_run_two_apps_then_ctrl_c(cluster) -> None:
     process = subprocess.Popen(
@@ -115,6 +119,10 @@ def test_serve_run_two_apps_then_ctrl_c(cluster) -> None:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        # As from a terminal: SIGINT at its default, so Python turns it into KeyboardInterrupt.
+        # A command started in the background by a shell without job control (make test run
+        # with `&` from a script) inherits SIGINT ignored, and serve run would never see Ctrl-C.
+        preexec_fn=_sigint_default,
     )
     try:
         wait_ready(cluster["base"])
