@@ -97,7 +97,7 @@ bench-docs: $(STAMP)
 # The full soak (16 callers on 4 slots, 2 minutes through the client and 2 through
 # Serve) and the 100000-cycle leak checks; `make test` runs short forms of both.
 soak: setup native
-	$(PY) -m ray_triton_shm._private.soak --duration 120 --callers 16 --slots 4
+	$(PY) -m ray_triton_shm._private.cli.soak --duration 120 --callers 16 --slots 4
 	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/test_reliability.py -k cycles
 	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/on_ray/test_leak_ray.py
 

@@ -454,7 +454,7 @@ Prometheus metrics (`ray_triton_shm_requests_total{path="cuda_shm"}`,
     ),
     new_code_cell(
         '''if HAS_GPU:
-    from ray_triton_shm._private import status
+    from ray_triton_shm._private.cli import status
     from ray_triton_shm.node import shutdown_node_actors
 
     print(status.render(status.collect()))

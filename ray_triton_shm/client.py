@@ -33,25 +33,25 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ray_triton_shm._private.bulk_copy import BulkCopier, default_copy_threads
-from ray_triton_shm._private.call_errors import translate_error as translate_error
-from ray_triton_shm._private.grpc_channel import TritonGrpc
-from ray_triton_shm._private.http_infer import HttpShmSender
-from ray_triton_shm._private.layout import ModelLayout, ModelSignature
-from ray_triton_shm._private.local_pools import LocalPools
-from ray_triton_shm._private.local_pools import fetch_layout as fetch_layout
-from ray_triton_shm._private.model_pools import ModelPools
-from ray_triton_shm._private.observe import NULL_OBSERVER, Observer, safely
-from ray_triton_shm._private.pool import Lease, PoolStats, SlotPool
-from ray_triton_shm._private.slot_runs import SlotRunner, to_device
-from ray_triton_shm._private.slot_runs import chunks as _chunks  # noqa: F401  (imported from here)
-from ray_triton_shm._private.triton_requests import TritonRequests
-from ray_triton_shm._private.validate import (
+from ray_triton_shm._private.core.local_pools import LocalPools
+from ray_triton_shm._private.core.local_pools import fetch_layout as fetch_layout
+from ray_triton_shm._private.core.model_pools import ModelPools
+from ray_triton_shm._private.core.slot_runs import SlotRunner, to_device
+from ray_triton_shm._private.core.slot_runs import chunks as _chunks  # noqa: F401  (imported from here)
+from ray_triton_shm._private.shm.bulk_copy import BulkCopier, default_copy_threads
+from ray_triton_shm._private.shm.layout import ModelLayout, ModelSignature
+from ray_triton_shm._private.shm.pool import Lease, PoolStats, SlotPool
+from ray_triton_shm._private.shm.validate import (
     CheckedInputs,
     bytes_overflow,
     check_inputs,
     check_signature_inputs,
 )
+from ray_triton_shm._private.triton.call_errors import translate_error as translate_error
+from ray_triton_shm._private.triton.grpc_channel import TritonGrpc
+from ray_triton_shm._private.triton.http_infer import HttpShmSender
+from ray_triton_shm._private.triton.observe import NULL_OBSERVER, Observer, safely
+from ray_triton_shm._private.triton.triton_requests import TritonRequests
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     InputError,

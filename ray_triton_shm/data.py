@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_triton_shm._private.cuda import is_device_array, to_host
+from ray_triton_shm._private.shm.cuda import is_device_array, to_host
 from ray_triton_shm.errors import InputError
 from ray_triton_shm.node import NodeClient, NodeConfig
 

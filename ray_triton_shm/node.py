@@ -14,10 +14,14 @@ goes through the actor: clients write into their slots and call Triton
 themselves.
 """
 
-from ray_triton_shm._private.node_actor import TritonNodeActor, runs_on_gpu
-from ray_triton_shm._private.node_client import NodeClient
-from ray_triton_shm._private.node_config import NAMESPACE, NodeConfig, NodeInfo, actor_name
-from ray_triton_shm._private.node_lifecycle import ensure_node_actors, get_node_actor, shutdown_node_actors
+from ray_triton_shm._private.node.node_actor import TritonNodeActor, runs_on_gpu
+from ray_triton_shm._private.node.node_client import NodeClient
+from ray_triton_shm._private.node.node_config import NAMESPACE, NodeConfig, NodeInfo, actor_name
+from ray_triton_shm._private.node.node_lifecycle import (
+    ensure_node_actors,
+    get_node_actor,
+    shutdown_node_actors,
+)
 
 __all__ = [
     "NAMESPACE",

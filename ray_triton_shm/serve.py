@@ -35,14 +35,14 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ray_triton_shm._private import kserve, kserve_http
-from ray_triton_shm._private.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
-from ray_triton_shm._private.kserve_http import request_body as _request_body
-from ray_triton_shm._private.node_config import split_app_args
-from ray_triton_shm._private.repository import resolve_repositories
-from ray_triton_shm._private.segment import redact
-from ray_triton_shm._private.slot_ref import SlotRef
-from ray_triton_shm._private.slot_ref_serve import SlotRefCaller, SlotRefLease, SlotRefMixin
+from ray_triton_shm._private.node.node_config import split_app_args
+from ray_triton_shm._private.serve import kserve, kserve_http
+from ray_triton_shm._private.serve.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
+from ray_triton_shm._private.serve.kserve_http import request_body as _request_body
+from ray_triton_shm._private.serve.slot_ref import SlotRef
+from ray_triton_shm._private.serve.slot_ref_serve import SlotRefCaller, SlotRefLease, SlotRefMixin
+from ray_triton_shm._private.shm.segment import redact
+from ray_triton_shm._private.triton.repository import resolve_repositories
 from ray_triton_shm.errors import RayTritonShmError
 from ray_triton_shm.node import NodeClient, NodeConfig
 
@@ -115,7 +115,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
     arrays (``infer_ref``, from :class:`SlotRefMixin`; see :class:`SlotRefCaller`).
 
     The gRPC methods (``ModelInfer``, ``ServerLive``, ...) come from
-    :class:`~ray_triton_shm._private.kserve_grpc.KServeGrpcMixin`; Serve's gRPC
+    :class:`~ray_triton_shm._private.serve.kserve_grpc.KServeGrpcMixin`; Serve's gRPC
     proxy calls them when ``grpc_options`` names Triton's servicer (see the README).
 
     Args:

@@ -188,7 +188,7 @@ def test_unregister_before_free(
     triton_server: TritonServer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ray_triton_shm._private import cuda as cuda_module
+    from ray_triton_shm._private.shm import cuda as cuda_module
 
     client = make_client(pools=_cuda_pools())
     client.infer("identity", {"INPUT0": cupy.zeros((1, 8), cupy.float32)})
@@ -217,7 +217,7 @@ def test_unregister_before_free(
 
 @pytest.mark.gpu
 def test_invalid_ipc_handle_is_a_cuda_error(cupy: Any) -> None:
-    from ray_triton_shm._private.cuda import DeviceBuffer
+    from ray_triton_shm._private.shm.cuda import DeviceBuffer
 
     with pytest.raises(CudaError, match="invalid CUDA IPC handle"):
         DeviceBuffer.open(b"\x01" * 64, 4096, 0)
@@ -235,7 +235,7 @@ def test_triton_refusing_a_region_is_a_cuda_error(
     (A wrong *device id* is no way to provoke a refusal: Triton ignores the
     result of ``cudaSetDevice`` and opens the handle anyway, see docs/cuda.md.)
     """
-    from ray_triton_shm._private import cuda as cuda_module
+    from ray_triton_shm._private.shm import cuda as cuda_module
 
     monkeypatch.setattr(cuda_module.DeviceBuffer, "handle_b64", property(lambda self: b"A" * 88))
     client = make_client(pools=_cuda_pools(device_id=0))
@@ -255,7 +255,7 @@ def test_the_registered_device_is_our_mapping(
     The id in Triton's status is the one ``server_device_id`` computed from the
     server process's own CUDA_VISIBLE_DEVICES (read from /proc, not assumed).
     """
-    from ray_triton_shm._private.cuda import detect_server_visible, server_device_id
+    from ray_triton_shm._private.shm.cuda import detect_server_visible, server_device_id
 
     client = make_client(pools=_cuda_pools(device_id=0))
     client.infer("identity", {"INPUT0": cupy.zeros((1, 8), cupy.float32)})
@@ -290,7 +290,7 @@ with TritonShmClient(url=url, pools=pools, server_visible_devices="all") as clie
     out = client.infer("identity", {"INPUT0": x})
     assert out.path == "cuda_shm", out.path
     assert bool((out["OUTPUT0"] == x).all()), "wrong data"
-    from ray_triton_shm._private.cuda import server_device_id
+    from ray_triton_shm._private.shm.cuda import server_device_id
     import os
     got = server_device_id(0, os.environ["CUDA_VISIBLE_DEVICES"], None)
     assert got == expected_server_id, (got, expected_server_id)
@@ -330,7 +330,7 @@ def test_device_id_under_renumbering(cupy: Any) -> None:
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_bench_cuda_small(cupy: Any, triton_server: TritonServer) -> None:
-    from ray_triton_shm._private.bench_cuda import run_bench
+    from ray_triton_shm._private.bench.cuda_paths import run_bench
 
     rows = run_bench(triton_server.grpc_url, 4, repeats=3, budget_s=20)
     assert [r["path"] for r in rows] == ["cuda_shm", "shm", "grpc"]

@@ -28,7 +28,7 @@ from ray_triton_shm import (
     TritonShmClient,
     UnavailableError,
 )
-from ray_triton_shm._private import segment
+from ray_triton_shm._private.shm import segment
 
 from .conftest import MODEL_REPOSITORY, close_and_check, transport_overrides
 from .conftest import registered_regions as regions

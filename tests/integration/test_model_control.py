@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ray_triton_shm import LayoutMismatchError, ServerConfig, TritonCallError, TritonServer, TritonShmClient
-from ray_triton_shm._private.layout import config_fingerprint
+from ray_triton_shm._private.shm.layout import config_fingerprint
 
 from .conftest import MODEL_REPOSITORY
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_triton_shm._private import segment
+from ray_triton_shm._private.shm import segment
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "deployments" / "models"
 
@@ -59,10 +59,10 @@ _NAMESPACE_A = """
 import json, os, signal, subprocess, sys
 import numpy as np
 from ray_triton_shm import PoolConfig, ServerConfig, TritonServer, TritonShmClient
-from ray_triton_shm._private import segment
-from ray_triton_shm._private.segment import Segment, new_segment_name
+from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 
-HOLD = "import sys, time; from ray_triton_shm._private.segment import Segment, new_segment_name; " \\
+HOLD = "import sys, time; from ray_triton_shm._private.shm.segment import Segment, new_segment_name; " \\
        "s = Segment.create(new_segment_name(sys.argv[1]), 4096); print(s.name, flush=True); time.sleep(600)"
 
 own = Segment.create(new_segment_name("nsa"), 4096)
@@ -112,7 +112,7 @@ print(json.dumps({"left": segment.list_segments(segment.owner_tag() + "_")}), fl
 _NAMESPACE_B = """
 import json, os, sys
 from ray_triton_shm import ServerConfig, TritonServer
-from ray_triton_shm._private import segment
+from ray_triton_shm._private.shm import segment
 
 seen = json.loads(sys.argv[2])
 view = {str(pid): segment.process_start_time(pid) is not None for pid in seen}
@@ -124,7 +124,7 @@ print(json.dumps({"pid": os.getpid(), "view": view, "removed": removed}), flush=
 
 _NAMESPACE_C = """
 import os
-from ray_triton_shm._private.segment import Segment, new_segment_name
+from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 seg = Segment.create(new_segment_name("nscdead"), 4096)
 print(seg.name, flush=True)
 os._exit(0)  # gone without cleanup, and its whole pid namespace with it

@@ -31,7 +31,7 @@ from ray_triton_shm import (
     TritonServer,
     TritonShmClient,
 )
-from ray_triton_shm._private.native import require_native_models
+from ray_triton_shm._private.triton.native import require_native_models
 
 from .conftest import NATIVE_MODEL_REPOSITORY, close_and_check, transport_overrides
 from .test_client import (

@@ -35,9 +35,9 @@ from ray_triton_shm import (
     TritonServer,
     TritonShmClient,
 )
-from ray_triton_shm._private import segment
-from ray_triton_shm._private.pool import SlotPool
-from ray_triton_shm._private.server_env import default_env_dir, embedded_plan
+from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm.pool import SlotPool
+from ray_triton_shm._private.triton.server_env import default_env_dir, embedded_plan
 from ray_triton_shm.client import fetch_layout, translate_error
 from ray_triton_shm.server import SHM_API_GRPC_HEADER, SHM_API_HEADER
 
@@ -431,7 +431,7 @@ def test_attacher_exiting_normally_leaves_the_segment(client: TritonShmClient) -
     code = textwrap.dedent(
         f"""
         import multiprocessing.resource_tracker as rt, sys
-        from ray_triton_shm._private.segment import Segment
+        from ray_triton_shm._private.shm.segment import Segment
         seg = Segment.attach({pool.segment.name!r})
         seg.mm[:4] = b"ping"
         assert rt._resource_tracker._pid is None, "a resource tracker was started"
@@ -546,7 +546,7 @@ def test_lease_release_cycles_keep_memory_and_fds_flat(
 
 def test_short_soak_through_the_client_every_response_matches(triton_server: TritonServer) -> None:
     """The short form of `make soak`: 16 callers on 4 slots, every answer checked against its tag."""
-    from ray_triton_shm._private.soak import soak_client
+    from ray_triton_shm._private.cli.soak import soak_client
 
     report = soak_client(duration_s=15, callers=16, slots=4, url=triton_server.grpc_url)
     print(report.summary())

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ray_triton_shm import ServerConfig, ServerNotFoundError, ServerStartError, TritonServer
-from ray_triton_shm._private import segment
+from ray_triton_shm._private.shm import segment
 from ray_triton_shm.server import find_tritonserver
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "deployments" / "models"

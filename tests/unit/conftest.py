@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from ray_triton_shm._private import segment
-from ray_triton_shm._private.layout import ModelLayout, layout_from_config
-from ray_triton_shm._private.pool import SlotPool
+from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm.layout import ModelLayout, layout_from_config
+from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm.config import PoolConfig
 
 # Model configurations shaped like ``get_model_config(model, as_json=True)["config"]``:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ray_triton_shm._private import native
 from ray_triton_shm._private.bench import report
 from ray_triton_shm._private.bench.runner import Record
 from ray_triton_shm._private.bench.servers import SERVERS, build_repository, parse_servers
+from ray_triton_shm._private.triton import native
 from ray_triton_shm.errors import ConfigError, ServerStartError
 
 REPO = Path(__file__).resolve().parents[2]

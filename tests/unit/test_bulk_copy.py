@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.bulk_copy import PART_MIN_BYTES, BulkCopier, default_copy_threads
+from ray_triton_shm._private.shm.bulk_copy import PART_MIN_BYTES, BulkCopier, default_copy_threads
 
 MB = 1024 * 1024
 

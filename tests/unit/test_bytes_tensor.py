@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.bytes_tensor import parse, serialize_into, serialized_size
-from ray_triton_shm._private.layout import TENSOR_ALIGN, ModelLayout, layout_from_config
-from ray_triton_shm._private.pool import SlotPool
-from ray_triton_shm._private.validate import bytes_overflow, check_inputs
+from ray_triton_shm._private.shm.bytes_tensor import parse, serialize_into, serialized_size
+from ray_triton_shm._private.shm.layout import TENSOR_ALIGN, ModelLayout, layout_from_config
+from ray_triton_shm._private.shm.pool import SlotPool
+from ray_triton_shm._private.shm.validate import bytes_overflow, check_inputs
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import ConfigError, InputError, LayoutError, TritonCallError
 

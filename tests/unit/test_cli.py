@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ray_triton_shm._private import cli, segment
+from ray_triton_shm._private.cli import cli
+from ray_triton_shm._private.shm import segment
 
 
 def _dead_pid() -> int:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from ray_triton_shm._private.layout import ModelLayout
+from ray_triton_shm._private.shm.layout import ModelLayout
 from ray_triton_shm.client import InferResult, _chunks, translate_error
 from ray_triton_shm.errors import TritonCallError, UnavailableError
 

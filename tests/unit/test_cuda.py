@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from ray_triton_shm._private import cuda
-from ray_triton_shm._private.cuda import parse_visible_devices, server_device_id
-from ray_triton_shm._private.layout import layout_from_config
-from ray_triton_shm._private.validate import check_inputs
+from ray_triton_shm._private.shm import cuda
+from ray_triton_shm._private.shm.cuda import parse_visible_devices, server_device_id
+from ray_triton_shm._private.shm.layout import layout_from_config
+from ray_triton_shm._private.shm.validate import check_inputs
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     ConfigError,
@@ -237,7 +237,7 @@ def test_import_cupy_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_cuda_pool_create_without_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ray_triton_shm._private.cuda_pool import CudaSlotPool
+    from ray_triton_shm._private.shm.cuda_pool import CudaSlotPool
 
     monkeypatch.setitem(sys.modules, "cupy", None)
     layout = layout_from_config(_IDENTITY_CONFIG, PoolConfig(max_shapes={"INPUT0": (4,), "OUTPUT0": (4,)}))
@@ -257,7 +257,7 @@ def test_missing_cupy_in_a_fresh_interpreter() -> None:
     code = (
         "import sys; sys.modules['cupy'] = None\n"
         "import ray_triton_shm, ray_triton_shm.client\n"
-        "from ray_triton_shm._private.cuda import import_cupy\n"
+        "from ray_triton_shm._private.shm.cuda import import_cupy\n"
         "from ray_triton_shm.errors import CudaUnavailableError\n"
         "try:\n    import_cupy()\nexcept CudaUnavailableError as e:\n    print('OK', e)\n"
     )

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ray_triton_shm._private.layout import layout_from_config
-from ray_triton_shm._private.node_pools import CudaRegion, NodePools, pool_key
+from ray_triton_shm._private.node.node_pools import CudaRegion, NodePools, pool_key
+from ray_triton_shm._private.shm.layout import layout_from_config
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.errors import ConfigError, CudaUnavailableError
 
@@ -133,7 +133,7 @@ def test_slots_of_a_dead_client_are_quarantined_by_the_sweep() -> None:
     table = pools.grant("add_sub").table_name
     # A client process takes slot 0 and dies mid-lease.
     code = (
-        "import os\nfrom ray_triton_shm._private.slot_table import SlotTable\n"
+        "import os\nfrom ray_triton_shm._private.shm.slot_table import SlotTable\n"
         f"assert SlotTable.attach({table!r}).try_claim(0)\nos._exit(0)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -158,7 +158,7 @@ def test_auto_memory_falls_back_to_system_when_triton_cannot_see_the_gpu(
 
     import fake_cupy
 
-    from ray_triton_shm._private.node_client import _GrantedPools
+    from ray_triton_shm._private.node.node_client import _GrantedPools
     from ray_triton_shm.errors import DeviceMappingError
 
     fake_cupy.reset(devices=1)

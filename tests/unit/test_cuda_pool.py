@@ -16,9 +16,9 @@ import fake_cupy
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.cuda import REGION_ALIGN, DeviceBuffer
-from ray_triton_shm._private.cuda_pool import CudaSlotPool
-from ray_triton_shm._private.layout import layout_from_config
+from ray_triton_shm._private.shm.cuda import REGION_ALIGN, DeviceBuffer
+from ray_triton_shm._private.shm.cuda_pool import CudaSlotPool
+from ray_triton_shm._private.shm.layout import layout_from_config
 from ray_triton_shm.config import PoolConfig
 
 SAME_NAME_CONFIG = {
@@ -265,9 +265,9 @@ def test_close_frees_a_cuda_region_only_once_triton_let_go(gpu: Any, status_erro
 
 
 def test_close_leaks_a_cuda_region_triton_keeps(gpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ray_triton_shm._private import cuda_pool
+    from ray_triton_shm._private.shm import cuda_pool
 
-    monkeypatch.setattr("ray_triton_shm._private.local_pools._UNREGISTER_WAIT_S", 0.3)
+    monkeypatch.setattr("ray_triton_shm._private.core.local_pools._UNREGISTER_WAIT_S", 0.3)
     monkeypatch.setattr(cuda_pool, "LEAKED", [])
     triton = _FakeTriton(held=10**6)
     pools, pool = _local_pools(triton)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_triton_shm._private.demo_log import capture_ray_loggers, quiet_logs
+from ray_triton_shm._private.cli.demo_log import capture_ray_loggers, quiet_logs
 
 
 def test_quiet_logs_send_chatter_to_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from ray_triton_shm._private.grpc_channel import (
+from ray_triton_shm._private.triton.grpc_channel import (
     TritonGrpc,
     accepts_connections,
     channel_options,

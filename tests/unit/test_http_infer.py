@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 
-from ray_triton_shm._private.call_errors import region_unknown
-from ray_triton_shm._private.http_infer import (
+from ray_triton_shm._private.triton.call_errors import region_unknown
+from ray_triton_shm._private.triton.http_infer import (
     HttpShmSender,
     ShmInput,
     ShmOutput,

@@ -3,7 +3,7 @@
 The ingress keeps one ``grpc.aio`` channel per Triton url. A call made while
 Triton is down puts that channel in reconnect backoff; once Triton is back
 the next call must be answered, not failed with "failed to connect to all
-addresses" for seconds (see ``_private/grpc_channel.py``).
+addresses" for seconds (see ``_private/triton/grpc_channel.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from test_grpc_channel import LiveServer, live_server  # noqa: F401  (the fixture)
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.grpc_channel import NEVER_SENT_PREFIX
-from ray_triton_shm._private.kserve_grpc import GrpcAnswerError, KServeGrpcMixin
+from ray_triton_shm._private.serve.kserve_grpc import GrpcAnswerError, KServeGrpcMixin
+from ray_triton_shm._private.triton.grpc_channel import NEVER_SENT_PREFIX
 
 
 class Ingress(KServeGrpcMixin):

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from ray_triton_shm._private import kserve, kserve_http
-from ray_triton_shm._private.pool import Lease, SlotPool
+from ray_triton_shm._private.serve import kserve, kserve_http
+from ray_triton_shm._private.shm.pool import Lease, SlotPool
 from ray_triton_shm.errors import InputError
 from tests.unit.conftest import shm_path
 from tests.unit.test_kserve import BAD_REQUESTS
@@ -229,7 +229,7 @@ def _asgi_request(chunks: list[bytes], headers: dict[str, str]) -> Request:
 
 def test_the_whole_http_inference_makes_one_copy_each_way(identity_config: dict) -> None:
     """Chunks -> slot (no copy of ours beyond that), slot -> body (the one copy), the slot given back."""
-    from ray_triton_shm._private.layout import layout_from_config
+    from ray_triton_shm._private.shm.layout import layout_from_config
     from ray_triton_shm.config import PoolConfig
 
     n = PAYLOAD // 4

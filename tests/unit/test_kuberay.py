@@ -227,7 +227,7 @@ def test_dev_shm_holds_the_pools(manifest: dict, serve_config: dict) -> None:
 def test_serve_config_parses_and_builds(serve_config: dict) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from ray_triton_shm._private.node_config import split_app_args
+    from ray_triton_shm._private.node.node_config import split_app_args
 
     ServeDeploySchema.model_validate(serve_config)
     if str(REPO) not in sys.path:

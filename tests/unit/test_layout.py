@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.layout import (
+from ray_triton_shm._private.shm.layout import (
     SLOT_ALIGN,
     TENSOR_ALIGN,
     ModelLayout,

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from ray_triton_shm._private import segment
+from ray_triton_shm._private.shm import segment
 
 ROOT_CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 

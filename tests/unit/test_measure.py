@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from ray_triton_shm._private.measure import Timing, time_call
+from ray_triton_shm._private.bench.measure import Timing, time_call
 
 
 def test_percentiles() -> None:

@@ -26,7 +26,7 @@ def test_from_args_is_what_the_serve_app_builds():
 
 
 def test_app_args_split_into_config_and_client_options():
-    from ray_triton_shm._private.node_config import split_app_args
+    from ray_triton_shm._private.node.node_config import split_app_args
 
     config, options = split_app_args({**ARGS, "slots_per_model": "2", "memory": "auto"})
     assert config == NodeConfig.from_args(**ARGS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_triton_shm._private.node_health import HealthMonitor
+from ray_triton_shm._private.node.node_health import HealthMonitor
 from ray_triton_shm.errors import ConfigError
 
 
@@ -196,7 +196,7 @@ def test_bad_settings_are_config_errors(kwargs):
 
 
 def test_status_renders_the_health_line():
-    from ray_triton_shm._private import status
+    from ray_triton_shm._private.cli import status
 
     monitor, clock = make(backoff_s=2.0)
     assert monitor.observe(ready=False, alive=False)
@@ -227,7 +227,7 @@ def test_status_renders_the_health_line():
 
 
 def test_node_config_health_settings_explicit_over_environment_over_default(monkeypatch):
-    from ray_triton_shm._private.node_config import NodeConfig
+    from ray_triton_shm._private.node.node_config import NodeConfig
     from ray_triton_shm.config import ServerConfig
 
     server = ServerConfig(model_repository="/models")
@@ -267,7 +267,7 @@ def test_node_config_health_settings_explicit_over_environment_over_default(monk
     ],
 )
 def test_node_config_refuses_bad_health_settings(monkeypatch, kwargs):
-    from ray_triton_shm._private.node_config import NodeConfig
+    from ray_triton_shm._private.node.node_config import NodeConfig
     from ray_triton_shm.config import ServerConfig
 
     for name in ("UNHEALTHY_AFTER_S", "RESTART_BACKOFF_S", "RESTART_BACKOFF_MAX_S"):

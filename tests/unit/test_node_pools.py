@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from ray_triton_shm._private.layout import layout_from_config
-from ray_triton_shm._private.node_pools import NodePools
-from ray_triton_shm._private.pool import SlotPool
-from ray_triton_shm._private.segment import Segment
-from ray_triton_shm._private.slot_table import SlotTable
+from ray_triton_shm._private.node.node_pools import NodePools
+from ray_triton_shm._private.shm.layout import layout_from_config
+from ray_triton_shm._private.shm.pool import SlotPool
+from ray_triton_shm._private.shm.segment import Segment
+from ray_triton_shm._private.shm.slot_table import SlotTable
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import LayoutMismatchError
 
@@ -115,7 +115,7 @@ def test_retiring_every_pool_of_a_model_and_a_protected_slot(pools) -> None:
 
 
 def test_the_slot_table_says_retired() -> None:
-    from ray_triton_shm._private.segment import new_segment_name
+    from ray_triton_shm._private.shm.segment import new_segment_name
 
     owner = SlotTable.create(new_segment_name("slotstest"), slots=1, quarantine_s=0.1)
     user = SlotTable.attach(owner.name)

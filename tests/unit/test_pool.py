@@ -10,10 +10,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from ray_triton_shm._private import segment
-from ray_triton_shm._private.layout import ModelLayout
-from ray_triton_shm._private.pool import SlotPool
-from ray_triton_shm._private.segment import Segment, new_segment_name
+from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm.layout import ModelLayout
+from ray_triton_shm._private.shm.pool import SlotPool
+from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 from ray_triton_shm.errors import InputError, LeaseReleasedError, PoolClosedError, PoolTimeoutError
 
 MakePool = Callable[..., SlotPool]

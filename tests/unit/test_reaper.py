@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from ray_triton_shm._private.node_registry import _REAPER
+from ray_triton_shm._private.node.node_registry import _REAPER
 
 # Plays Triton: leads its own process group, starts a "stub" in it, prints the stub's pid and
 # exits without being waited for, so it stays a zombie (an empty command line) for a while,

@@ -11,8 +11,8 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm import OutputTooLargeError, ServerConfig, TritonCallError, UnavailableError
-from ray_triton_shm._private import segment
-from ray_triton_shm._private.layout import ModelLayout
+from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm.layout import ModelLayout
 from ray_triton_shm.client import translate_error
 from ray_triton_shm.errors import PoolClosedError
 
@@ -118,7 +118,7 @@ _RESTRICTED = ("--grpc-restricted", "--http-restricted")
 
 
 def test_restricted_flags_carry_the_key_only_when_protected(tmp_path) -> None:
-    from ray_triton_shm._private.server_env import LaunchPlan
+    from ray_triton_shm._private.triton.server_env import LaunchPlan
     from ray_triton_shm.server import SHM_API_GRPC_HEADER, SHM_API_HEADER, TritonServer
 
     binary = tmp_path / "tritonserver"

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from ray_triton_shm import ServerConfig, TritonServer
-from ray_triton_shm._private import server_env
-from ray_triton_shm._private.node_config import NodeConfig
-from ray_triton_shm._private.repository import (
+from ray_triton_shm._private.node.node_config import NodeConfig
+from ray_triton_shm._private.triton import server_env
+from ray_triton_shm._private.triton.repository import (
     examples_repository,
     python_backend_models,
     resolve_repositories,
 )
-from ray_triton_shm._private.server_env import LaunchPlan, cpu_fallback_warning
+from ray_triton_shm._private.triton.server_env import LaunchPlan, cpu_fallback_warning
 from ray_triton_shm.errors import ConfigError
 from ray_triton_shm.serve import build_node_config, resolve_model_repository
 
@@ -123,7 +123,7 @@ def test_cpu_fallback_on_a_gpu_machine_is_a_loud_warning(monkeypatch: pytest.Mon
 
 
 def test_setup_command_shows_the_warning(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
-    from ray_triton_shm._private import cli
+    from ray_triton_shm._private.cli import cli
 
     for i in range(2):
         (tmp_path / str(i)).mkdir()

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from ray_triton_shm._private import segment
-from ray_triton_shm._private.segment import Segment, new_segment_name, validate_segment_name
+from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm.segment import Segment, new_segment_name, validate_segment_name
 from ray_triton_shm.errors import SharedMemoryError
 
 
@@ -184,7 +184,7 @@ def test_attached_child_process_does_not_unlink(owned: Segment) -> None:
     code = textwrap.dedent(
         f"""
         import os
-        from ray_triton_shm._private.segment import Segment
+        from ray_triton_shm._private.shm.segment import Segment
         seg = Segment.attach({owned.name!r}, size=8192)
         seg.mm[0:5] = b"child"
         assert seg.mm[8:12] == b"ping"
@@ -320,7 +320,7 @@ def test_sweep_removes_dead_owner_keeps_live_ones(owned: Segment, stray: list[st
 
 def test_sweep_keeps_segment_of_exited_attacher(owned: Segment) -> None:
     """Only the owner's death makes a segment stale; an attacher exiting does not."""
-    code = f"from ray_triton_shm._private.segment import Segment; Segment.attach({owned.name!r})"
+    code = f"from ray_triton_shm._private.shm.segment import Segment; Segment.attach({owned.name!r})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert owned.name not in segment.sweep_stale_segments()
     assert os.path.exists(shm_path(owned.name))
@@ -330,7 +330,7 @@ def test_segment_of_dead_creator_process_is_swept() -> None:
     code = textwrap.dedent(
         """
         import os
-        from ray_triton_shm._private.segment import Segment, new_segment_name
+        from ray_triton_shm._private.shm.segment import Segment, new_segment_name
         seg = Segment.create(new_segment_name("pool"), 4096)
         print(seg.name, flush=True)
         os._exit(0)  # killed without cleanup
@@ -491,7 +491,7 @@ def test_forked_child_does_not_keep_the_owner_lock() -> None:
     code = textwrap.dedent(
         """
         import os, time
-        from ray_triton_shm._private.segment import Segment, new_segment_name
+        from ray_triton_shm._private.shm.segment import Segment, new_segment_name
         seg = Segment.create(new_segment_name("flocktest"), 4096)
         started, running = os.pipe()
         child = os.fork()

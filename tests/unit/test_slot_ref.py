@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-from ray_triton_shm._private.layout import layout_from_config
-from ray_triton_shm._private.pool import SlotPool
-from ray_triton_shm._private.segment import Segment, new_segment_name
-from ray_triton_shm._private.slot_ref import SlotRef, check_ref, make_ref
-from ray_triton_shm._private.slot_table import LEASED, SlotTable, lease_token, token_pid
+from ray_triton_shm._private.serve.slot_ref import SlotRef, check_ref, make_ref
+from ray_triton_shm._private.shm.layout import layout_from_config
+from ray_triton_shm._private.shm.pool import SlotPool
+from ray_triton_shm._private.shm.segment import Segment, new_segment_name
+from ray_triton_shm._private.shm.slot_table import LEASED, SlotTable, lease_token, token_pid
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import (
     InputError,
@@ -148,7 +148,7 @@ def test_a_slot_leased_by_another_process_checks_only_with_its_token(shared) -> 
     caller, replica = shared
     table = caller._table
     code = (
-        "from ray_triton_shm._private.slot_table import SlotTable\n"
+        "from ray_triton_shm._private.shm.slot_table import SlotTable\n"
         f"t = SlotTable.attach({table.name!r}); assert t.try_claim(0); print(t.token(0), flush=True)\n"
         "import sys; sys.stdin.readline()\n"
     )

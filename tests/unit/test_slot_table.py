@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.layout import layout_from_config
-from ray_triton_shm._private.pool import SlotPool
-from ray_triton_shm._private.segment import Segment, new_segment_name
-from ray_triton_shm._private.slot_table import SlotTable
+from ray_triton_shm._private.shm.layout import layout_from_config
+from ray_triton_shm._private.shm.pool import SlotPool
+from ray_triton_shm._private.shm.segment import Segment, new_segment_name
+from ray_triton_shm._private.shm.slot_table import SlotTable
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import PoolTimeoutError, SharedMemoryError
 
@@ -36,7 +36,7 @@ def table():
 def _in_child(table_name: str, body: str) -> str:
     code = (
         "import os, sys, time\n"
-        "from ray_triton_shm._private.slot_table import SlotTable\n"
+        "from ray_triton_shm._private.shm.slot_table import SlotTable\n"
         f"t = SlotTable.attach({table_name!r})\n" + body
     )
     return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
@@ -80,7 +80,7 @@ def test_another_process_holds_a_slot_while_it_lives(table) -> None:
         [
             sys.executable,
             "-c",
-            "import sys\nfrom ray_triton_shm._private.slot_table import SlotTable\n"
+            "import sys\nfrom ray_triton_shm._private.shm.slot_table import SlotTable\n"
             f"t = SlotTable.attach({table.name!r})\nprint(t.try_claim(0), flush=True)\nsys.stdin.read()",
         ],
         stdin=subprocess.PIPE,

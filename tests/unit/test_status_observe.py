@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from ray_triton_shm._private import cli, observe, status
+from ray_triton_shm._private.cli import cli, status
+from ray_triton_shm._private.triton import observe
 
 NODE = {
     "node_id": "9ca5c04698e0d210f5c732d47cd73766aea816c533747f55eb15f353",
@@ -73,7 +74,7 @@ def test_a_failing_observer_never_breaks_the_caller(caplog: pytest.LogCaptureFix
 
 
 def test_render_shouts_server_warnings() -> None:
-    from ray_triton_shm._private.server_env import LaunchPlan, cpu_fallback_warning
+    from ray_triton_shm._private.triton.server_env import LaunchPlan, cpu_fallback_warning
 
     warning = cpu_fallback_warning(LaunchPlan("/c/tritonserver", "embedded (/c)"), gpus=8)  # a faked GPU node
     text = status.render([{**NODE, "warnings": [warning]}])

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.layout import ModelLayout
-from ray_triton_shm._private.validate import check_inputs
+from ray_triton_shm._private.shm.layout import ModelLayout
+from ray_triton_shm._private.shm.validate import check_inputs
 from ray_triton_shm.errors import InputError
 
 

@@ -1,7 +1,7 @@
 """Our hand-written HTTP/1.1 client against the standard library's and urllib3, on the native server.
 
 Shm requests go to Triton as a few hundred bytes of JSON over kept-alive
-connections (:mod:`ray_triton_shm._private.http_infer`). This measures the same
+connections (:mod:`ray_triton_shm._private.triton.http_infer`). This measures the same
 requests (identity on the native backend, its input filled in place once, so a
 request is only the HTTP exchange and the server's memcpy) sent through each
 connection kind: ours (raw socket), ``http.client.HTTPConnection``, and
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ray_triton_shm._private.http_infer import HttpShmSender, ShmInput, ShmOutput, _Connection
+from ray_triton_shm._private.triton.http_infer import HttpShmSender, ShmInput, ShmOutput, _Connection
 
 KB = 1024
 MB = 1024 * KB
@@ -90,7 +90,7 @@ def compare(sizes: tuple[int, ...] = (4 * KB, 16 * MB), rounds: int = 5) -> list
     """Per size and kind: median wall ms and mean client CPU ms per request, over ``rounds`` rounds."""
     import numpy as np
 
-    from ray_triton_shm._private.native import require_native_models
+    from ray_triton_shm._private.triton.native import require_native_models
     from ray_triton_shm.client import TritonShmClient
     from ray_triton_shm.config import PoolConfig, ServerConfig
     from ray_triton_shm.server import TritonServer

@@ -53,7 +53,7 @@ class _Profiled(TritonDeployment.func_or_class):  # type: ignore[name-defined,mi
         super().__init__(*args, **kwargs)
         self._reports: list[dict[str, Any]] = []
         self._stages: list[tuple[str, float, float]] = []
-        from ray_triton_shm._private import kserve
+        from ray_triton_shm._private.serve import kserve
 
         # The stages, timed where they exist (the code before and after issue 18 part 4 differ).
         for name in ("decode_request", "plan_request", "encode_response"):
@@ -156,7 +156,7 @@ def _free_port() -> int:
 
 
 def _node_config(repository: str | None, max_bytes: int) -> Any:
-    from ray_triton_shm._private.native import require_native_models
+    from ray_triton_shm._private.triton.native import require_native_models
     from ray_triton_shm.config import PoolConfig, ServerConfig
     from ray_triton_shm.node import NodeConfig
 

@@ -46,7 +46,7 @@ class PlainGrpcDeployment:
     def _infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import tritonclient.grpc as grpcclient
 
-        from ray_triton_shm._private.layout import NUMPY_TO_TRITON
+        from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
 
         tensors = []
         for name, array in inputs.items():
@@ -84,7 +84,7 @@ def start_serve_apps(node_config: Any, grpc_url: str, http_url: str | None = Non
     import socket
 
     from ray_triton_shm._private.bench import http_ingress
-    from ray_triton_shm._private.kserve_grpc import SERVICER_FUNCTION
+    from ray_triton_shm._private.serve.kserve_grpc import SERVICER_FUNCTION
     from ray_triton_shm.serve import TritonDeployment
 
     ports = []

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 def _model_repository(options: BenchOptions) -> str:
-    from ray_triton_shm._private.demo import default_model_repository
+    from ray_triton_shm._private.cli.demo import default_model_repository
 
     return os.path.abspath(options.model_repository or default_model_repository())
 
@@ -87,7 +87,7 @@ def _triton_on(options: BenchOptions, repository: str) -> Iterator[tuple[Endpoin
         return
     import ray
 
-    from ray_triton_shm._private.node_lifecycle import attach
+    from ray_triton_shm._private.node.node_lifecycle import attach
     from ray_triton_shm.node import NodeConfig, shutdown_node_actors
 
     serve_max = max(options.serve_sizes or (MB,))

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray_triton_shm._private.native import require_native_models
+from ray_triton_shm._private.triton.native import require_native_models
 from ray_triton_shm.errors import ConfigError
 
 

@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from ray_triton_shm._private.segment import new_segment_name
-from ray_triton_shm._private.slot_table import SlotTable
+from ray_triton_shm._private.shm.segment import new_segment_name
+from ray_triton_shm._private.shm.slot_table import SlotTable
 from ray_triton_shm.client import TritonShmClient
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.server import TritonServer

@@ -2,7 +2,7 @@
 
 Each caller (the bench driver, on the replica's node) holds a slot of the
 node's pool whose input a producer wrote in place once, as ``ours-inplace``
-does; a timed call sends only a :class:`~ray_triton_shm._private.slot_ref.SlotRef`
+does; a timed call sends only a :class:`~ray_triton_shm._private.serve.slot_ref.SlotRef`
 through the ``DeploymentHandle`` (the replica runs Triton on that slot) and
 reads the output in the slot. So the row is ``ours-inplace`` plus a handle
 round trip, beside ``serve-grpc`` (arrays through the handle, gRPC behind).

@@ -36,8 +36,8 @@ def _stop_node_actors_together() -> None:
     shutdown_node_actors (which then finds them stopped and removes them) goes one by one."""
     import ray
 
-    from ray_triton_shm._private.node_config import NAMESPACE
-    from ray_triton_shm._private.node_lifecycle import node_actor_names
+    from ray_triton_shm._private.node.node_config import NAMESPACE
+    from ray_triton_shm._private.node.node_lifecycle import node_actor_names
 
     refs = []
     for name in node_actor_names():

@@ -200,7 +200,7 @@ def test_deploying_the_gpu_config_starts_a_gpu_worker_and_deleting_it_leaves_not
     import ray
     from ray import serve
 
-    from ray_triton_shm._private.node_lifecycle import node_actor_names
+    from ray_triton_shm._private.node.node_lifecycle import node_actor_names
     from ray_triton_shm.serve import run_config_file
 
     head = ray.get_runtime_context().get_node_id()

@@ -159,7 +159,7 @@ def test_a_timed_out_slot_is_not_handed_to_another_process(ray_local):
 def test_node_actor_goes_when_its_last_user_does(ray_local):
     import ray
 
-    from ray_triton_shm._private.node_lifecycle import node_actor_names
+    from ray_triton_shm._private.node.node_lifecycle import node_actor_names
     from ray_triton_shm.node import NodeClient, get_node_actor
 
     config = _config(idle_shutdown_s=2.0)
@@ -234,7 +234,7 @@ def test_redeploy_two_apps_and_delete(ray_local, tmp_path):
     import ray
     from ray import serve
 
-    from ray_triton_shm._private.node_lifecycle import node_actor_names
+    from ray_triton_shm._private.node.node_lifecycle import node_actor_names
     from ray_triton_shm.serve import app
 
     first = _repository(tmp_path / "first", "add_sub")

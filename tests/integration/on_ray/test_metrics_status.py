@@ -104,7 +104,7 @@ def _value(samples, name: str, **labels: str) -> float | None:
 def test_metrics_reach_prometheus_and_status_counts_traffic(cluster):
     import ray
 
-    from ray_triton_shm._private import status
+    from ray_triton_shm._private.cli import status
     from ray_triton_shm.node import get_node_actor
 
     address, port = cluster

@@ -17,7 +17,7 @@ def test_load_unload_reload_through_the_node_actor_and_cli(ray_local, tmp_path: 
     import ray
 
     from ray_triton_shm import ServerConfig, TritonCallError
-    from ray_triton_shm._private import model_control
+    from ray_triton_shm._private.node import model_control
     from ray_triton_shm.node import NodeClient, NodeConfig, ensure_node_actors, get_node_actor
 
     repo = tmp_path / "repo"
@@ -59,8 +59,8 @@ def test_a_changed_config_gets_a_new_pool_on_the_node(ray_local, tmp_path: Path)
     import ray
 
     from ray_triton_shm import ServerConfig
-    from ray_triton_shm._private import model_control
-    from ray_triton_shm._private.layout import config_fingerprint
+    from ray_triton_shm._private.node import model_control
+    from ray_triton_shm._private.shm.layout import config_fingerprint
     from ray_triton_shm.node import NodeClient, NodeConfig, ensure_node_actors, get_node_actor
 
     repo = tmp_path / "repo"

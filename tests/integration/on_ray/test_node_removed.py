@@ -58,7 +58,7 @@ def test_removed_node_stops_serving_and_the_rest_carries_on(cluster):
     import ray
     from ray import serve
 
-    from ray_triton_shm._private import segment
+    from ray_triton_shm._private.shm import segment
     from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor
     from ray_triton_shm.serve import TritonDeployment
 

@@ -23,7 +23,7 @@ CELL_TIMEOUT_S = 300
 
 
 def _has_gpu() -> bool:
-    from ray_triton_shm._private.cuda import device_count
+    from ray_triton_shm._private.shm.cuda import device_count
     from ray_triton_shm.errors import CudaUnavailableError
 
     try:

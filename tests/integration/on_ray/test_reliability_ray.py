@@ -48,7 +48,7 @@ def _pool_stats(model: str, config) -> dict[str, int]:
 
 def test_short_soak_through_serve_every_response_matches(ray_local):
     """The short form of `make soak`: 16 callers, half by handle and half by HTTP, on 4 slots."""
-    from ray_triton_shm._private.soak import soak_serve
+    from ray_triton_shm._private.cli.soak import soak_serve
 
     reports = soak_serve(duration_s=15, callers=16, slots_per_replica=PER_REPLICA, replicas=2)
     for report in reports:

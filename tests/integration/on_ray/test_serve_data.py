@@ -69,7 +69,7 @@ def test_handle_round_trip_uses_shm(serve_app):
 
 
 def _add_sub_bytes_reported() -> int:
-    from ray_triton_shm._private import status
+    from ray_triton_shm._private.cli import status
 
     return sum(
         entry["bytes"]

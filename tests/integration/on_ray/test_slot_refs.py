@@ -124,7 +124,7 @@ def test_async_callers_share_the_pool(app) -> None:
 
 
 def test_stale_ref_is_refused_and_nothing_runs(app) -> None:
-    from ray_triton_shm._private.slot_ref import make_ref
+    from ray_triton_shm._private.serve.slot_ref import make_ref
     from ray_triton_shm.errors import StaleSlotRefError
 
     handle, caller, _ = app
@@ -140,8 +140,8 @@ def test_stale_ref_is_refused_and_nothing_runs(app) -> None:
 
 
 def test_ref_of_a_process_not_holding_the_slot_is_refused(app) -> None:
-    from ray_triton_shm._private.slot_ref import make_ref
-    from ray_triton_shm._private.slot_table import lease_token
+    from ray_triton_shm._private.serve.slot_ref import make_ref
+    from ray_triton_shm._private.shm.slot_table import lease_token
     from ray_triton_shm.errors import StaleSlotRefError
 
     _, caller, _ = app
@@ -159,7 +159,7 @@ def test_ref_of_a_process_not_holding_the_slot_is_refused(app) -> None:
 
 
 def test_a_ref_from_another_node_falls_back_to_arrays(app) -> None:
-    from ray_triton_shm._private.slot_ref import make_ref
+    from ray_triton_shm._private.serve.slot_ref import make_ref
     from ray_triton_shm.errors import SlotRefElsewhereError
 
     _, caller, _ = app

@@ -1,0 +1,1 @@
+"""The client machinery behind ``ray_triton_shm.client``: pools by model, slot runs (no Ray)."""

@@ -1,0 +1,1 @@
+"""The Ray layer: the node actor, its config, lifecycle, health, registry, pools, client and metrics."""

@@ -1,0 +1,216 @@
+"""Who uses a node actor, and what goes when the actor does.
+
+Pure Python (no Ray). :class:`Users` is the node actor's registry of the
+processes that use its Triton (Serve replicas, Data workers, ``NodeClient``
+owners): the actor stops once the last one is gone for its grace period.
+:class:`Reaper` is a small process tied to the actor's life by a pipe: when
+the actor dies in any way (``ray.kill``, SIGKILL, ``ray stop``, a lost node),
+the pipe's other end closes and the reaper kills the actor's Triton and
+removes every segment the actor owned.
+
+Example:
+    >>> users = Users()
+    >>> users.attach("replica-1", os.getpid(), "serve")
+    >>> users.idle_for()
+    0.0
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from ray_triton_shm._private.shm.segment import SEGMENT_PREFIX, owner_tag, process_start_time
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class User:
+    """One registered user: a process on this node."""
+
+    user_id: str
+    pid: int
+    start_time: int | None
+    kind: str
+    since: float
+
+
+class Users:
+    """The users of one node actor; thread-safe.
+
+    A user is gone when it detaches or its process dies (checked by
+    :meth:`reap` against the pid's start time, so a reused pid is no user).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users: dict[str, User] = {}
+        self._empty_since: float | None = time.monotonic()
+
+    def attach(self, user_id: str, pid: int, kind: str) -> None:
+        """Register ``user_id`` (process ``pid``); attaching again refreshes it."""
+        with self._lock:
+            self._users[user_id] = User(user_id, pid, process_start_time(pid), kind, time.monotonic())
+            self._empty_since = None
+
+    def detach(self, user_id: str) -> bool:
+        """Forget ``user_id``. Returns whether it was registered."""
+        with self._lock:
+            gone = self._users.pop(user_id, None) is not None
+            self._mark_if_empty()
+            return gone
+
+    def reap(self) -> list[User]:
+        """Forget users whose process is gone; return them."""
+        with self._lock:
+            dead = [u for u in self._users.values() if process_start_time(u.pid) != u.start_time]
+            for user in dead:
+                del self._users[user.user_id]
+            self._mark_if_empty()
+            return dead
+
+    def _mark_if_empty(self) -> None:
+        if not self._users and self._empty_since is None:
+            self._empty_since = time.monotonic()
+
+    def idle_for(self) -> float:
+        """Seconds since the last user went (or since this registry began); 0 while any is registered."""
+        with self._lock:
+            return 0.0 if self._empty_since is None else time.monotonic() - self._empty_since
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """Users as plain dicts (for ``status``)."""
+        with self._lock:
+            now = time.monotonic()
+            return [
+                {"user": u.user_id, "pid": u.pid, "kind": u.kind, "for_s": round(now - u.since, 1)}
+                for u in sorted(self._users.values(), key=lambda u: u.since)
+            ]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._users)
+
+
+# The reaper: forks once more and lets its parent exit, so it is nobody's child: Ray kills the
+# children of a worker it kills (``ray.kill``), and the reaper must outlive the actor. It reports
+# its pid on stdout, then waits for EOF on stdin (its owner died or let go), SIGKILLs the process
+# group of the Triton it was last told about, and unlinks the owner's segments.
+# -I -S: no site, no user paths; it must start fast and import nothing of ours.
+_REAPER = r"""
+import os, signal, sys
+if os.fork():
+    os._exit(0)
+os.setsid()
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sys.stdout.write("%d\n" % os.getpid())
+sys.stdout.flush()
+devnull = os.open(os.devnull, os.O_WRONLY)
+os.dup2(devnull, 1)
+prefix, triton = sys.argv[1], 0
+for line in sys.stdin:
+    word, _, value = line.strip().partition(" ")
+    if word == "triton":
+        triton = int(value)
+if triton > 0:
+    # Triton may be dead already (Ray kills a killed worker's children) while its backend
+    # stubs live on in its group; a pid is not reused while its group has members. A dead
+    # Triton not yet reaped (a zombie: init may take seconds) has an empty command line.
+    try:
+        with open("/proc/%d/cmdline" % triton, "rb") as f:
+            cmdline = f.read()
+        ours = not cmdline or b"tritonserver" in cmdline
+    except OSError:
+        ours = True
+    if ours:
+        try:
+            os.killpg(triton, signal.SIGKILL)
+        except OSError:
+            pass
+for name in os.listdir("/dev/shm"):
+    if name.startswith(prefix):
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+class Reaper:
+    """A process that cleans up after this one when it dies (see the module docstring).
+
+    It removes every ``/dev/shm`` entry named with this process's owner tag,
+    so it must only be started by a process whose segments all go with it
+    (the node actor). It is not this process's child (it forks away), so a
+    Ray that kills a killed actor's children leaves it running.
+
+    Raises:
+        RuntimeError: The reaper did not start.
+    """
+
+    def __init__(self) -> None:
+        self.prefix = f"{owner_tag()}_"
+        if not self.prefix.startswith(SEGMENT_PREFIX + "_"):
+            raise RuntimeError(f"unexpected owner tag {self.prefix!r}")
+        launcher = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER, self.prefix],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # signals to our process group do not reach it
+        )
+        line = launcher.stdout.readline() if launcher.stdout is not None else b""
+        if launcher.stdout is not None:
+            launcher.stdout.close()
+        launcher.wait()
+        if not line.strip().isdigit():
+            if launcher.stdin is not None:
+                launcher.stdin.close()
+            raise RuntimeError("the reaper process did not start")
+        self._pid = int(line)
+        self._stdin = launcher.stdin
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def watch_triton(self, pid: int | None) -> None:
+        """Tell the reaper which Triton to kill if this process dies (its process group leader)."""
+        with self._lock:
+            stdin = self._stdin
+            if stdin is None or stdin.closed:
+                return
+            try:
+                stdin.write(f"triton {pid or 0}\n".encode())
+                stdin.flush()
+            except OSError as e:
+                logger.warning("reaper unreachable: %s", e)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Let the reaper run now (after an orderly shutdown it finds nothing) and wait for it. Idempotent."""
+        self.watch_triton(0)  # stopped already: its pid may belong to someone else by now
+        with self._lock:
+            stdin = self._stdin
+            if stdin is not None and not stdin.closed:
+                stdin.close()
+        deadline = time.monotonic() + timeout
+        while _running(self._pid):
+            if time.monotonic() > deadline:
+                logger.warning("reaper %d did not finish in %gs", self._pid, timeout)
+                return
+            time.sleep(0.01)

@@ -1,0 +1,472 @@
+"""The KServe v2 / Triton HTTP inference protocol: decoding requests, encoding responses.
+
+Supports JSON tensors and the binary-tensor extension (a JSON header whose
+length is given by ``Inference-Header-Content-Length``, followed by raw
+tensor bytes), which is what ``tritonclient.http`` sends by default.
+
+Every malformed request raises :class:`InputError` (HTTP 400, as Triton
+answers it); :func:`http_status` maps our other errors to the status codes
+Triton's own HTTP endpoint uses for the same failures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
+from ray_triton_shm.errors import (
+    InputError,
+    LayoutError,
+    PoolTimeoutError,
+    TritonCallError,
+    UnavailableError,
+)
+
+HEADER_LENGTH = "inference-header-content-length"
+
+# Triton's HTTP endpoint answers a failed call with the code of its error kind; over gRPC the
+# same kinds carry these status names (Triton's HttpCodeFromError and its gRPC mapping).
+_HTTP_BY_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "UNKNOWN": 400,
+    "ALREADY_EXISTS": 400,
+    "CANCELLED": 400,
+    "NOT_FOUND": 404,
+    "INTERNAL": 500,
+    "UNIMPLEMENTED": 501,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """A BYTES tensor in Triton's serialised form: per element a 4-byte little-endian length, its bytes."""
+    parts = []
+    for item in array.flat:
+        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+        parts.append(len(data).to_bytes(4, "little"))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def deserialize_bytes(data: bytes | memoryview, count: int | None = None) -> np.ndarray:
+    """Parse Triton's serialised BYTES form into a flat object array of ``bytes``.
+
+    Args:
+        data: The serialised elements.
+        count: Elements expected; ``None`` reads to the end of ``data``.
+
+    Raises:
+        InputError: A length runs past the data, or the element count is wrong.
+    """
+    view = memoryview(data)
+    items = []
+    cursor = 0
+    while cursor < len(view) and (count is None or len(items) < count):
+        if cursor + 4 > len(view):
+            raise InputError("BYTES data ends inside an element's 4-byte length")
+        size = int.from_bytes(view[cursor : cursor + 4], "little")
+        cursor += 4
+        if cursor + size > len(view):
+            raise InputError("a BYTES element runs past the end of its data")
+        items.append(bytes(view[cursor : cursor + size]))
+        cursor += size
+    if count is not None and (len(items) != count or cursor != len(view)):
+        raise InputError(f"BYTES data does not hold exactly {count} elements")
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
+def _json_bytes(values: Any) -> np.ndarray:
+    flat = np.asarray(values, dtype=object).ravel()
+    out = np.empty(flat.size, dtype=object)
+    for i, item in enumerate(flat):
+        if not isinstance(item, str):
+            raise InputError(f"BYTES data in JSON must be strings, got {type(item).__name__}")
+        out[i] = item.encode("utf-8")
+    return out
+
+
+@dataclass(frozen=True)
+class DecodedRequest:
+    """An inference request: inputs, the outputs asked for and how to send them back."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: list[str] | None
+    binary_outputs: dict[str, bool]
+    default_binary: bool
+    request_id: str | None
+
+
+def parse_header_length(value: str | None) -> int | None:
+    """The value of ``Inference-Header-Content-Length`` (``None`` when absent).
+
+    Raises:
+        InputError: The value is not a non-negative decimal integer.
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isdigit() or not text.isascii():
+        raise InputError(f"Inference-Header-Content-Length must be a non-negative integer, got {value!r}")
+    return int(text)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    """``value`` if it is a JSON object (``None`` counts as an empty one)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _flatten(data: Any, name: str) -> list[Any]:
+    """The scalars of ``data`` (a JSON array, possibly nested) in row-major order."""
+    if not isinstance(data, list):
+        raise InputError(f"input {name!r}: 'data' must be a JSON array")
+    flat: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            flat.append(item)
+        else:
+            stack.pop()
+    return flat
+
+
+def _json_tensor(data: Any, name: str, datatype: str, dtype: np.dtype) -> np.ndarray:
+    """The array of a JSON ``data`` field, each element checked against ``datatype``."""
+    flat = _flatten(data, name)
+    for value in flat:
+        if not _accepts(dtype, value):
+            raise InputError(f"input {name!r}: {value!r} is not a {datatype} value")
+    try:
+        return np.asarray(flat, dtype=dtype)
+    except (OverflowError, ValueError) as e:
+        raise InputError(f"input {name!r}: a value is out of range for {datatype}") from e
+
+
+def _accepts(dtype: np.dtype, value: Any) -> bool:
+    if dtype.kind == "b":
+        return isinstance(value, bool)
+    if dtype.kind in "iu":
+        return _is_int(value)
+    return _is_int(value) or isinstance(value, float)
+
+
+def _shape(entry: dict[str, Any], name: str) -> list[int]:
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise InputError(f"input {name!r}: 'shape' must be an array of non-negative integers, got {shape!r}")
+    return shape
+
+
+SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+"""Tensor parameters that name a registered shared-memory region: never accepted from a client."""
+
+
+def refuse_shm_parameters(body: bytes, header_length: int | None) -> None:
+    """Refuse a request whose inputs or outputs name shared-memory regions.
+
+    The node's regions are ours: a client of the ingress must not make Triton
+    read or write them. Requests passed to Triton as they are (a pinned model
+    version) are checked with this; the rest are decoded by
+    :func:`decode_request`, which never takes data from a region.
+
+    Raises:
+        InputError: A tensor has shared-memory parameters, or the JSON header is malformed.
+    """
+    split = len(body) if header_length is None else header_length
+    if split < 0 or split > len(body):
+        raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {len(body)} bytes")
+    try:
+        header = json.loads(body[:split] or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"request JSON is malformed: {e}") from e
+    if isinstance(header, dict):  # otherwise Triton refuses it itself
+        _refuse_shm(header)
+
+
+def _refuse_shm(header: dict[str, Any]) -> None:
+    for kind in ("inputs", "outputs"):
+        entries = header.get(kind)
+        for entry in entries if isinstance(entries, list) else ():
+            params = entry.get("parameters") if isinstance(entry, dict) else None
+            if isinstance(params, dict) and any(key in params for key in SHM_PARAMETERS):
+                name = entry.get("name")
+                raise InputError(
+                    f"{kind[:-1]} {name!r}: shared-memory parameters are not accepted by this ingress"
+                )
+
+
+@dataclass(frozen=True)
+class BinarySpan:
+    """Where a binary input's bytes lie in the request body (see :func:`plan_request`)."""
+
+    name: str
+    start: int
+    size: int
+
+
+class _NotPlannable(Exception):
+    """A request :func:`plan_request` cannot describe without its data (BYTES binary data)."""
+
+
+def plan_request(
+    header: bytes | memoryview, header_length: int, body_length: int
+) -> tuple[DecodedRequest, list[BinarySpan]] | None:
+    """Decode a binary-extension request from its JSON header alone, before its tensor data arrives.
+
+    Every check of :func:`decode_request` runs, in the same order, with the
+    body taken to be ``body_length`` bytes long. Binary inputs come back as
+    read-only placeholders of their dtype and shape (no memory behind them),
+    and the spans of the body that hold their bytes (one after another, to
+    the end of the body).
+
+    Args:
+        header: The first ``header_length`` bytes of the body.
+        header_length: Value of ``Inference-Header-Content-Length``.
+        body_length: Length of the whole body (``Content-Length``).
+
+    Returns:
+        The request and the spans, or ``None`` when an input's data must be
+        read to decode it (BYTES binary data): decode the whole body then.
+
+    Raises:
+        InputError: As :func:`decode_request` (with the body it would get).
+    """
+    if len(header) != min(header_length, body_length):
+        raise ValueError("header must be exactly the first header_length bytes of the body")
+    spans: list[BinarySpan] = []
+    try:
+        return _decode(header, body_length, header_length, spans), spans
+    except _NotPlannable:
+        return None
+
+
+def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
+    """Parse a v2 inference request body.
+
+    Args:
+        body: The HTTP body.
+        header_length: Value of ``Inference-Header-Content-Length``, if present
+            (see :func:`parse_header_length`).
+
+    Returns:
+        The decoded request.
+
+    Raises:
+        InputError: Malformed JSON, a field of the wrong type, an unknown
+            datatype, values that are not of the tensor's datatype, sizes that
+            do not add up.
+    """
+    return _decode(body, len(body), header_length, None)
+
+
+def _decode(
+    body: bytes | memoryview, length: int, header_length: int | None, spans: list[BinarySpan] | None
+) -> DecodedRequest:
+    """:func:`decode_request` of a body of ``length`` bytes; with ``spans``, ``body`` is its header only."""
+    split = length if header_length is None else header_length
+    if split < 0 or split > length:
+        raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {length} bytes")
+    try:
+        header = json.loads(bytes(body[:split]) or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"request JSON is malformed: {e}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
+        raise InputError("request must be a JSON object with an 'inputs' list")
+    _refuse_shm(header)
+    inputs: dict[str, np.ndarray] = {}
+    cursor = split
+    for entry in header["inputs"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise InputError(f"input entry must be an object with a string 'name': {entry!r}")
+        name = entry["name"]
+        if name in inputs:
+            raise InputError(f"input {name!r} is given twice")
+        datatype = entry.get("datatype")
+        dtype = TRITON_TO_NUMPY.get(datatype) if isinstance(datatype, str) else None
+        if dtype is None and datatype != "BYTES":
+            raise InputError(f"input {name!r}: datatype {datatype!r} is not supported")
+        shape = _shape(entry, name)
+        count = math.prod(shape)
+        size = _object(entry.get("parameters"), f"input {name!r} parameters").get("binary_data_size")
+        if size is not None:
+            if not _is_int(size) or size < 0:
+                raise InputError(f"input {name!r}: binary_data_size must be a non-negative integer")
+            if cursor + size > length:
+                raise InputError(f"input {name!r}: binary data runs past the end of the body")
+            if dtype is None:
+                if spans is not None:
+                    raise _NotPlannable(name)
+                array = deserialize_bytes(memoryview(body)[cursor : cursor + size])
+            else:
+                if size != count * dtype.itemsize:
+                    raise InputError(
+                        f"input {name!r}: {size} bytes of binary data do not match"
+                        f" shape {shape} of {datatype}"
+                    )
+                if spans is None:
+                    array = np.frombuffer(body, dtype=dtype, count=count, offset=cursor)
+                else:  # a placeholder of the right dtype and shape: no memory behind it
+                    array = np.broadcast_to(np.zeros((), dtype=dtype), shape)
+                    spans.append(BinarySpan(name, cursor, size))
+            cursor += size
+        elif "data" in entry:
+            array = (
+                _json_bytes(entry["data"])
+                if dtype is None
+                else _json_tensor(entry["data"], name, datatype, dtype)
+            )
+        else:
+            raise InputError(f"input {name!r} has neither 'data' nor binary_data_size")
+        if array.size != count:
+            raise InputError(f"input {name!r}: {array.size} elements do not fill shape {shape}")
+        inputs[name] = array.reshape(shape)
+    if cursor != length:
+        raise InputError(f"{length - cursor} bytes after the last input's binary data")
+    params = _object(header.get("parameters"), "request parameters")
+    default_binary = params.get("binary_data_output", False)
+    if not isinstance(default_binary, bool):
+        raise InputError("parameter binary_data_output must be a boolean")
+    outputs = None
+    binary_outputs: dict[str, bool] = {}
+    requested = header.get("outputs")
+    if requested is not None and not isinstance(requested, list):
+        raise InputError("'outputs' must be an array")
+    if requested:
+        outputs = []
+        for entry in requested:
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                raise InputError(f"output entry must be an object with a string 'name': {entry!r}")
+            flag = _object(entry.get("parameters"), f"output {entry['name']!r} parameters").get("binary_data")
+            if flag is not None and not isinstance(flag, bool):
+                raise InputError(f"output {entry['name']!r}: binary_data must be a boolean")
+            outputs.append(entry["name"])
+            binary_outputs[entry["name"]] = default_binary if flag is None else flag
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InputError("'id' must be a string")
+    return DecodedRequest(inputs, outputs, binary_outputs, default_binary, request_id)
+
+
+def encode_response(
+    model: str, request: DecodedRequest, outputs: dict[str, np.ndarray], version: str = "1"
+) -> tuple[bytes, dict[str, str]]:
+    """Build a v2 response body and headers for ``outputs``.
+
+    Binary outputs are copied once, straight from ``outputs`` (views of a
+    slot, say) into the body: ``outputs`` need to stay valid only until this
+    returns.
+
+    Returns:
+        The body and the headers to send (content type, header length if binary).
+    """
+    entries = []
+    blobs: list[bytes | np.ndarray] = []
+    for name, array in outputs.items():
+        array = np.ascontiguousarray(array)
+        is_bytes = array.dtype == object
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": "BYTES" if is_bytes else NUMPY_TO_TRITON[array.dtype],
+            "shape": list(array.shape),
+        }
+        if request.binary_outputs.get(name, request.default_binary):
+            # Numeric data as a byte view of the array: the join below is its only copy.
+            blob = serialize_bytes(array) if is_bytes else array.reshape(-1).view(np.uint8)
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        elif is_bytes:
+            entry["data"] = [
+                item.decode("utf-8", errors="replace") if isinstance(item, bytes) else str(item)
+                for item in array.flat
+            ]
+        else:
+            entry["data"] = array.ravel().tolist()
+        entries.append(entry)
+    reply: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
+    if request.request_id:
+        reply["id"] = request.request_id
+    head = json.dumps(reply).encode()
+    if not blobs:
+        return head, {"content-type": "application/json"}
+    return b"".join([head, *blobs]), {
+        "content-type": "application/octet-stream",
+        HEADER_LENGTH: str(len(head)),
+    }
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The request path below the app's ``route_prefix`` (Serve keeps the prefix in ``root_path``).
+
+    Example:
+        >>> route_path({"path": "/triton/v2/health/ready", "root_path": "/triton"})
+        '/v2/health/ready'
+    """
+    path = str(scope.get("path") or "/")
+    root = str(scope.get("root_path") or "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root) :]
+    return path or "/"
+
+
+def triton_path(path: str, query: str) -> str:
+    """``path`` (as Serve decoded it) quoted again, plus the query, for the request to Triton.
+
+    Example:
+        >>> triton_path("/v2/models/my model/ready", "")
+        '/v2/models/my%20model/ready'
+    """
+    quoted = "/".join(quote(part, safe="") for part in path.split("/"))
+    return f"{quoted}?{query}" if query else quoted
+
+
+def http_status(error: Exception) -> int:
+    """The HTTP status Triton's endpoint would answer for ``error`` (ours: 503 for a pool timeout).
+
+    Bad requests (:class:`InputError`) are 400; Triton's own refusals keep
+    the code of their kind (unknown model or version 404, invalid argument
+    400, unavailable 503); a model that cannot use shared-memory slots is
+    501 (Triton serves it, this ingress cannot); anything else is 500.
+    """
+    if isinstance(error, InputError):
+        return 400
+    if isinstance(error, LayoutError):
+        return 501
+    if isinstance(error, PoolTimeoutError):
+        return 503
+    if isinstance(error, UnavailableError):
+        return 503
+    if isinstance(error, TritonCallError):
+        return _HTTP_BY_STATUS.get(error.status or "", 500)
+    return 500
+
+
+def error_message(error: Exception) -> str:
+    """The text of an error answer: Triton's own message for Triton's refusals, else ours."""
+    if isinstance(error, TritonCallError):
+        return error.message
+    return str(error)
+
+
+def error_body(message: str) -> bytes:
+    """The v2 error object."""
+    return json.dumps({"error": message}).encode()

@@ -1,0 +1,1 @@
+"""Shared memory: segments, slot tables, pools, layouts, byte tensors, CUDA buffers (no Triton, no Ray)."""

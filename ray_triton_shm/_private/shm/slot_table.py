@@ -1,0 +1,251 @@
+"""Who uses which slot of a shared pool, decided between processes by the kernel.
+
+Every process on a node that uses a model's pool maps the same data region
+and one small *slot table* segment next to it. A process may use slot ``i``
+while it holds an open-file-description lock (``F_OFD_SETLK``) on byte ``i``
+of the table's file: the kernel hands each slot to one process at a time, and
+drops the lock when that process dies, whatever pid namespace it lives in. So
+a process waits only for slots in use, never for slots another process keeps
+idle.
+
+The table also says, per slot, until when it is protected after its last
+user let go::
+
+    word 0        magic and version (the retired magic once the pool's owner retired it)
+    word 1        quarantine in ns (for slots whose user died while leasing)
+    word 2 + i    slot i: 0 free, < 0 leased, > 0 protected until CLOCK_MONOTONIC ns
+
+A leased slot's word is its lease token, ``-(pid << 32 | nonce)``: the
+leasing process's pid and a random nonce drawn for this lease. Another process
+on the node can so check that a slot is still held by the lease a slot
+reference names (see :mod:`.slot_ref`); -1 (no token) also means leased.
+
+A process that ends a lease normally writes 0 before it unlocks. One whose
+request timed out (Triton may still write the outputs) writes a deadline. A
+process that dies while leasing leaves its token (< 0) behind: the next process to lock
+that slot sees it and starts the quarantine itself. CLOCK_MONOTONIC is one
+clock for the whole machine, containers included.
+
+Example:
+    >>> table = SlotTable.create(new_segment_name("slots"), slots=4, quarantine_s=30.0)
+    >>> user = SlotTable.attach(table.name)
+    >>> user.try_claim(0)
+    True
+    >>> user.release(0)
+    >>> user.close(); table.close()
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+import struct
+import time
+from collections.abc import Iterable
+
+from ray_triton_shm._private.shm.segment import Segment
+from ray_triton_shm.errors import SharedMemoryError
+
+MAGIC = 0x52545348_4D000001  # "RTSHM" + format 1
+# Written over MAGIC by the pool's owner when the pool is retired (its model was reloaded with
+# another configuration): users take no more slots of it and ask the owner for the new pool.
+RETIRED = 0x52545348_4D0001FF
+_WORD = struct.Struct("<q")
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+FREE, LEASED = 0, -1
+
+
+def lease_token(pid: int, nonce: int) -> int:
+    """The slot word of a lease by ``pid`` (22 bits on Linux) with ``nonce`` (31 bits, not 0)."""
+    return -(((pid & 0x3FFFFF) << 32) | (nonce & 0x7FFFFFFF))
+
+
+def token_pid(token: int) -> int:
+    """The pid a lease token was written by (see :func:`lease_token`)."""
+    return (-token) >> 32
+
+
+def _flock(kind: int, index: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, index, 1, 0)
+
+
+class SlotTable:
+    """The slot table of one pool, as seen by one process (see the module docstring).
+
+    Create one with :meth:`create` (the pool's owner) or :meth:`attach` (its users).
+    Every method but :meth:`close` is called under the owning pool's lock.
+    """
+
+    def __init__(self, segment: Segment, fd: int) -> None:
+        self.segment = segment
+        self.name = segment.name
+        self._fd = fd
+        self._view = memoryview(segment.mm)
+        self.slots = segment.size // _WORD.size - 2
+        self._held: dict[int, int] = {}  # slot -> the token this process wrote for its lease
+
+    @classmethod
+    def create(cls, name: str, *, slots: int, quarantine_s: float) -> SlotTable:
+        """A new table of ``slots`` free slots.
+
+        Raises:
+            SharedMemoryError: The segment could not be created.
+        """
+        segment = Segment.create(name, (slots + 2) * _WORD.size)
+        _WORD.pack_into(segment.mm, 8, int(quarantine_s * 1e9))
+        _WORD.pack_into(segment.mm, 0, MAGIC)
+        return cls(segment, cls._open(name))
+
+    @classmethod
+    def attach(cls, name: str) -> SlotTable:
+        """Map the table ``name`` made by the pool's owner.
+
+        Raises:
+            SharedMemoryError: Missing, or not a slot table.
+        """
+        segment = Segment.attach(name)
+        try:
+            magic = _WORD.unpack_from(segment.mm, 0)[0] if segment.size >= 2 * _WORD.size else 0
+            if magic not in (MAGIC, RETIRED):
+                raise SharedMemoryError(f"segment {name!r} is not a slot table")
+            return cls(segment, cls._open(name))
+        except BaseException:
+            segment.close()
+            raise
+
+    @staticmethod
+    def _open(name: str) -> int:
+        try:
+            return os.open(os.path.join("/dev/shm", name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise SharedMemoryError(f"cannot open slot table {name!r}: {e.strerror}") from e
+
+    @property
+    def quarantine_ns(self) -> int:
+        return _WORD.unpack_from(self._view, 8)[0]
+
+    @property
+    def retired(self) -> bool:
+        """Whether the pool's owner retired this pool (see :meth:`retire`)."""
+        return _WORD.unpack_from(self._view, 0)[0] == RETIRED
+
+    def retire(self) -> None:
+        """Mark the pool retired: its users take no more slots of it (the owner's call)."""
+        _WORD.pack_into(self._view, 0, RETIRED)
+
+    def _word(self, index: int) -> int:
+        return _WORD.unpack_from(self._view, 16 + 8 * index)[0]
+
+    def _set(self, index: int, value: int) -> None:
+        _WORD.pack_into(self._view, 16 + 8 * index, value)
+
+    def _lock(self, index: int) -> bool:
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, index))
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def _locked_elsewhere(self, index: int) -> bool:
+        answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, index))
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
+    def _unlock(self, index: int) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, index))
+
+    def try_claim(self, index: int) -> bool:
+        """Take slot ``index`` for this process if nobody uses it and it is not protected."""
+        if not self._lock(index):
+            return False
+        state, now = self._word(index), time.monotonic_ns()
+        if state < 0:  # its last user died while leasing: a request may still be running
+            self._set(index, now + self.quarantine_ns)
+        elif state <= now:
+            token = lease_token(os.getpid(), secrets.randbits(31) | 1)
+            self._set(index, token)
+            self._held[index] = token
+            return True
+        self._unlock(index)
+        return False
+
+    def release(self, index: int, protect_until_ns: int = FREE) -> None:
+        """Give slot ``index`` back, protected until ``protect_until_ns`` (monotonic ns) if given."""
+        self._set(index, protect_until_ns)
+        self._held.pop(index, None)
+        self._unlock(index)
+
+    def token(self, index: int) -> int | None:
+        """The token of this process's lease of slot ``index``, or None if it does not hold it."""
+        return self._held.get(index)
+
+    def held_elsewhere_by(self, index: int, token: int) -> bool:
+        """Whether another process holds slot ``index`` right now under the lease ``token``.
+
+        True only while the slot's lock is held (by another open file
+        description than this process's) and its word is still ``token``: a
+        lease that ended, or a slot someone else leased since, reads False.
+        """
+        if token >= LEASED or index in self._held:
+            return False
+        return self._word(index) == token and self._locked_elsewhere(index)
+
+    def sweep(self) -> int:
+        """Start the quarantine of slots left leased by processes that died. Returns how many."""
+        found = 0
+        for index in range(self.slots):
+            if index in self._held or self._word(index) >= 0 or not self._lock(index):
+                continue
+            if self._word(index) < 0:
+                self._set(index, time.monotonic_ns() + self.quarantine_ns)
+                found += 1
+            self._unlock(index)
+        return found
+
+    def protected_until(self, index: int) -> float:
+        """``time.monotonic()`` until which slot ``index`` may still be written by a request (0: free).
+
+        A slot in use (or left leased by a process that died) counts a whole
+        quarantine from now.
+        """
+        word = self._word(index)
+        if index in self._held or self._locked_elsewhere(index) or word < 0:
+            return (time.monotonic_ns() + self.quarantine_ns) / 1e9
+        return max(word, 0) / 1e9
+
+    def state(self, now_ns: int | None = None) -> dict[str, int]:
+        """Counts over the whole pool: ``in_use`` (locked by someone), ``protected``, ``free``."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        in_use = protected = 0
+        for index in range(self.slots):
+            if index in self._held or self._locked_elsewhere(index):
+                in_use += 1
+            elif self._word(index) < 0 or self._word(index) > now_ns:
+                protected += 1
+        return {"in_use": in_use, "protected": protected, "free": self.slots - in_use - protected}
+
+    def close(self, *, keep: Iterable[int] = ()) -> int | None:
+        """Unmap; release this process's slots except ``keep``.
+
+        Slots in ``keep`` stay locked (views of them are still alive): the
+        returned descriptor holds their locks, and the caller closes it when
+        they are gone. Slots neither kept nor released are left marked as
+        leased, so whoever takes them next quarantines them first.
+
+        Returns:
+            The descriptor still holding kept slots, or None.
+        """
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return None
+        self._view.release()
+        self.segment.close()
+        kept = set(keep) & self._held.keys()
+        self._held.clear()
+        if kept:
+            return fd
+        os.close(fd)
+        return None
