@@ -10,6 +10,10 @@ Example:
 Importing this package does no work: the Ray layer (``ray_triton_shm.node``,
 ``ray_triton_shm.serve``, ``ray_triton_shm.data``) is only imported when one
 of its names is first used.
+
+The internals (``ray_triton_shm._private``) are grouped by layer, each of
+which imports only the layers below it: shm, triton, core, node (Ray), serve,
+bench, cli.
 """
 
 from __future__ import annotations

@@ -23,21 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from ray_triton_shm._private.core.local_pools import LocalPools
-from ray_triton_shm._private.core.local_pools import fetch_layout as fetch_layout
-from ray_triton_shm._private.core.model_pools import ModelPools
+from ray_triton_shm._private.core.model_pools import ModelPools, PoolSource
 from ray_triton_shm._private.core.slot_runs import SlotRunner, to_device
-from ray_triton_shm._private.core.slot_runs import chunks as _chunks  # noqa: F401  (imported from here)
 from ray_triton_shm._private.shm.bulk_copy import BulkCopier, default_copy_threads
 from ray_triton_shm._private.shm.layout import ModelLayout, ModelSignature
 from ray_triton_shm._private.shm.pool import Lease, PoolStats, SlotPool
@@ -47,12 +46,11 @@ from ray_triton_shm._private.shm.validate import (
     check_inputs,
     check_signature_inputs,
 )
-from ray_triton_shm._private.triton.call_errors import translate_error as translate_error
 from ray_triton_shm._private.triton.grpc_channel import TritonGrpc
 from ray_triton_shm._private.triton.http_infer import HttpShmSender
 from ray_triton_shm._private.triton.observe import NULL_OBSERVER, Observer, safely
 from ray_triton_shm._private.triton.triton_requests import TritonRequests
-from ray_triton_shm.config import ClientConfig, PoolConfig
+from ray_triton_shm.config import ClientConfig
 from ray_triton_shm.errors import (
     InputError,
     LayoutMismatchError,
@@ -81,17 +79,6 @@ class InferResult(dict):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (InferResult, (dict(self), self.path))
-
-
-class PoolSource(Protocol):
-    """Where a client gets its slot pools (created here, or granted by a Ray node actor).
-
-    A pool carries the layout it was built with; the client validates against it.
-    """
-
-    def get_pool(self, model: str, config: PoolConfig) -> SlotPool: ...
-
-    def close(self) -> None: ...
 
 
 # Threads for ainfer's calls: a call waiting for a slot holds one while it waits.
@@ -124,8 +111,6 @@ class TritonShmClient:
         if config is None:
             config = ClientConfig(**overrides)
         elif overrides:
-            import dataclasses
-
             config = dataclasses.replace(config, **overrides)
         self.config = config
         # A channel that is still backing off from a server that is back is replaced, not failed on.

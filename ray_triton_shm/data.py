@@ -46,7 +46,7 @@ class TritonPredictor:
         output_columns: Model output name -> column name (default: same names).
         node_config: Creates the node actor if this node has none yet.
         model_repository / pools: Shortcut for ``node_config`` (see
-            :func:`ray_triton_shm.serve.build_node_config`).
+            :meth:`NodeConfig.from_args`).
         slots_per_model: At most this many slots used by this worker at once
             (``None``: no cap; slots are shared with every process on the node).
         grpc: Send tensors over plain gRPC instead (for comparison).
@@ -71,9 +71,7 @@ class TritonPredictor:
         memory: str = "system",
     ) -> None:
         if node_config is None and model_repository is not None:
-            from ray_triton_shm.serve import build_node_config
-
-            node_config = build_node_config(model_repository, pools)
+            node_config = NodeConfig.from_args(model_repository, pools=pools)
         self.model = model
         self._client = NodeClient(
             node_config, slots_per_model=slots_per_model, memory=memory, kind="data", grpc_fallback=True

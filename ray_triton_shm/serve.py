@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import yaml
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -53,6 +54,7 @@ __all__ = [
     "TritonDeployment",
     "add_kserve_grpc_servicer",
     "app",
+    "build_app",
     "build_node_config",
     "resolve_model_repository",
     "run_config_file",
@@ -170,8 +172,6 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
 
     async def whereami(self) -> dict[str, Any]:
         """This replica's pid and node (as Ray runs it), the node and Triton it uses, its slots in use."""
-        import ray
-
         info = self._client.info
         return {
             "pid": os.getpid(),
@@ -335,7 +335,12 @@ def _error_response(error: Exception) -> Response:
     return _error(500, f"internal error ({type(cause).__name__})")
 
 
-def _build(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:
+def build_app(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:
+    """The application of :func:`app`, its deployment given Serve ``options`` (``num_replicas``, ...).
+
+    Raises:
+        ConfigError: Invalid ``args``.
+    """
     node_config, client = split_app_args(args)
     deployment = TritonDeployment.options(**dict(options)) if options else TritonDeployment
     return deployment.bind(node_config, client["slots_per_model"], client["memory"])
@@ -354,8 +359,6 @@ def run_config_file(path: str, *, blocking: bool = False) -> dict[str, Any]:
     Raises:
         RayTritonShmError: The file names another import path.
     """
-    import yaml
-
     with open(path) as f:
         spec = yaml.safe_load(f)
     http = spec.get("http_options") or {}
@@ -376,7 +379,7 @@ def run_config_file(path: str, *, blocking: bool = False) -> dict[str, Any]:
         for deployment in application.get("deployments") or []:
             options.update({k: v for k, v in deployment.items() if k != "name"})
         handles[application["name"]] = serve.run(
-            _build(application.get("args") or {}, options),
+            build_app(application.get("args") or {}, options),
             name=application["name"],
             route_prefix=application.get("route_prefix", "/"),
             blocking=blocking,
@@ -402,4 +405,4 @@ def app(args: Mapping[str, Any]) -> serve.Application:
     Raises:
         ConfigError / RayTritonShmError: Invalid arguments.
     """
-    return _build(args)
+    return build_app(args)

@@ -34,6 +34,7 @@ import urllib.request
 from typing import Any
 
 from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.triton.repository import python_backend_models
 from ray_triton_shm._private.triton.server_env import LaunchPlan, cpu_fallback_warning, find_tritonserver
 from ray_triton_shm.config import ServerConfig
 from ray_triton_shm.errors import ServerError, ServerStartError
@@ -370,8 +371,6 @@ class TritonServer:
 
     def _python_setup_wanted(self) -> bool:
         """Whether the Python-backend setup applies; the reason is kept for the log."""
-        from ray_triton_shm._private.triton.repository import python_backend_models
-
         if self.config.python_backend is not None:
             self._python_setup_reason = f"ServerConfig.python_backend={self.config.python_backend}"
             return self.config.python_backend

@@ -255,7 +255,7 @@ def test_the_registered_device_is_our_mapping(
     The id in Triton's status is the one ``server_device_id`` computed from the
     server process's own CUDA_VISIBLE_DEVICES (read from /proc, not assumed).
     """
-    from ray_triton_shm._private.shm.cuda import detect_server_visible, server_device_id
+    from ray_triton_shm._private.shm.cuda_devices import detect_server_visible, server_device_id
 
     client = make_client(pools=_cuda_pools(device_id=0))
     client.infer("identity", {"INPUT0": cupy.zeros((1, 8), cupy.float32)})
@@ -290,7 +290,7 @@ with TritonShmClient(url=url, pools=pools, server_visible_devices="all") as clie
     out = client.infer("identity", {"INPUT0": x})
     assert out.path == "cuda_shm", out.path
     assert bool((out["OUTPUT0"] == x).all()), "wrong data"
-    from ray_triton_shm._private.shm.cuda import server_device_id
+    from ray_triton_shm._private.shm.cuda_devices import server_device_id
     import os
     got = server_device_id(0, os.environ["CUDA_VISIBLE_DEVICES"], None)
     assert got == expected_server_id, (got, expected_server_id)

@@ -35,10 +35,11 @@ from ray_triton_shm import (
     TritonServer,
     TritonShmClient,
 )
+from ray_triton_shm._private.core.local_pools import fetch_layout
 from ray_triton_shm._private.shm import segment
 from ray_triton_shm._private.shm.pool import SlotPool
+from ray_triton_shm._private.triton.call_errors import translate_error
 from ray_triton_shm._private.triton.server_env import default_env_dir, embedded_plan
-from ray_triton_shm.client import fetch_layout, translate_error
 from ray_triton_shm.server import SHM_API_GRPC_HEADER, SHM_API_HEADER
 
 from .conftest import MODEL_REPOSITORY, close_and_check, transport_overrides

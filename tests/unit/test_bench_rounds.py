@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ray_triton_shm._private.bench import timing
+from ray_triton_shm._private.bench.cells import run_group
 from ray_triton_shm._private.bench.core_methods import Cell
-from ray_triton_shm._private.bench.runner import BenchOptions, _run_group
+from ray_triton_shm._private.bench.options import BenchOptions
 from ray_triton_shm._private.bench.timing import CellTiming, Progress
 
 
@@ -33,7 +34,7 @@ def test_every_method_runs_once_per_round_in_a_rotating_order() -> None:
 
     openers = [(name, opener(name)) for name in ("a", "b", "c")]
     progress = Progress(9, enabled=False)
-    records = _run_group(openers, 4096, 2, _options(3), "core", progress)
+    records = run_group(openers, 4096, 2, _options(3), "core", progress)
 
     assert opened == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert sorted(closed) == sorted(opened)
@@ -63,7 +64,7 @@ def test_a_method_that_fails_is_recorded_failed_and_skipped_afterwards() -> None
         return Cell([call])
 
     progress = Progress(4, enabled=False)
-    records = _run_group([("good", good), ("bad", bad)], 1024, 1, _options(2), "core", progress)
+    records = run_group([("good", good), ("bad", bad)], 1024, 1, _options(2), "core", progress)
     assert attempts == {"good": 2, "bad": 1}
     good_record, bad_record = records
     assert good_record.ok and good_record.calls >= 2
@@ -84,7 +85,7 @@ def test_a_cells_extra_figures_reach_its_record_as_the_median_over_rounds() -> N
         return Cell([lambda check: None], extra={"handle_floor_p50_ms": next(figures)})
 
     progress = Progress(3, enabled=False)
-    (record,) = _run_group([("a", open_cell)], 4096, 1, _options(3), "serve", progress)
+    (record,) = run_group([("a", open_cell)], 4096, 1, _options(3), "serve", progress)
     assert record.extra["handle_floor_p50_ms"] == 2.0
 
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from ray_triton_shm._private.core.slot_runs import chunks
 from ray_triton_shm._private.shm.layout import ModelLayout
-from ray_triton_shm.client import InferResult, _chunks, translate_error
+from ray_triton_shm._private.triton.call_errors import translate_error
+from ray_triton_shm.client import InferResult
 from ray_triton_shm.errors import TritonCallError, UnavailableError
 
 
@@ -74,7 +76,7 @@ def test_translate_without_status() -> None:
 
 def test_chunks(identity_layout: ModelLayout, unbatched_layout: ModelLayout) -> None:
     # identity_layout holds 2 per slot.
-    assert _chunks(identity_layout, 1) == [(0, 1)]
-    assert _chunks(identity_layout, 2) == [(0, 2)]
-    assert _chunks(identity_layout, 5) == [(0, 2), (2, 4), (4, 5)]
-    assert _chunks(unbatched_layout, 1) == [(0, 1)]
+    assert chunks(identity_layout, 1) == [(0, 1)]
+    assert chunks(identity_layout, 2) == [(0, 2)]
+    assert chunks(identity_layout, 5) == [(0, 2), (2, 4), (4, 5)]
+    assert chunks(unbatched_layout, 1) == [(0, 1)]

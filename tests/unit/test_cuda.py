@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.shm import cuda
-from ray_triton_shm._private.shm.cuda import parse_visible_devices, server_device_id
+from ray_triton_shm._private.shm import cuda, cuda_devices
+from ray_triton_shm._private.shm.cuda_devices import parse_visible_devices, server_device_id
 from ray_triton_shm._private.shm.layout import layout_from_config
 from ray_triton_shm._private.shm.validate import check_inputs
 from ray_triton_shm.config import ClientConfig, PoolConfig
@@ -170,19 +170,19 @@ def test_server_visible_devices_are_read_from_the_server_process(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the client's own is not the server's
     proc, url = _listener(value)
     try:
-        assert cuda.detect_server_visible(url) == value
-        assert cuda.server_visible_devices_of(None, url) == value
-        assert cuda.server_visible_devices_of("all", url) is None  # explicit wins
-        assert cuda.server_visible_devices_of("1", url) == "1"
+        assert cuda_devices.detect_server_visible(url) == value
+        assert cuda_devices.server_visible_devices_of(None, url) == value
+        assert cuda_devices.server_visible_devices_of("all", url) is None  # explicit wins
+        assert cuda_devices.server_visible_devices_of("1", url) == "1"
         # A Ray worker given GPU 3 (its device 0) against a server that sees every GPU: Triton's 3.
         if value is None:
-            assert server_device_id(0, "3", cuda.server_visible_devices_of(None, url)) == 3
+            assert server_device_id(0, "3", cuda_devices.server_visible_devices_of(None, url)) == 3
     finally:
         proc.communicate("", timeout=30)
-    assert cuda.detect_server_visible(url) is cuda._UNKNOWN  # nobody listens any more
+    assert cuda_devices.detect_server_visible(url) is cuda_devices.UNKNOWN  # nobody listens any more
     with pytest.raises(DeviceMappingError, match="server_visible_devices"):
-        cuda.server_visible_devices_of(None, url)
-    assert cuda.server_visible_devices_of("all", url) is None
+        cuda_devices.server_visible_devices_of(None, url)
+    assert cuda_devices.server_visible_devices_of("all", url) is None
 
 
 # -- IPC handle encoding -------------------------------------------------------------------
@@ -332,21 +332,21 @@ def test_cuda_configs_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_local_device_index(
     server_device: int, local: str | None, server: str | None, count: int, expected: int
 ) -> None:
-    assert cuda.local_device_index(server_device, local, server, count) == expected
+    assert cuda_devices.local_device_index(server_device, local, server, count) == expected
 
 
 def test_local_device_index_matches_uuids_with_indices() -> None:
     local_uuids = [UUIDS[1], UUIDS[2]]
     # The actor sees GPUs 1 and 2 by index, Triton was told a UUID: matched through the local UUIDs.
-    assert cuda.local_device_index(0, "1,2", UUIDS[2][:12], 2, local_uuids=local_uuids) == 1
+    assert cuda_devices.local_device_index(0, "1,2", UUIDS[2][:12], 2, local_uuids=local_uuids) == 1
     # The actor sees every GPU (unset): its UUIDs are the node's, so an index meets a UUID.
-    assert cuda.local_device_index(0, None, "GPU-cccccccc", 4, local_uuids=list(UUIDS)) == 2
+    assert cuda_devices.local_device_index(0, None, "GPU-cccccccc", 4, local_uuids=list(UUIDS)) == 2
 
 
 def test_local_device_index_errors_say_why() -> None:
     with pytest.raises(DeviceMappingError, match="none of this process's 2 GPU") as info:
-        cuda.local_device_index(0, None, "5", 2)
+        cuda_devices.local_device_index(0, None, "5", 2)
     assert "local GPU 0" in str(info.value) and "local GPU 1" in str(info.value)
     with pytest.raises(DeviceMappingError, match="cannot be compared"):
         # The actor names its GPUs by UUID, Triton by index, and the node's UUIDs are unknown.
-        cuda.local_device_index(0, "GPU-aaaaaaaa", "0", 1, local_uuids=None)
+        cuda_devices.local_device_index(0, "GPU-aaaaaaaa", "0", 1, local_uuids=None)

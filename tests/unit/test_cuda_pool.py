@@ -247,7 +247,7 @@ class _FakeTriton:
 
 
 def _local_pools(triton: _FakeTriton) -> tuple[Any, CudaSlotPool]:
-    from ray_triton_shm.client import LocalPools
+    from ray_triton_shm._private.core.local_pools import LocalPools
 
     pools = LocalPools(triton)  # type: ignore[arg-type]
     pool = CudaSlotPool.create(layout_from_config(IDENTITY, PoolConfig()), 1, device=0)

@@ -13,7 +13,7 @@ from tritonclient.utils import InferenceServerException
 from ray_triton_shm import OutputTooLargeError, ServerConfig, TritonCallError, UnavailableError
 from ray_triton_shm._private.shm import segment
 from ray_triton_shm._private.shm.layout import ModelLayout
-from ray_triton_shm.client import translate_error
+from ray_triton_shm._private.triton.call_errors import translate_error
 from ray_triton_shm.errors import PoolClosedError
 
 

@@ -1,9 +1,6 @@
 """The benchmark behind ``make bench`` and ``ray-triton-shm bench``.
 
 Every method runs against one Triton server (the node actor's when Ray is
-used) and the same example models; see :mod:`.runner` for the flow.
+used) and the same example models; see :mod:`.runner` for the flow. Nothing in
+the library imports this package: only the command line's bench commands do.
 """
-
-from ray_triton_shm._private.bench.runner import BenchOptions, run_bench
-
-__all__ = ["BenchOptions", "run_bench"]

@@ -28,8 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
+import requests
+from ray import cloudpickle, serve
 
+from ray_triton_shm._private.bench import report
+from ray_triton_shm._private.bench.cells import run_group
 from ray_triton_shm._private.bench.core_methods import Caller, Cell, OutputMismatch
+from ray_triton_shm._private.bench.options import BenchOptions
+from ray_triton_shm._private.bench.timing import Progress
+from ray_triton_shm.node import NodeConfig, shutdown_node_actors
 
 APP_METHODS = ("app-image-shm", "app-image-grpc")
 BASE = "app-image-grpc"
@@ -49,7 +57,6 @@ def image_module() -> Any:
         sys.path.insert(0, str(_REPO))
     module = importlib.import_module("deployments.image_app")
     # Replicas get the module's code from here: they need not run from the repository root.
-    from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)
     return module
@@ -57,7 +64,7 @@ def image_module() -> Any:
 
 def make_image(seed: int = 18) -> tuple[bytes, list[int]]:
     """A 224x224 PNG of random pixels, and the top-5 indices ``multi_io`` gives for it (numpy's)."""
-    from PIL import Image
+    from PIL import Image  # lazy: Pillow is optional (the examples extra)
 
     pixels = np.random.default_rng(seed).integers(0, 256, (224, 224, 3), dtype=np.uint8)
     buffer = io.BytesIO()
@@ -69,8 +76,6 @@ def make_image(seed: int = 18) -> tuple[bytes, list[int]]:
 
 def start_apps(node_args: Mapping[str, Any], model: str, port: int) -> str:
     """Serve with its HTTP proxy on ``port`` and both variants of the app; their base URL."""
-    from ray import serve
-
     module = image_module()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     for method, route in ROUTES.items():
@@ -82,8 +87,6 @@ def start_apps(node_args: Mapping[str, Any], model: str, port: int) -> str:
 
 def app_cell(method: str, base_url: str, body: bytes, top5: list[int], callers: int) -> Cell:
     """``callers`` HTTP clients (a session each) posting ``body`` to one variant of the app."""
-    import requests
-
     sessions = [requests.Session() for _ in range(callers)]
     url = base_url + ROUTES[method]
 
@@ -115,11 +118,6 @@ def run_app_rows(options: Any, node_config: Any, model: str, progress: Any) -> l
 
     Starts Serve with an HTTP proxy on a free port and shuts it down after.
     """
-    from ray import serve
-
-    from ray_triton_shm._private.bench.runner import _run_group
-    from ray_triton_shm.node import NodeConfig
-
     args = node_args_of(node_config)
     if NodeConfig.from_args(**args).fingerprint() != node_config.fingerprint():
         logging.getLogger(__name__).warning("the image app gets a Triton of its own (config differs)")
@@ -129,7 +127,7 @@ def run_app_rows(options: Any, node_config: Any, model: str, progress: Any) -> l
         base = start_apps(args, model, _free_port())
         for count in options.serve_concurrency or (1,):
             openers = [(m, lambda m=m, c=count: app_cell(m, base, body, top5, c)) for m in APP_METHODS]
-            records.extend(app_records(_run_group(openers, len(body), count, options, "app", progress)))
+            records.extend(app_records(run_group(openers, len(body), count, options, "app", progress)))
     finally:
         serve.shutdown()
     return records
@@ -143,13 +141,6 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run only the app rows: a local Ray, the node's Triton, both variants, a table."""
-    import ray
-
-    from ray_triton_shm._private.bench import report
-    from ray_triton_shm._private.bench.runner import BenchOptions
-    from ray_triton_shm._private.bench.timing import Progress
-    from ray_triton_shm.node import NodeConfig, shutdown_node_actors
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--callers", default="1,4", help="comma list of concurrent HTTP callers")
     parser.add_argument("--rounds", type=int, default=3)

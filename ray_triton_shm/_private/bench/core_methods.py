@@ -20,6 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from ray_triton_shm.client import TritonShmClient
+from ray_triton_shm.config import PoolConfig
 
 MODEL = "identity"
 """The Python backend's identity, the default of :class:`Endpoints`."""
@@ -95,8 +100,6 @@ def memcpy_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
 # -- tritonclient ------------------------------------------------------------
 def grpc_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
     """Plain ``tritonclient.grpc``: one client per caller (its clients are not thread-safe)."""
-    import tritonclient.grpc as grpcclient
-
     cell = Cell([])
 
     def caller(x: np.ndarray) -> Caller:
@@ -120,8 +123,6 @@ def grpc_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
 
 def http_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
     """``tritonclient.http`` with binary tensors, one client per caller."""
-    import tritonclient.http as httpclient
-
     cell = Cell([])
 
     def caller(x: np.ndarray) -> Caller:
@@ -206,9 +207,6 @@ def tsc_cell(endpoints: Endpoints, inputs: list[np.ndarray]) -> Cell:
 
 # -- ours ----------------------------------------------------------------------
 def _our_client(endpoints: Endpoints, n: int, slots: int, *, over_http: bool = True):
-    from ray_triton_shm.client import TritonShmClient
-    from ray_triton_shm.config import PoolConfig
-
     pool = PoolConfig(slots=slots, max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
     http_url = endpoints.http_url if over_http else None
     return TritonShmClient(url=endpoints.grpc_url, http_url=http_url, pools={endpoints.model: pool})

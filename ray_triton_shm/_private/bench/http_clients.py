@@ -24,7 +24,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ray_triton_shm._private.triton.http_infer import HttpShmSender, ShmInput, ShmOutput, _Connection
+import numpy as np
+
+from ray_triton_shm._private.triton.http_infer import Connection, HttpShmSender, ShmInput, ShmOutput
+from ray_triton_shm._private.triton.native import require_native_models
+from ray_triton_shm.client import TritonShmClient
+from ray_triton_shm.config import PoolConfig, ServerConfig
+from ray_triton_shm.server import TritonServer
 
 KB = 1024
 MB = 1024 * KB
@@ -52,7 +58,7 @@ class Urllib3Connection:
     """``urllib3.HTTPConnectionPool`` of one kept-alive connection, with the same ``post`` as ours."""
 
     def __init__(self, host: str, port: int, timeout_s: float | None) -> None:
-        import urllib3
+        import urllib3  # lazy: urllib3 is optional here (its row is left out without it)
 
         self._pool = urllib3.HTTPConnectionPool(host, port, maxsize=1, timeout=timeout_s, retries=False)
 
@@ -76,9 +82,9 @@ def _sender_class(connection: Callable[..., Any]) -> type[HttpShmSender]:
 
 def connection_kinds() -> dict[str, Callable[..., Any]]:
     """Connection classes by name: ours, http.client, and urllib3 when it is installed."""
-    kinds: dict[str, Callable[..., Any]] = {"ours": _Connection, "http.client": StdlibConnection}
+    kinds: dict[str, Callable[..., Any]] = {"ours": Connection, "http.client": StdlibConnection}
     try:
-        import urllib3  # noqa: F401
+        import urllib3  # noqa: F401  # lazy: probes for the optional urllib3
     except ImportError:
         pass
     else:
@@ -88,13 +94,6 @@ def connection_kinds() -> dict[str, Callable[..., Any]]:
 
 def compare(sizes: tuple[int, ...] = (4 * KB, 16 * MB), rounds: int = 5) -> list[dict[str, Any]]:
     """Per size and kind: median wall ms and mean client CPU ms per request, over ``rounds`` rounds."""
-    import numpy as np
-
-    from ray_triton_shm._private.triton.native import require_native_models
-    from ray_triton_shm.client import TritonShmClient
-    from ray_triton_shm.config import PoolConfig, ServerConfig
-    from ray_triton_shm.server import TritonServer
-
     kinds = connection_kinds()
     rows: list[dict[str, Any]] = []
     with TritonServer(ServerConfig(model_repository=require_native_models())) as server:

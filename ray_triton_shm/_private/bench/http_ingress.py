@@ -17,6 +17,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import tritonclient.http as httpclient
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
@@ -63,8 +64,6 @@ def http_cell(method: str, url: str, inputs: list[np.ndarray], model: str) -> Ce
 
     Inputs go as binary tensor data, the output is asked for in binary.
     """
-    import tritonclient.http as httpclient
-
     cell = Cell([], paths={"http"})
 
     def caller(x: np.ndarray) -> Caller:

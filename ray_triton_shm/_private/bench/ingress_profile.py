@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import json
 import logging
@@ -34,10 +35,21 @@ import time
 import tracemalloc
 from typing import Any
 
+import ray
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ray_triton_shm._private.bench.cells import run_group
+from ray_triton_shm._private.bench.core_methods import make_inputs
+from ray_triton_shm._private.bench.http_ingress import HTTP_METHODS, ROUTES, http_cell, start_grpc_behind
+from ray_triton_shm._private.bench.options import BenchOptions
+from ray_triton_shm._private.bench.tables import size_label
+from ray_triton_shm._private.bench.timing import Progress
+from ray_triton_shm._private.serve import kserve
+from ray_triton_shm._private.triton.native import require_native_models
+from ray_triton_shm.config import PoolConfig, ServerConfig
+from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
 from ray_triton_shm.serve import TritonDeployment
 
 KB = 1024
@@ -53,9 +65,8 @@ class _Profiled(TritonDeployment.func_or_class):  # type: ignore[name-defined,mi
         super().__init__(*args, **kwargs)
         self._reports: list[dict[str, Any]] = []
         self._stages: list[tuple[str, float, float]] = []
-        from ray_triton_shm._private.serve import kserve
 
-        # The stages, timed where they exist (the code before and after issue 18 part 4 differ).
+        # Each stage is timed where the code being profiled has it.
         for name in ("decode_request", "plan_request", "encode_response"):
             if hasattr(kserve, name):
                 setattr(kserve, name, self._timed(name, getattr(kserve, name)))
@@ -64,8 +75,6 @@ class _Profiled(TritonDeployment.func_or_class):  # type: ignore[name-defined,mi
                 setattr(self._client, name, self._timed(name, getattr(self._client, name)))
 
     def _timed(self, stage: str, fn: Any) -> Any:
-        import inspect
-
         if inspect.iscoroutinefunction(fn):
 
             async def timed_async(*args: Any, **kwargs: Any) -> Any:
@@ -156,10 +165,6 @@ def _free_port() -> int:
 
 
 def _node_config(repository: str | None, max_bytes: int) -> Any:
-    from ray_triton_shm._private.triton.native import require_native_models
-    from ray_triton_shm.config import PoolConfig, ServerConfig
-    from ray_triton_shm.node import NodeConfig
-
     n = max(1, max_bytes // 4)
     pool = PoolConfig(slots=4, max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
     server = ServerConfig(model_repository=require_native_models(repository))
@@ -168,9 +173,6 @@ def _node_config(repository: str | None, max_bytes: int) -> Any:
 
 def profile(size: int, calls: int, port: int, node_config: Any) -> dict[str, Any]:
     """``calls`` requests of ``size`` bytes through the profiled app; the replica's measurements."""
-    from ray_triton_shm._private.bench.core_methods import make_inputs
-    from ray_triton_shm._private.bench.http_ingress import http_cell
-
     handle = serve.run(ProfiledDeployment.bind(node_config, 4), name="profiled", route_prefix="/profiled")
     cell = http_cell("profiled", f"127.0.0.1:{port}/profiled", make_inputs(size, 1, seed=5), MODEL)
     try:
@@ -213,12 +215,6 @@ def profile(size: int, calls: int, port: int, node_config: Any) -> dict[str, Any
 
 def compare(sizes: tuple[int, ...], rounds: int, budget_s: float, port: int, node_config: Any) -> list[Any]:
     """The three HTTP rows, one caller, per size; records (see the runner)."""
-    from ray_triton_shm._private.bench.core_methods import make_inputs
-    from ray_triton_shm._private.bench.http_ingress import HTTP_METHODS, ROUTES, http_cell, start_grpc_behind
-    from ray_triton_shm._private.bench.runner import BenchOptions, _run_group
-    from ray_triton_shm._private.bench.timing import Progress
-    from ray_triton_shm.node import ensure_node_actors
-
     triton_http = next(iter(ensure_node_actors(node_config).values())).http_url
     serve.run(
         TritonDeployment.options(name="BenchOurs").bind(node_config, 4),
@@ -237,7 +233,7 @@ def compare(sizes: tuple[int, ...], rounds: int, budget_s: float, port: int, nod
     for size in sizes:
         inputs = make_inputs(size, 1, seed=1)
         openers = [(m, lambda m=m, i=inputs: http_cell(m, urls[m], i, MODEL)) for m in HTTP_METHODS]
-        records.extend(_run_group(openers, size, 1, options, "serve", progress))
+        records.extend(run_group(openers, size, 1, options, "serve", progress))
     progress.close()
     return records
 
@@ -249,10 +245,6 @@ def _parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ray
-
-    from ray_triton_shm.node import shutdown_node_actors
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="16M", help="payload of the profiled request")
     parser.add_argument("--calls", type=int, default=5, help="profiled requests")
@@ -274,8 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         if args.compare:
-            from ray_triton_shm._private.bench.tables import size_label
-
             records = compare(sizes, args.rounds, args.budget_s, port, node_config)
             result: Any = [r.__dict__ for r in records]
             print(f"{'payload':>8} {'method':<18} {'MB/s':>9} {'p50 ms':>9}")

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import tritonclient.grpc as grpcclient
 
 from ray_triton_shm._private.bench.core_methods import CORE_METHODS, Endpoints, make_inputs
 
@@ -35,8 +36,6 @@ _STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
 
 def _stats(grpc_url: str, model: str) -> dict[str, tuple[int, int]]:
     """``{stage: (count, ns)}`` of ``model``'s inference statistics, success included."""
-    import tritonclient.grpc as grpcclient
-
     with grpcclient.InferenceServerClient(grpc_url) as client:
         stats = client.get_inference_statistics(model_name=model, as_json=True)
     inference = stats["model_stats"][0]["inference_stats"]

@@ -8,6 +8,7 @@ deployment and a Data predictor calling ``tritonclient.grpc``.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -16,10 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import ray
+import tritonclient.grpc as grpcclient
 from ray import serve
 
-from ray_triton_shm._private.bench.core_methods import Caller, Cell, check_equal
+from ray_triton_shm._private.bench import http_ingress
+from ray_triton_shm._private.bench.core_methods import Caller, Cell, OutputMismatch, check_equal
 from ray_triton_shm._private.bench.slotref_methods import SlotRefTarget, slotref_cell
+from ray_triton_shm._private.serve.kserve_grpc import SERVICER_FUNCTION
+from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
+from ray_triton_shm.data import TritonPredictor
+from ray_triton_shm.serve import TritonDeployment
 
 SERVE_MODEL = "identity"
 DATA_MODEL = "multi_io"
@@ -36,18 +44,12 @@ class PlainGrpcDeployment:
         self._local = threading.local()
 
     def _client(self) -> Any:
-        import tritonclient.grpc as grpcclient
-
         client = getattr(self._local, "client", None)
         if client is None:
             client = self._local.client = grpcclient.InferenceServerClient(self._url)
         return client
 
     def _infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import tritonclient.grpc as grpcclient
-
-        from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
-
         tensors = []
         for name, array in inputs.items():
             tensor = grpcclient.InferInput(name, list(array.shape), NUMPY_TO_TRITON[array.dtype])
@@ -81,12 +83,6 @@ def start_serve_apps(node_config: Any, grpc_url: str, http_url: str | None = Non
         ``ingress-http-grpc`` the same app calling Triton over gRPC, ``triton-http``
         Triton's own HTTP endpoint (with ``http_url``).
     """
-    import socket
-
-    from ray_triton_shm._private.bench import http_ingress
-    from ray_triton_shm._private.serve.kserve_grpc import SERVICER_FUNCTION
-    from ray_triton_shm.serve import TritonDeployment
-
     ports = []
     for _ in range(2):
         with socket.socket() as s:
@@ -136,8 +132,6 @@ def grpc_ingress_cell(
         model: An identity model.
         application: The ``application`` metadata header selecting the Serve app.
     """
-    import tritonclient.grpc as grpcclient
-
     cell = Cell([], paths={"grpc"})
     headers = {"application": application} if application else None
 
@@ -196,8 +190,6 @@ def expected_outputs(row_id: int) -> tuple[np.ndarray, np.ndarray]:
 
 def check_data_batch(method: str, batch: dict[str, np.ndarray]) -> None:
     """Outputs of ``multi_io`` for the batch's rows (first and last row checked)."""
-    from ray_triton_shm._private.bench.core_methods import OutputMismatch
-
     for row in {0, len(batch["id"]) - 1}:
         want0, want1 = expected_outputs(int(batch["id"][row]))
         got0, got1 = batch["OUTPUT0"][row], batch["OUTPUT1"][row]
@@ -216,8 +208,6 @@ class OurPredictor:
     """``TritonPredictor`` returning ids and outputs only (see :func:`_without_inputs`)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        from ray_triton_shm.data import TritonPredictor
-
         self._inner = TritonPredictor(**kwargs)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -232,16 +222,12 @@ class GrpcPredictor:
     """
 
     def __init__(self, model: str, grpc_url: str, max_batch: int = 8, parallel: int = 2) -> None:
-        import tritonclient.grpc as grpcclient
-
         self.model = model
         self.max_batch = max_batch
         self._clients = [grpcclient.InferenceServerClient(grpc_url) for _ in range(parallel)]
         self._pool = ThreadPoolExecutor(parallel)
 
     def _run(self, index: int, batch: dict[str, np.ndarray], start: int) -> dict[str, np.ndarray]:
-        import tritonclient.grpc as grpcclient
-
         stop = start + self.max_batch
         tensors = []
         for name, dtype in (("INPUT0", "FP32"), ("INPUT1", "INT32")):
@@ -279,8 +265,6 @@ class LocalPredictor:
 
 def make_source(rows: int, batch_size: int) -> Any:
     """The image rows both Data methods read, materialised once in the object store."""
-    import ray
-
     blocks = max(1, rows // batch_size)
     source = ray.data.range(rows, override_num_blocks=blocks).map_batches(make_rows, batch_size=batch_size)
     return source.materialize()
@@ -326,8 +310,6 @@ def run_data(
     Raises:
         OutputMismatch: Outputs differ from numpy's, or rows went missing.
     """
-    import ray
-
     if method == "data-ours":
         fn: Callable[..., Any] | type = OurPredictor
         kwargs: dict[str, Any] = {"model": model, "node_config": node_config}
@@ -357,8 +339,6 @@ def run_data(
         last_t = now
         seen += n
     if seen != rows:
-        from ray_triton_shm._private.bench.core_methods import OutputMismatch
-
         raise OutputMismatch(f"{method}: {seen} rows came out of {rows}")
     if seen == first_rows:  # a single batch: no steady state to time, count from the start
         span = max(last_t - began, 1e-9)

@@ -6,6 +6,10 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import ray.data
+from ray import serve
+
+from ray_triton_shm._private.bench import app_methods, http_ingress, ray_methods
 from ray_triton_shm._private.bench.cells import failed, run_group
 from ray_triton_shm._private.bench.core_methods import Endpoints, make_inputs
 from ray_triton_shm._private.bench.options import DATA_METHODS, BenchOptions, Record
@@ -20,8 +24,6 @@ logger = logging.getLogger(__name__)
 
 def quiet_ray() -> None:
     """Keep Serve's and Data's INFO lines and progress bars out of the report."""
-    import ray.data
-
     for name in ("ray", "ray.serve", "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
     context = ray.data.DataContext.get_current()
@@ -34,8 +36,6 @@ def run_ray(
     options: BenchOptions, endpoints: Endpoints, node_config: Any, progress: Progress, server: BenchServer
 ) -> list[Record]:
     """The Serve rows on ``server``, then (unless only Serve rows were asked for) the app and Data rows."""
-    from ray_triton_shm._private.bench import http_ingress, ray_methods
-
     records: list[Record] = []
     progress.step("starting Serve")
     handles = ray_methods.start_serve_apps(node_config, endpoints.grpc_url, endpoints.http_url)
@@ -60,7 +60,6 @@ def run_ray(
                 for method, handle in handles.items()
             ]
             records.extend(run_group(openers, size, concurrency, options, "serve", progress))
-    from ray import serve
 
     serve.shutdown()
     if options.serve_methods:  # only the Serve rows asked for
@@ -105,11 +104,9 @@ def run_apps(
     options: BenchOptions, node_config: Any, progress: Progress, server: BenchServer
 ) -> list[Record]:
     """Your own deployment's rows (deployments/image_app.py over HTTP); none outside a source checkout."""
-    from ray_triton_shm._private.bench import app_methods
-
     try:
         app_methods.image_module()
-        import PIL  # noqa: F401
+        import PIL  # noqa: F401  # lazy: probes for the optional Pillow
     except ImportError as e:
         logger.warning("skipping the image app rows: %s", e)
         return []
@@ -118,8 +115,6 @@ def run_apps(
 
 def data_record(method: str, options: BenchOptions, runs: Sequence[DataTiming]) -> Record:
     """Rows per second over every round's steady state; percentiles of the gaps between batches."""
-    from ray_triton_shm._private.bench import ray_methods
-
     rows_per_s = sum(r.rows_timed for r in runs) / sum(r.span_s for r in runs)
     ordered = sorted(gap for r in runs for gap in r.gaps_s)
 

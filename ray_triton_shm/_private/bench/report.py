@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ray_triton_shm._private.bench.servers import SERVERS
 from ray_triton_shm._private.bench.tables import (
     APP_HEADER,
     CORE_HEADER,
@@ -39,15 +40,11 @@ def _info_lines(info: dict[str, Any]) -> list[str]:
 
 
 def _servers(records: Sequence[Any]) -> list[str]:
-    from ray_triton_shm._private.bench.servers import SERVERS
-
     present = {getattr(r, "server", "python") for r in records}
     return [name for name in SERVERS if name in present] + sorted(present - set(SERVERS))
 
 
 def _title(server: str) -> str:
-    from ray_triton_shm._private.bench.servers import SERVERS
-
     return SERVERS[server].title if server in SERVERS else server
 
 
@@ -135,10 +132,10 @@ def plot(records: Sequence[Any], out_dir: Path) -> list[Path]:
         The PNG files written (none if matplotlib is missing).
     """
     try:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib is optional (the bench extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: as above
     except ImportError:
         logger.warning("matplotlib is not installed: no plots (pip install '.[bench]')")
         return []

@@ -22,14 +22,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ray_triton_shm._private.bench import core_methods, profile, ray_rows, report
-from ray_triton_shm._private.bench.cells import run_group as _run_group
-from ray_triton_shm._private.bench.cells import tagged
+from ray_triton_shm._private.bench import core_methods, profile, report
+from ray_triton_shm._private.bench.cells import run_group, tagged
 from ray_triton_shm._private.bench.core_methods import CORE_METHODS, Endpoints, make_inputs
 from ray_triton_shm._private.bench.options import (
     DATA_METHODS,
@@ -41,19 +41,18 @@ from ray_triton_shm._private.bench.options import (
 )
 from ray_triton_shm._private.bench.servers import SERVERS, BenchServer, build_repository
 from ray_triton_shm._private.bench.timing import Progress
+from ray_triton_shm._private.triton.repository import examples_repository
+from ray_triton_shm.config import PoolConfig, ServerConfig
+from ray_triton_shm.server import TritonServer
 
 logger = logging.getLogger(__name__)
 
 
 def _model_repository(options: BenchOptions) -> str:
-    from ray_triton_shm._private.cli.demo import default_model_repository
-
-    return os.path.abspath(options.model_repository or default_model_repository())
+    return os.path.abspath(options.model_repository or examples_repository())
 
 
 def _identity_pool(max_bytes: int, slots: int) -> Any:
-    from ray_triton_shm.config import PoolConfig
-
     n = max(1, max_bytes // 4)
     return PoolConfig(slots=slots, max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
 
@@ -76,17 +75,16 @@ def _triton(options: BenchOptions) -> Iterator[tuple[Endpoints, dict[str, Any], 
 
 @contextlib.contextmanager
 def _triton_on(options: BenchOptions, repository: str) -> Iterator[tuple[Endpoints, dict[str, Any], Any]]:
-    from ray_triton_shm.config import ServerConfig
-
     if not options.ray:
-        from ray_triton_shm.server import TritonServer
-
         with TritonServer(ServerConfig(model_repository=repository)) as server:
             info = {"triton": server.version, "triton_source": server.binary_source}
             yield Endpoints(server.grpc_url, server.http_url), info, None
         return
+    # lazy: Ray loads only when it runs (`bench --no-ray` runs without it)
     import ray
+    from ray import serve
 
+    from ray_triton_shm._private.bench import ray_rows
     from ray_triton_shm._private.node.node_lifecycle import attach
     from ray_triton_shm.node import NodeConfig, shutdown_node_actors
 
@@ -113,8 +111,6 @@ def _triton_on(options: BenchOptions, repository: str) -> Iterator[tuple[Endpoin
         yield Endpoints(node.grpc_url, node.http_url), info, node_config
     finally:
         try:
-            from ray import serve
-
             serve.shutdown()
         finally:
             shutdown_node_actors()
@@ -173,13 +169,15 @@ def run_bench(options: BenchOptions, write: Callable[[str], None] = print) -> li
                     (method, lambda f=CORE_METHODS[method], i=inputs, e=endpoints: f(e, i))
                     for method in group_methods
                 ]
-                group = _run_group(openers, size, concurrency, options, "core", progress)
+                group = run_group(openers, size, concurrency, options, "core", progress)
                 records.extend(tagged(group, server))
                 del inputs, openers
             if options.profile:
                 progress.step(f"profiling requests on the {server.name} server")
                 profiles.extend(_profile(options, endpoints, server))
             if options.ray:
+                from ray_triton_shm._private.bench import ray_rows  # lazy: loads Ray
+
                 records.extend(
                     tagged(ray_rows.run_ray(options, endpoints, node_config, progress, server), server)
                 )
@@ -222,8 +220,6 @@ def _profile(options: BenchOptions, endpoints: Endpoints, server: BenchServer) -
 
 
 def _environment() -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
     def installed(name: str) -> str:
         try:
             return version(name)

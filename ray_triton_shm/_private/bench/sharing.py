@@ -3,9 +3,9 @@
 Node pools are shared on demand: every lease takes its slot in the pool's slot
 table (a kernel lock and a word of state) and every release gives it back.
 This measures that cost where it weighs most, on small requests: two clients
-of one Triton, the same model and payload, one with private slots (as a
-process used to hold its granted slots) and one whose pool is shared through
-a slot table; rounds alternate between them. ::
+of one Triton, the same model and payload, one with private slots (a pool of
+its own) and one whose pool is shared through a slot table; rounds alternate
+between them. ::
 
     python -m ray_triton_shm._private.bench.sharing --size 4096 --rounds 6
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from ray_triton_shm._private.shm.segment import new_segment_name
 from ray_triton_shm._private.shm.slot_table import SlotTable
+from ray_triton_shm._private.triton.repository import resolve_repositories
 from ray_triton_shm.client import TritonShmClient
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.server import TritonServer
@@ -90,15 +91,14 @@ def run(repository: str, size: int, rounds: int, calls: int) -> dict[str, object
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ray_triton_shm.serve import resolve_model_repository
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096, help="payload bytes")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--calls", type=int, default=400, help="timed calls per round")
     parser.add_argument("--model-repository", default=None)
     args = parser.parse_args(argv)
-    result = run(resolve_model_repository(args.model_repository), args.size, args.rounds, args.calls)
+    repository = resolve_repositories(args.model_repository)
+    result = run(repository, args.size, args.rounds, args.calls)  # type: ignore[arg-type]
     for name, p50s in result["p50_ms_by_round"].items():  # type: ignore[union-attr]
         print(f"{name:8s} p50 by round (ms): " + " ".join(f"{v:.3f}" for v in p50s))
     print("shared / private by round: " + " ".join(f"{r:.3f}" for r in result["ratio_by_round"]))  # type: ignore[union-attr]

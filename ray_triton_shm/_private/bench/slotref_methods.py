@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from ray_triton_shm._private.bench.core_methods import Caller, Cell, OutputMismatch, check_equal
+from ray_triton_shm.node import NodeClient
+from ray_triton_shm.serve import SlotRefCaller
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,6 @@ def slotref_cell(method: str, target: SlotRefTarget, inputs: list[np.ndarray], m
     Raises:
         OutputMismatch: A call went another way than a slot reference.
     """
-    from ray_triton_shm.node import NodeClient
-    from ray_triton_shm.serve import SlotRefCaller
-
     client = NodeClient(target.node_config, kind="client")
     cell = Cell([], [client.close], {"slot_ref"})
     caller = SlotRefCaller(target.handle, client=client)

@@ -1,4 +1,4 @@
-"""The targets of the issues, checked against a run's records: ``(target, measured, verdict)`` rows."""
+"""The performance targets, checked against a run's records: ``(target, measured, verdict)`` rows."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def verdict(value: float, goal: float, higher: bool = True) -> str:
 
 
 def targets(records: Sequence[Any]) -> list[tuple[str, str, str]]:
-    """(target, measured, met?) for each target of the issue."""
+    """(target, measured, met?) for each performance target of the Python backend's server."""
     index = by_cell(records)
     out: list[tuple[str, str, str]] = []
     sizes = sorted({r.payload_bytes for r in records if r.group == "core"})
@@ -105,7 +105,7 @@ OURS = ("ours-copy", "ours-views", "ours-inplace", "ours-inplace-grpc")
 
 
 def native_targets(records: Sequence[Any]) -> list[tuple[str, str, str]]:
-    """(target, measured, met?) for the native server's targets (issue 16), one server's records."""
+    """(target, measured, met?) for the native server's targets, one server's records."""
     index = by_cell(records)
     out: list[tuple[str, str, str]] = []
     core = [r for r in records if r.group == "core"]

@@ -8,25 +8,24 @@ import logging
 import sys
 from collections.abc import Iterator
 
+from ray_triton_shm._private.cli.demo import run_demo
+from ray_triton_shm._private.cli.demo_log import quiet_logs
+from ray_triton_shm._private.cli.status import run as run_status
 from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.triton import server_env
+from ray_triton_shm.config import ServerConfig
 
 
 def _setup(args: argparse.Namespace) -> int:
-    from ray_triton_shm._private.triton.server_env import cpu_fallback_warning, find_tritonserver
-    from ray_triton_shm.config import ServerConfig
-
-    plan = find_tritonserver(ServerConfig(model_repository="-"))
+    plan = server_env.find_tritonserver(ServerConfig(model_repository="-"))
     print(f"tritonserver: {plan.binary} ({plan.source})")
-    warning = cpu_fallback_warning(plan)
+    warning = server_env.cpu_fallback_warning(plan)
     if warning:
         print(f"\n{'!' * 78}\n{warning}\n{'!' * 78}", file=sys.stderr)
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ray_triton_shm._private.cli.demo import run_demo
-    from ray_triton_shm._private.cli.demo_log import quiet_logs
-
     if args.verbose:
         log = None
     else:
@@ -36,7 +35,7 @@ def _demo(args: argparse.Namespace) -> int:
             if not args.hold:
                 run_demo(args.model_repository, quick=args.quick)
             if not args.core_only:
-                from ray_triton_shm._private.cli.demo_ray import run_ray_demo
+                from ray_triton_shm._private.cli.demo_ray import run_ray_demo  # lazy: loads Ray
 
                 run_ray_demo(args.config, quick=args.quick, hold=args.hold)
         finally:
@@ -51,19 +50,17 @@ def _no_log() -> Iterator[None]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ray_triton_shm._private.cli.status import run
-
     try:
-        return run(args.address, as_json=args.json, write=print, timeout_s=args.timeout)
+        return run_status(args.address, as_json=args.json, write=print, timeout_s=args.timeout)
     except ConnectionError as e:
         print(f"no Ray cluster at {args.address!r}: {e}", file=sys.stderr)
         return 2
 
 
 def _shutdown(args: argparse.Namespace) -> int:
-    import ray
+    import ray  # lazy: only the commands that need Ray load it
 
-    from ray_triton_shm.node import shutdown_node_actors
+    from ray_triton_shm.node import shutdown_node_actors  # lazy: loads Ray
 
     try:
         ray.init(address=args.address, logging_level=logging.WARNING, log_to_driver=False)
@@ -79,7 +76,7 @@ def _shutdown(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from ray_triton_shm._private.node import model_control
+    from ray_triton_shm._private.node import model_control  # lazy: loads Ray
 
     try:
         return model_control.run(args.address, args.action, args.models, args.config_file, print)
@@ -110,6 +107,7 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    # lazy: the benchmark loads only for the bench commands
     from ray_triton_shm._private.bench import runner
     from ray_triton_shm._private.bench.core_methods import CORE_METHODS
     from ray_triton_shm._private.bench.options import SERVE_METHODS, BenchOptions, methods_arg, parse_sizes
@@ -212,7 +210,3 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ray_triton_shm._private.bench.measure import time_call
+from ray_triton_shm._private.triton.native import native_model_repository, require_native_models
+from ray_triton_shm._private.triton.repository import examples_repository
 from ray_triton_shm.client import TritonShmClient
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.server import TritonServer
@@ -18,13 +20,6 @@ logger = logging.getLogger(__name__)
 
 MB = 1024 * 1024
 IDENTITY_MAX = 32 * MB  # float32 elements: 128 MB
-
-
-def default_model_repository() -> str:
-    """The example models (shipped in the package; ``deployments/models`` in a checkout)."""
-    from ray_triton_shm._private.triton.repository import examples_repository
-
-    return examples_repository()
 
 
 def demo_pools() -> dict[str, PoolConfig]:
@@ -113,8 +108,6 @@ def run_demo(
     cases = demo_cases(rng)
     runs: list[tuple[str, str, list[Case]]] = []
     if model_repository is None:
-        from ray_triton_shm._private.triton.native import native_model_repository, require_native_models
-
         native_models = {"identity", "multi_io"}
         if native_repository is None and not os.path.isdir(native_model_repository()):
             # An installed package: the C backend is built from a checkout (`make native`).
@@ -127,7 +120,7 @@ def run_demo(
                     [c for c in cases if c.model in native_models],
                 )
             )
-    runs.append(("python", model_repository or default_model_repository(), cases))
+    runs.append(("python", model_repository or examples_repository(), cases))
     rows: list[dict[str, object]] = []
     for server_name, repository, server_cases in runs:
         rows += _run_cases(server_name, repository, server_cases, repeats=3 if quick else 7)

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from pathlib import Path
 
 import numpy as np
+import ray
+import tritonclient.http as httpclient
+import yaml
+from ray import serve
 
+from ray_triton_shm._private.bench import ray_methods
+from ray_triton_shm._private.bench.core_methods import OutputMismatch
 from ray_triton_shm._private.bench.measure import time_call
+from ray_triton_shm._private.cli.demo_log import capture_ray_loggers
+from ray_triton_shm._private.triton.repository import examples_serve_config
+from ray_triton_shm.node import get_node_actor, shutdown_node_actors
+from ray_triton_shm.serve import run_config_file
 
 MB = 1024 * 1024
 DATA_BATCH = 64
@@ -30,25 +42,12 @@ def run_ray_demo(
     Raises:
         RuntimeError: An output did not match.
     """
-    import ray
-    import tritonclient.http as httpclient
-    import yaml
-    from ray import serve
-
-    from ray_triton_shm._private.bench import ray_methods
-    from ray_triton_shm._private.bench.core_methods import OutputMismatch
-    from ray_triton_shm._private.triton.repository import examples_serve_config
-    from ray_triton_shm.node import get_node_actor, shutdown_node_actors
-    from ray_triton_shm.serve import run_config_file
-
     path = config_file or examples_serve_config()
     port = yaml.safe_load(Path(path).read_text()).get("http_options", {}).get("port", 8000)
     rows: list[dict[str, object]] = []
     failures: list[str] = []
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     if logging.getLogger().handlers:  # under quiet_logs: Ray just gave its loggers their own handlers
-        from ray_triton_shm._private.cli.demo_log import capture_ray_loggers
-
         capture_ray_loggers()
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:
@@ -112,9 +111,6 @@ def run_ray_demo(
 
 def _hold(address: str) -> None:
     """Block until SIGINT or SIGTERM, telling the user how to look at the running cluster."""
-    import signal
-    import threading
-
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -25,6 +25,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+import tritonclient.http as httpclient
+
+from ray_triton_shm.client import TritonShmClient
+from ray_triton_shm.config import PoolConfig, ServerConfig
+from ray_triton_shm.server import TritonServer
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +134,6 @@ def soak_client(duration_s: float, callers: int, slots: int, url: str | None = N
         slots: Slots in the pool (fewer than callers makes them queue).
         url: A running Triton's gRPC address; by default one is started.
     """
-    from ray_triton_shm import PoolConfig, ServerConfig, TritonServer, TritonShmClient
-
     server = None
     if url is None:
         server = TritonServer(ServerConfig(model_repository=str(REPOSITORY), load_models=(MODEL,)))
@@ -172,10 +175,9 @@ def soak_serve(
     Returns:
         The handle report and the HTTP report.
     """
-    import tritonclient.http as httpclient
-    from ray import serve
+    from ray import serve  # lazy: the client soak runs without Ray
 
-    from ray_triton_shm.serve import _build
+    from ray_triton_shm.serve import build_app  # lazy: loads Ray
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -185,7 +187,7 @@ def soak_serve(
         "quarantine_s": 2.0,
         "pools": {MODEL: {"slots": slots_per_replica * replicas, "max_batch_size": 1}},
     }
-    handle = serve.run(_build(args, {"num_replicas": replicas}), name="soak", route_prefix="/")
+    handle = serve.run(build_app(args, {"num_replicas": replicas}), name="soak", route_prefix="/")
     try:
         handle.infer.remote(MODEL, {"INPUT0": _SECOND, "INPUT1": _SECOND}).result()
 
@@ -218,42 +220,47 @@ def soak_serve(
         serve.delete("soak")
 
 
-def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
-    """``python -m ray_triton_shm._private.cli.soak``: run the soak and print its figures.
+def command(duration_s: float, callers: int, slots: int, target: str, out: TextIO = sys.stdout) -> int:
+    """``ray-triton-shm soak``: run the soak against ``target`` (client, serve or all) and print its figures.
 
     Returns:
         0 when every request was answered correctly, 1 otherwise.
     """
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds per target")
-    parser.add_argument("--callers", type=int, default=16)
-    parser.add_argument("--slots", type=int, default=4, help="slots shared by the callers")
-    parser.add_argument("--target", choices=("client", "serve", "all"), default="all")
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     reports: list[SoakReport] = []
-    if args.target in ("client", "all"):
-        reports.append(soak_client(args.duration, args.callers, args.slots))
+    if target in ("client", "all"):
+        reports.append(soak_client(duration_s, callers, slots))
         out.write(reports[-1].summary() + "\n")
         out.flush()
-    if args.target in ("serve", "all"):
-        import ray
+    if target in ("serve", "all"):
+        import ray  # lazy: the client soak runs without Ray
 
         ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
         try:
-            for report in soak_serve(args.duration, args.callers, max(1, args.slots // 2)):
+            for report in soak_serve(duration_s, callers, max(1, slots // 2)):
                 reports.append(report)
                 out.write(report.summary() + "\n")
         finally:
-            from ray import serve
+            from ray import serve  # lazy: the client soak runs without Ray
 
-            from ray_triton_shm.node import shutdown_node_actors
+            from ray_triton_shm.node import shutdown_node_actors  # lazy: loads Ray
 
             serve.shutdown()
             shutdown_node_actors()
             ray.shutdown()
     ok = all(r.error_count == 0 and r.mismatches == 0 and r.requests > 0 for r in reports)
     return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
+    """``python -m ray_triton_shm._private.cli.soak``: parse the flags and run :func:`command`."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds per target")
+    parser.add_argument("--callers", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=4, help="slots shared by the callers")
+    parser.add_argument("--target", choices=("client", "serve", "all"), default="all")
+    args = parser.parse_args(argv)
+    return command(args.duration, args.callers, args.slots, args.target, out)
 
 
 if __name__ == "__main__":

@@ -27,15 +27,16 @@ def collect(timeout_s: float = 30.0) -> list[dict[str, Any]]:
         (``info``, ``models``, ``pools``, ``traffic``), or ``error`` when the
         actor did not answer.
     """
+    # lazy: run() sets RAY_AUTH_MODE before Ray is imported (Ray reads it once)
     import ray
 
-    from ray_triton_shm._private.node.node_config import _NAME_PREFIX, NAMESPACE
+    from ray_triton_shm._private.node.node_config import NAME_PREFIX, NAMESPACE
     from ray_triton_shm._private.node.node_lifecycle import node_actor_names
 
     ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
     pending = []
     for name in node_actor_names():
-        node_id = name[len(_NAME_PREFIX) :].rsplit("-", 1)[0]
+        node_id = name[len(NAME_PREFIX) :].rsplit("-", 1)[0]
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
             pending.append((node_id, actor.status.remote(), actor.server_warnings.remote()))
@@ -179,7 +180,7 @@ def run(address: str, *, as_json: bool, write: Writer, timeout_s: float = 30.0) 
         # started by ray.init() requires it, so use the saved token for explicit addresses too.
         # (Before Ray is imported: it reads the mode once.)
         os.environ["RAY_AUTH_MODE"] = "token"
-    import ray
+    import ray  # lazy: RAY_AUTH_MODE above must be set before Ray is imported
 
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     try:

@@ -9,13 +9,16 @@ import time
 
 from tritonclient.utils import InferenceServerException
 
+from ray_triton_shm._private.shm.cuda_devices import server_device_id, server_visible_devices_of
+from ray_triton_shm._private.shm.cuda_pool import CudaSlotPool
 from ray_triton_shm._private.shm.layout import ModelLayout, layout_from_config
 from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.shm.segment import check_span, redact
 from ray_triton_shm._private.triton.call_errors import status_name, translate_error
 from ray_triton_shm._private.triton.grpc_channel import GrpcClient
 from ray_triton_shm.config import PoolConfig
-from ray_triton_shm.errors import PoolClosedError, TritonCallError
+from ray_triton_shm.errors import CudaError, PoolClosedError, TritonCallError
+from ray_triton_shm.server import SHM_API_GRPC_HEADER
 
 # The client's messages, under the client's logger name wherever they are written.
 logger = logging.getLogger("ray_triton_shm.client")
@@ -47,8 +50,6 @@ class LocalPools:
         shm_api_key: str | None = None,
         url: str = "",
     ) -> None:
-        from ray_triton_shm.server import SHM_API_GRPC_HEADER
-
         self._grpc = grpc
         self._url = url
         self._server_visible = server_visible_devices
@@ -60,8 +61,6 @@ class LocalPools:
     def get_pool(self, model: str, config: PoolConfig) -> SlotPool:
         layout = fetch_layout(self._grpc, model, config)
         if config.memory == "cuda":
-            from ray_triton_shm._private.shm.cuda_pool import CudaSlotPool
-
             pool: SlotPool = CudaSlotPool.create(layout, config.slots, device=config.device_id)
         else:
             pool = SlotPool.create(layout, config.slots)
@@ -91,8 +90,6 @@ class LocalPools:
             except InferenceServerException as e:
                 raise translate_error(e, model) from e
             return
-        from ray_triton_shm._private.shm.cuda_devices import server_device_id, server_visible_devices_of
-        from ray_triton_shm.errors import CudaError
 
         buffer = pool.buffer  # type: ignore[attr-defined]
         device = server_device_id(

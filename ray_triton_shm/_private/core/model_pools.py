@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tritonclient.utils import InferenceServerException
 
@@ -18,14 +18,22 @@ from ray_triton_shm._private.shm.layout import (
 from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.triton.call_errors import translate_error
 from ray_triton_shm._private.triton.grpc_channel import GrpcClient
-from ray_triton_shm.config import ClientConfig
+from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import LayoutError, LayoutMismatchError, PoolClosedError
-
-if TYPE_CHECKING:
-    from ray_triton_shm.client import PoolSource
 
 # The client's messages, under the client's logger name wherever they are written.
 logger = logging.getLogger("ray_triton_shm.client")
+
+
+class PoolSource(Protocol):
+    """Where a client gets its slot pools (created here, or granted by a Ray node actor).
+
+    A pool carries the layout it was built with; the client validates against it.
+    """
+
+    def get_pool(self, model: str, config: PoolConfig) -> SlotPool: ...
+
+    def close(self) -> None: ...
 
 
 class ModelPools:

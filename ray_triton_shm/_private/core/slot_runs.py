@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ray_triton_shm._private.shm.bulk_copy import BulkCopier
+from ray_triton_shm._private.shm.cuda import import_cupy
 from ray_triton_shm._private.shm.layout import ModelLayout
 from ray_triton_shm._private.shm.pool import Lease, SlotPool
 from ray_triton_shm._private.shm.validate import CheckedInputs
@@ -195,8 +196,6 @@ def read_outputs(
 def join_chunks(parts: Sequence[dict[str, Any]], wanted: list[str], pool: SlotPool) -> dict[str, Any]:
     """The outputs of a batch's chunks joined in order (cupy arrays on a CUDA pool's GPU)."""
     if pool.memory == "cuda":
-        from ray_triton_shm._private.shm.cuda import import_cupy
-
         cupy = import_cupy()
         with cupy.cuda.Device(pool.device):  # type: ignore[attr-defined]
             return {name: cupy.concatenate([p[name] for p in parts]) for name in wanted}
@@ -205,8 +204,6 @@ def join_chunks(parts: Sequence[dict[str, Any]], wanted: list[str], pool: SlotPo
 
 def to_device(outputs: dict[str, Any], pool: SlotPool) -> dict[str, Any]:
     """Host outputs as cupy arrays on a CUDA pool's GPU."""
-    from ray_triton_shm._private.shm.cuda import import_cupy
-
     cupy = import_cupy()
     with cupy.cuda.Device(pool.device):  # type: ignore[attr-defined]
         return {name: cupy.asarray(value) for name, value in outputs.items()}

@@ -40,6 +40,8 @@ import threading
 from collections import defaultdict
 from typing import Any
 
+from ray.util.metrics import Counter, Gauge, Histogram
+
 logger = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 0.25
@@ -54,8 +56,6 @@ def _get() -> dict[str, Any]:
     global _metrics
     with _lock:
         if _metrics is None:
-            from ray.util.metrics import Counter, Gauge, Histogram
-
             _metrics = {
                 "requests": Counter(
                     "triton_shm_requests",

@@ -14,21 +14,22 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ray
+
+from ray_triton_shm._private.node.node_config import NAME_PREFIX, NAMESPACE
+from ray_triton_shm.errors import ConfigError
+
 Writer = Callable[[str], None]
 
 
 def node_actors() -> list[tuple[str, Any]]:
     """(node id, actor handle) of every node actor of the connected Ray cluster."""
-    import ray
-
-    from ray_triton_shm._private.node.node_config import _NAME_PREFIX, NAMESPACE
-
     actors = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name = entry["name"]
-        if entry.get("namespace") == NAMESPACE and name.startswith(_NAME_PREFIX):
+        if entry.get("namespace") == NAMESPACE and name.startswith(NAME_PREFIX):
             try:
-                actors.append((name[len(_NAME_PREFIX) :], ray.get_actor(name, namespace=NAMESPACE)))
+                actors.append((name[len(NAME_PREFIX) :], ray.get_actor(name, namespace=NAMESPACE)))
             except ValueError:
                 continue  # gone between listing and lookup
     return sorted(actors, key=lambda pair: pair[0])
@@ -40,8 +41,6 @@ def apply(action: str, models: Sequence[str], config_json: str | None, write: Wr
     Returns:
         0 when every node did it, 1 otherwise (each failure is written).
     """
-    import ray
-
     actors = node_actors()
     if not actors:
         write("no Triton node actors in this Ray cluster")
@@ -75,8 +74,6 @@ def run(address: str, action: str, models: Sequence[str], config_file: str | Non
         ConnectionError: No Ray cluster at ``address``.
         ConfigError: ``config_file`` is not a JSON model configuration.
     """
-    from ray_triton_shm.errors import ConfigError
-
     config_json = None
     if config_file:
         try:
@@ -86,7 +83,6 @@ def run(address: str, action: str, models: Sequence[str], config_file: str | Non
             raise ConfigError(
                 f"--config-file {config_file!r} is not a readable JSON model config: {e}"
             ) from e
-    import ray
 
     if address != "auto" and "RAY_AUTH_MODE" not in os.environ:
         token = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")

@@ -24,22 +24,24 @@ import ray
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.node import metrics
-from ray_triton_shm._private.node.node_config import _CVD, NodeConfig, NodeInfo
+from ray_triton_shm._private.node.node_config import CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node.node_health import HealthMonitor
 from ray_triton_shm._private.node.node_pools import CudaRegion, Grant, NodePools, pool_key
 from ray_triton_shm._private.node.node_registry import Reaper, Users
+from ray_triton_shm._private.shm.cuda import DeviceBuffer, local_device_uuids, local_gpu_count
+from ray_triton_shm._private.shm.cuda_devices import local_device_index
 from ray_triton_shm._private.shm.layout import config_fingerprint, layout_from_config
 from ray_triton_shm._private.shm.segment import check_span, new_segment_name, redact
+from ray_triton_shm._private.triton.call_errors import translate_error
 from ray_triton_shm._private.triton.grpc_channel import new_grpc_client
-from ray_triton_shm.client import translate_error
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import (
     CudaError,
-    CudaUnavailableError,
     LayoutError,
     TritonCallError,
     UnavailableError,
 )
+from ray_triton_shm.server import TritonServer
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,6 @@ class _NodeActor:
     """Body of :data:`TritonNodeActor` (see the module docstring)."""
 
     def __init__(self, config: NodeConfig) -> None:
-        from ray_triton_shm.server import TritonServer
-
         self.config = config
         self.node_id = ray.get_runtime_context().get_node_id()
         self.instance_id = uuid.uuid4().hex
@@ -70,8 +70,8 @@ class _NodeActor:
         # Triton inherits this actor's CUDA_VISIBLE_DEVICES unless ServerConfig.gpus is set. The actor
         # asks Ray for no GPU, so Ray leaves the variable as the raylet had it: all of the node's GPUs.
         gpus = config.server.gpus
-        self._gpu_visible = ",".join(map(str, gpus)) if gpus is not None else os.environ.get(_CVD)
-        self._gpu_count = _local_gpu_count()
+        self._gpu_visible = ",".join(map(str, gpus)) if gpus is not None else os.environ.get(CVD)
+        self._gpu_count = local_gpu_count()
         try:
             self._server.start()  # sweeps segments of a previous incarnation first
         except BaseException:
@@ -144,8 +144,6 @@ class _NodeActor:
         local = self._local_device(device)
 
         def make_region(size: int) -> CudaRegion:
-            from ray_triton_shm._private.shm.cuda import DeviceBuffer
-
             return CudaRegion(DeviceBuffer.allocate(size, local), new_segment_name("ncuda"), device)
 
         self._pools.ensure_pool(model, layout, pool_config, key=key, make_region=make_region)
@@ -172,11 +170,9 @@ class _NodeActor:
         Raises:
             DeviceMappingError: No GPU of this actor is that GPU of Triton.
         """
-        from ray_triton_shm._private.shm.cuda import local_device_index, local_device_uuids
-
         return local_device_index(
             server_device,
-            os.environ.get(_CVD),
+            os.environ.get(CVD),
             self._gpu_visible,
             self._gpu_count,
             local_uuids=local_device_uuids(),
@@ -436,8 +432,7 @@ class _NodeActor:
             self._grpc.close()
             self._reaper.close()
 
-    # == issue 15 (helper "models"): model control and server warnings =====
-    # Kept in one block at the end of the class so it merges cleanly with the lead's rework.
+    # -- Model control and server warnings --
 
     def server_warnings(self) -> list[str]:
         """What ``ray-triton-shm status`` must shout about (e.g. a CPU-only fallback on a GPU node)."""
@@ -526,16 +521,6 @@ def _new_health(config: NodeConfig) -> HealthMonitor:
 def _probe_timeout(config: NodeConfig) -> float:
     """Per-probe timeout: short, so that several probes fit in ``unhealthy_after_s``."""
     return min(2.0, max(0.2, config.unhealthy_after_s / 3))
-
-
-def _local_gpu_count() -> int:
-    """GPUs this process sees through cupy; 0 without cupy or GPUs."""
-    from ray_triton_shm._private.shm.cuda import device_count
-
-    try:
-        return device_count()
-    except CudaUnavailableError:
-        return 0
 
 
 def runs_on_gpu(model_config: Mapping[str, Any]) -> bool:

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -20,10 +21,12 @@ from typing import Any
 import ray
 
 from ray_triton_shm._private.node import metrics
-from ray_triton_shm._private.node.node_actor import _local_gpu_count
-from ray_triton_shm._private.node.node_config import _CVD, NodeConfig, NodeInfo, split_app_args
+from ray_triton_shm._private.node.node_config import CVD, NodeConfig, NodeInfo, split_app_args
 from ray_triton_shm._private.node.node_lifecycle import attach, get_node_actor
 from ray_triton_shm._private.node.node_pools import Grant
+from ray_triton_shm._private.shm.cuda import DeviceBuffer, local_gpu_count, require_device
+from ray_triton_shm._private.shm.cuda_devices import server_device_id
+from ray_triton_shm._private.shm.cuda_pool import CudaSlotPool
 from ray_triton_shm._private.shm.pool import Lease, SlotPool
 from ray_triton_shm._private.shm.segment import Segment
 from ray_triton_shm._private.shm.slot_table import SlotTable
@@ -32,6 +35,7 @@ from ray_triton_shm.client import InferResult, TritonShmClient
 from ray_triton_shm.config import ClientConfig, PoolConfig
 from ray_triton_shm.errors import (
     ConfigError,
+    DeviceMappingError,
     LayoutMismatchError,
     PoolClosedError,
     RayTritonShmError,
@@ -72,13 +76,11 @@ class _GrantedPools:
         """
         if config.memory != "cuda":
             return None
-        from ray_triton_shm._private.shm.cuda import require_device, server_device_id
-        from ray_triton_shm.errors import DeviceMappingError
 
         local = require_device(config.device_id)
         visible = self._info.gpu_visible_devices if self._info else None
         try:
-            return local, server_device_id(local, os.environ.get(_CVD), visible)
+            return local, server_device_id(local, os.environ.get(CVD), visible)
         except DeviceMappingError as e:
             if self._force_cuda:
                 raise
@@ -112,9 +114,6 @@ class _GrantedPools:
         try:
             quarantine_s = table.quarantine_ns / 1e9
             if grant.memory == "cuda" and devices is not None:
-                from ray_triton_shm._private.shm.cuda import DeviceBuffer
-                from ray_triton_shm._private.shm.cuda_pool import CudaSlotPool
-
                 buffer = DeviceBuffer.open(grant.cuda_handle, grant.segment_size, devices[0])
                 pool: SlotPool = CudaSlotPool(
                     buffer, grant.segment_name, grant.layout, grant.slots, quarantine_s=quarantine_s
@@ -207,11 +206,9 @@ class NodeClient:
         # An explicit "cuda" gets GPU memory for any model; "auto" only for models that run on GPU.
         self._force_cuda = memory == "cuda"
         if memory == "cuda":
-            from ray_triton_shm._private.shm.cuda import require_device
-
             require_device(device_id)
         elif memory == "auto":
-            memory = "cuda" if _local_gpu_count() > 0 else "system"
+            memory = "cuda" if local_gpu_count() > 0 else "system"
         self._memory = memory
         self._device_id = device_id
         self._kind = kind
@@ -379,8 +376,6 @@ class NodeClient:
         copy: bool = True,
     ) -> InferResult:
         """See :meth:`TritonShmClient.ainfer` (and :meth:`infer` for ``timeout``)."""
-        import asyncio
-
         if self._recheck:
             await asyncio.to_thread(self._before_call)
         try:
@@ -435,8 +430,6 @@ class NodeClient:
 
     async def alease(self, model: str, timeout: float | None = None) -> Lease:
         """:meth:`lease` for asyncio code; the event loop is not blocked while waiting for a slot."""
-        import asyncio
-
         if self._recheck:
             await asyncio.to_thread(self._before_call)
         return await self.client.alease(model, timeout)
@@ -457,8 +450,6 @@ class NodeClient:
 
     async def arun(self, lease: Lease, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """:meth:`run` for asyncio code (in a worker thread)."""
-        import asyncio
-
         return await asyncio.to_thread(self.run, lease, outputs)
 
     def model_config(self, model: str) -> dict[str, Any]:

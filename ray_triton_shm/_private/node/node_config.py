@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_triton_shm._private.triton.repository import resolve_repositories
 from ray_triton_shm.config import PoolConfig, ServerConfig, env_field
 from ray_triton_shm.errors import ConfigError
 
 NAMESPACE = "ray_triton_shm"
-_NAME_PREFIX = "triton-node-"
-_CVD = "CUDA_VISIBLE_DEVICES"
+NAME_PREFIX = "triton-node-"
+CVD = "CUDA_VISIBLE_DEVICES"
 
 
 def _optional_float(text: str) -> float | None:
@@ -140,8 +141,6 @@ class NodeConfig:
         Local paths are made absolute; URIs Triton reads (``s3://``, ``gs://``,
         ``as://``) pass through unchanged; a sequence serves several repositories.
         """
-        from ray_triton_shm._private.triton.repository import resolve_repositories
-
         server = ServerConfig(model_repository=resolve_repositories(model_repository, must_exist=False))
         return cls(server=server, **kwargs)
 
@@ -175,8 +174,6 @@ class NodeConfig:
         Raises:
             ConfigError: A value is invalid or unknown, or a local repository does not exist.
         """
-        from ray_triton_shm._private.triton.repository import resolve_repositories
-
         server_fields = dict(server or {})
         server_fields["model_repository"] = resolve_repositories(model_repository)
         known = {f.name for f in dataclasses.fields(cls)} - {"server", "pools", "default_pool"}
@@ -242,7 +239,7 @@ def actor_name(node_id: str, config: NodeConfig) -> str:
 
 def node_prefix(node_id: str) -> str:
     """The common start of the names of ``node_id``'s node actors."""
-    return f"{_NAME_PREFIX}{node_id}-"
+    return f"{NAME_PREFIX}{node_id}-"
 
 
 def split_app_args(args: Mapping[str, Any] | None) -> tuple[NodeConfig, dict[str, Any]]:

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_triton_shm._private.node.node_actor import TritonNodeActor
 from ray_triton_shm._private.node.node_config import (
-    _NAME_PREFIX,
+    NAME_PREFIX,
     NAMESPACE,
     NodeConfig,
     NodeInfo,
@@ -56,7 +56,7 @@ def _spawn(node_id: str, config: NodeConfig) -> ray.actor.ActorHandle:
 
 def node_actor_names(node_id: str | None = None) -> list[str]:
     """Names of the node actors of ``node_id`` (default: of every node)."""
-    prefix = node_prefix(node_id) if node_id else _NAME_PREFIX
+    prefix = node_prefix(node_id) if node_id else NAME_PREFIX
     return sorted(
         entry["name"]
         for entry in ray.util.list_named_actors(all_namespaces=True)

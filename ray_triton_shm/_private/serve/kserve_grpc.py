@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import numpy as np
 import ray
-from tritonclient.grpc import model_config_pb2
+from tritonclient.grpc import model_config_pb2, service_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.kserve import SHM_PARAMETERS, deserialize_bytes, serialize_bytes
@@ -71,8 +71,6 @@ def add_kserve_grpc_servicer(servicer: Any, server: Any) -> None:
     Tritonclient's own ``add_GRPCInferenceServiceServicer_to_server``, imported
     through this module so that the request messages pickle (see above).
     """
-    from tritonclient.grpc import service_pb2_grpc
-
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
 
 

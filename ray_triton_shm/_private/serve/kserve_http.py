@@ -32,6 +32,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ray_triton_shm._private.core.slot_runs import chunks
 from ray_triton_shm._private.serve import kserve
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm._private.shm.validate import check_inputs
@@ -165,8 +166,6 @@ def _shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
     small enough for gRPC, GPU memory) answers ``False``: the general path then
     runs and gives the same answer or error as it always did.
     """
-    from ray_triton_shm._private.core.slot_runs import chunks
-
     if getattr(client, "_recheck", False):  # as ainfer does first: Triton may have restarted
         client._before_call()
     inner = client.client

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ray_triton_shm._private.shm.pool import Lease, SlotPool, _check_shape
+from ray_triton_shm._private.shm.pool import Lease, SlotPool, check_shape
 from ray_triton_shm._private.shm.slot_table import LEASED, token_pid
 from ray_triton_shm.errors import InputError, SlotRefElsewhereError, SlotRefError, StaleSlotRefError
 
@@ -187,7 +187,7 @@ def check_ref(pool: SlotPool, ref: SlotRef, node_id: str) -> dict[str, tuple[int
     if unknown or missing:
         raise InputError(f"slot reference of {ref.model!r}: unknown inputs {unknown}, missing {missing}")
     for spec in layout.inputs:
-        _check_shape(spec, shapes[spec.name], layout.batched, layout.batch_capacity)
+        check_shape(spec, shapes[spec.name], layout.batched, layout.batch_capacity)
     for name in ref.outputs or ():
         if layout.output(name) is None:
             raise InputError(f"model {ref.model!r} has no output {name!r}")

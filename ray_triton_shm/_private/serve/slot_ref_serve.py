@@ -24,10 +24,13 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.serve.handle import DeploymentHandle
 
+from ray_triton_shm._private.node.node_config import actor_name, split_app_args
+from ray_triton_shm._private.node.node_lifecycle import node_actor_names
 from ray_triton_shm._private.serve.slot_ref import SlotRef, make_ref, run_ref
 from ray_triton_shm._private.shm.layout import TRITON_TO_NUMPY
-from ray_triton_shm._private.shm.pool import Lease, _check_shape
+from ray_triton_shm._private.shm.pool import Lease, check_shape
 from ray_triton_shm._private.triton.call_errors import IN_DOUBT_STATUSES
 from ray_triton_shm.client import InferResult
 from ray_triton_shm.errors import (
@@ -38,6 +41,7 @@ from ray_triton_shm.errors import (
     TritonCallError,
     UnavailableError,
 )
+from ray_triton_shm.node import NodeClient
 
 __all__ = ["SlotRefCaller", "SlotRefLease", "SlotRefMixin"]
 
@@ -139,7 +143,7 @@ class SlotRefLease:
         out = {}
         for name, shape in lease.input_shapes.items():
             spec = spec_of(name)
-            count = _check_shape(spec, shape, lease.layout.batched, lease.layout.batch_capacity)
+            count = check_shape(spec, shape, lease.layout.batched, lease.layout.batch_capacity)
             out[name] = lease.slot.arrays[name][:count].reshape(shape)
         return out
 
@@ -353,8 +357,6 @@ def _prefer_local(handle: Any) -> Any:
     if options is not None and getattr(options, "_prefer_local_routing", False):
         return handle
     try:
-        from ray.serve.handle import DeploymentHandle
-
         fresh = DeploymentHandle(handle.deployment_name, handle.app_name)
         fresh._init(_prefer_local_routing=True)
         return fresh
@@ -374,10 +376,6 @@ def _by_value(handle: Any) -> Any:
 
 def _local_client(args: Mapping[str, Any] | None) -> Any:
     """A ``NodeClient`` of this node's node actor for ``args``, or None if the node runs none."""
-    from ray_triton_shm._private.node.node_config import actor_name, split_app_args
-    from ray_triton_shm._private.node.node_lifecycle import node_actor_names
-    from ray_triton_shm.node import NodeClient
-
     node_id = ray.get_runtime_context().get_node_id()
     try:
         if args is None:

@@ -3,8 +3,7 @@
 Nothing here imports cupy at module import time: a CPU-only installation
 never needs it, and asking for CUDA memory without it raises
 :class:`~ray_triton_shm.errors.CudaUnavailableError` naming the pip extra.
-Device-id mapping lives in :mod:`ray_triton_shm._private.shm.cuda_devices`
-(its functions are re-exported here).
+Device-id mapping lives in :mod:`ray_triton_shm._private.shm.cuda_devices`.
 """
 
 from __future__ import annotations
@@ -16,16 +15,6 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ray_triton_shm._private.shm.cuda_devices import (  # noqa: F401 - re-exported
-    _UNKNOWN,
-    ALL_DEVICES,
-    detect_server_visible,
-    local_device_index,
-    local_device_uuids,
-    parse_visible_devices,
-    server_device_id,
-    server_visible_devices_of,
-)
 from ray_triton_shm.errors import CudaError, CudaUnavailableError, NoGpuError
 
 logger = logging.getLogger(__name__)
@@ -51,13 +40,21 @@ def import_cupy() -> ModuleType:
         CudaUnavailableError: cupy is not installed (or fails to import).
     """
     try:
-        import cupy
+        import cupy  # lazy: cupy is optional (the cuda extra)
     except ImportError as e:
         raise CudaUnavailableError(
             f"CUDA shared memory needs cupy, which cannot be imported ({e}); install it with "
             f"{CUDA_EXTRA} (cupy-cuda12x) or the cupy build matching your CUDA"
         ) from e
     return cupy
+
+
+def local_gpu_count() -> int:
+    """GPUs this process sees through cupy; 0 without cupy or GPUs."""
+    try:
+        return device_count()
+    except CudaUnavailableError:
+        return 0
 
 
 def device_count() -> int:
@@ -235,3 +232,21 @@ def to_host(value: Any) -> Any:
     if is_device_array(value):
         return import_cupy().asnumpy(as_cupy(value))
     return value
+
+
+def local_device_uuids() -> list[str] | None:
+    """UUIDs (``GPU-...``) of this process's GPUs by index, from cupy; ``None`` when unknown."""
+    try:
+        cupy = import_cupy()
+        runtime = cupy.cuda.runtime
+        uuids = []
+        for index in range(int(runtime.getDeviceCount())):
+            raw = bytes(runtime.getDeviceProperties(index)["uuid"])
+            if len(raw) != 16:
+                return None
+            h = raw.hex()
+            uuids.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+        return uuids
+    except Exception as e:  # cupy missing, no GPU, an old cupy without "uuid"
+        logger.debug("GPU UUIDs unknown: %s", e)
+        return None

@@ -200,27 +200,8 @@ def local_device_index(
     )
 
 
-def local_device_uuids() -> list[str] | None:
-    """UUIDs (``GPU-...``) of this process's GPUs by index, from cupy; ``None`` when unknown."""
-    try:
-        from ray_triton_shm._private.shm.cuda import import_cupy
-
-        cupy = import_cupy()
-        runtime = cupy.cuda.runtime
-        uuids = []
-        for index in range(int(runtime.getDeviceCount())):
-            raw = bytes(runtime.getDeviceProperties(index)["uuid"])
-            if len(raw) != 16:
-                return None
-            h = raw.hex()
-            uuids.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
-        return uuids
-    except Exception as e:  # cupy missing, no GPU, an old cupy without "uuid"
-        logger.debug("GPU UUIDs unknown: %s", e)
-        return None
-
-
-_UNKNOWN = object()
+UNKNOWN = object()
+"""What :func:`detect_server_visible` answers when the server process cannot be found or read."""
 
 
 def _listening_inodes(port: int) -> set[str]:
@@ -251,15 +232,15 @@ def detect_server_visible(url: str) -> str | object | None:
 
     Returns:
         The value, ``None`` when the server's variable is unset, or the
-        sentinel ``_UNKNOWN`` when the server process cannot be found or read.
+        sentinel ``UNKNOWN`` when the server process cannot be found or read.
     """
     try:
         port = int(url.rsplit(":", 1)[1])
     except (IndexError, ValueError):
-        return _UNKNOWN
+        return UNKNOWN
     sockets = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
     if not sockets:
-        return _UNKNOWN
+        return UNKNOWN
     for pid in filter(str.isdigit, os.listdir("/proc")):
         fd_dir = f"/proc/{pid}/fd"
         try:
@@ -272,13 +253,13 @@ def detect_server_visible(url: str) -> str | object | None:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 entries = f.read().split(b"\0")
         except OSError:
-            return _UNKNOWN
+            return UNKNOWN
         for entry in entries:
             name, _, value = entry.partition(b"=")
             if name == b"CUDA_VISIBLE_DEVICES":
                 return value.decode(errors="replace")
         return None
-    return _UNKNOWN
+    return UNKNOWN
 
 
 def server_visible_devices_of(setting: str | None, url: str) -> str | None:
@@ -301,7 +282,7 @@ def server_visible_devices_of(setting: str | None, url: str) -> str | None:
     if setting is not None:
         return setting
     found = detect_server_visible(url)
-    if found is _UNKNOWN:
+    if found is UNKNOWN:
         raise DeviceMappingError(
             f"cannot tell which GPUs the server at {url} sees (its process environment is not "
             "readable from here): set ClientConfig.server_visible_devices (env "

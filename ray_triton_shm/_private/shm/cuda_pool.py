@@ -30,9 +30,15 @@ from typing import Any
 import numpy as np
 
 from ray_triton_shm._private.shm.bulk_copy import BulkCopier
-from ray_triton_shm._private.shm.cuda import DeviceBuffer, as_cupy, import_cupy, is_device_array
+from ray_triton_shm._private.shm.cuda import (
+    DeviceBuffer,
+    as_cupy,
+    import_cupy,
+    is_device_array,
+    require_device,
+)
 from ray_triton_shm._private.shm.layout import ModelLayout, TensorSpec
-from ray_triton_shm._private.shm.pool import Lease, SlotPool, _check_indices
+from ray_triton_shm._private.shm.pool import Lease, SlotPool, check_indices
 from ray_triton_shm._private.shm.segment import new_segment_name
 from ray_triton_shm.errors import InputError
 
@@ -81,7 +87,7 @@ class CudaSlotPool(SlotPool):
     ) -> None:
         self.buffer = buffer
         self._name = name
-        indices = _check_indices(slot_indices, layout, buffer.size, name)
+        indices = check_indices(slot_indices, layout, buffer.size, name)
         self._setup(layout, {i: CudaSlot(i, i * layout.slot_bytes) for i in indices}, quarantine_s)
         # Every anchor ever handed to views, to keep the memory until the last view dies.
         self._anchors: weakref.WeakSet[_Anchor] = weakref.WeakSet()
@@ -99,8 +105,6 @@ class CudaSlotPool(SlotPool):
             NoGpuError: No such GPU.
             CudaError: The allocation or its IPC handle failed.
         """
-        from ray_triton_shm._private.shm.cuda import require_device
-
         buffer = DeviceBuffer.allocate(slots * layout.slot_bytes, require_device(device))
         return cls(buffer, new_segment_name("cuda"), layout, range(slots), quarantine_s=quarantine_s)
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from ray_triton_shm._private.shm.bulk_copy import BulkCopier
 from ray_triton_shm._private.shm.bytes_tensor import parse, serialize_into
+from ray_triton_shm._private.shm.cuda import import_cupy
 from ray_triton_shm._private.shm.layout import ModelLayout, TensorSpec
 from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 from ray_triton_shm._private.shm.slot_table import SlotTable
@@ -94,7 +95,7 @@ class SlotPool:
     ) -> None:
         self.segment = segment
         self._base = memoryview(segment.mm)
-        indices = _check_indices(slot_indices, layout, segment.size, segment.name)
+        indices = check_indices(slot_indices, layout, segment.size, segment.name)
         self._setup(
             layout, {i: Slot(i, i * layout.slot_bytes, layout, self._base) for i in indices}, quarantine_s
         )
@@ -419,7 +420,7 @@ class _LockHolder:
                 os.close(self._fd)
 
 
-def _check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, name: str) -> list[int]:
+def check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, name: str) -> list[int]:
     indices = list(slot_indices)
     if not indices:
         raise InputError("a pool needs at least one slot")
@@ -428,7 +429,7 @@ def _check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, 
     return indices
 
 
-def _check_shape(spec: TensorSpec, shape: Sequence[int], batched: bool, capacity: int) -> int:
+def check_shape(spec: TensorSpec, shape: Sequence[int], batched: bool, capacity: int) -> int:
     """Validate ``shape`` against ``spec``; return the element count."""
     shape = tuple(int(d) for d in shape)
     dims = ((capacity,) if batched else ()) + spec.max_dims
@@ -494,7 +495,7 @@ class Lease:
         return self._anchor
 
     def _array(self, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
-        count = _check_shape(spec, shape, self.layout.batched, self.layout.batch_capacity)
+        count = check_shape(spec, shape, self.layout.batched, self.layout.batch_capacity)
         start = spec.offset
         region = self._lease_anchor()[start : start + count * spec.dtype.itemsize]
         return region.view(spec.dtype).reshape(shape)
@@ -566,8 +567,6 @@ class Lease:
             self.input_shapes[name] = tuple(value.shape)  # for run(), as input() does
             return tuple(value.shape)
         if not isinstance(value, np.ndarray):
-            from ray_triton_shm._private.shm.cuda import import_cupy
-
             value = import_cupy().asnumpy(value)
         target = self.slot.arrays[name][: value.size].reshape(value.shape)
         if copier is None:
@@ -595,7 +594,7 @@ class Lease:
         return out
 
     def _parse_bytes(self, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
-        count = _check_shape(spec, shape, self.layout.batched, self.layout.batch_capacity)
+        count = check_shape(spec, shape, self.layout.batched, self.layout.batch_capacity)
         return parse(self.slot.arrays[spec.name], count, self.layout.model).reshape(tuple(shape))
 
     def flush(self) -> None:

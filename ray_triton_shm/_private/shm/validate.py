@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ray_triton_shm._private.shm.bytes_tensor import longest_element
-from ray_triton_shm._private.shm.cuda import as_cupy, is_device_array
+from ray_triton_shm._private.shm.cuda import as_cupy, is_device_array, to_host
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY, ModelLayout, ModelSignature
 from ray_triton_shm.errors import InputError
 
@@ -196,8 +196,6 @@ def check_signature_inputs(signature: ModelSignature, inputs: Mapping[str, Any])
     for spec in signature.inputs:
         value = inputs[spec.name]
         if is_device_array(value):
-            from ray_triton_shm._private.shm.cuda import to_host
-
             value = to_host(value)
         elif not hasattr(value, "__array__") and spec.datatype != "BYTES":
             kind = type(value).__name__

@@ -167,7 +167,7 @@ def error_from_response(code: int, body: bytes, model: str) -> TritonCallError:
     return call_error(message, _STATUS_BY_HTTP_CODE.get(code, "UNKNOWN"), model)
 
 
-class _Connection:
+class Connection:
     """One keep-alive HTTP/1.1 connection that posts small JSON bodies to Triton.
 
     ``http.client`` parses every answer's headers with the ``email`` package,
@@ -259,7 +259,7 @@ class HttpShmSender:
         self._host = host.strip("[]")
         self._port = int(port)
         self._timeout_s = timeout_s
-        self._idle: list[_Connection] = []
+        self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -321,16 +321,16 @@ class HttpShmSender:
         for conn in idle:
             conn.close()
 
-    def _connect(self) -> _Connection:
-        return _Connection(self._host, self._port, self._timeout_s)
+    def _connect(self) -> Connection:
+        return Connection(self._host, self._port, self._timeout_s)
 
-    def _borrow(self) -> _Connection | None:
+    def _borrow(self) -> Connection | None:
         with self._lock:
             if self._closed:
                 raise PoolClosedError("the client is closed")
             return self._idle.pop() if self._idle else None
 
-    def _give_back(self, conn: _Connection) -> None:
+    def _give_back(self, conn: Connection) -> None:
         with self._lock:
             if not self._closed:
                 self._idle.append(conn)
@@ -338,6 +338,6 @@ class HttpShmSender:
         conn.close()
 
 
-def _close(conn: _Connection | None) -> None:
+def _close(conn: Connection | None) -> None:
     if conn is not None:
         conn.close()

@@ -11,6 +11,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.shm.bytes_tensor import serialized_size
+from ray_triton_shm._private.shm.cuda import import_cupy
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, ModelLayout
 from ray_triton_shm._private.shm.pool import Lease, SlotPool
 from ray_triton_shm._private.shm.segment import check_span
@@ -162,8 +163,6 @@ class TritonRequests:
         request_inputs = []
         for name, array in checked.arrays.items():
             if not isinstance(array, np.ndarray):  # a cupy array: plain gRPC sends host bytes
-                from ray_triton_shm._private.shm.cuda import import_cupy
-
                 array = import_cupy().asnumpy(array)
             datatype = "BYTES" if array.dtype == object else NUMPY_TO_TRITON[array.dtype]
             tensor = grpcclient.InferInput(name, list(array.shape), datatype)

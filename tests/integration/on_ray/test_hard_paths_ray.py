@@ -293,7 +293,7 @@ def test_node_client_switch_set_to_64_kib_splits_by_size(node) -> None:
 def test_serve_with_the_shipped_switch(node) -> None:
     from ray import serve
 
-    from ray_triton_shm.serve import _build
+    from ray_triton_shm.serve import build_app
 
     args = {
         "model_repository": REPO_MODELS,
@@ -306,7 +306,7 @@ def test_serve_with_the_shipped_switch(node) -> None:
             }
         },
     }
-    handle = serve.run(_build(args, {"num_replicas": 1}), name="switch", route_prefix="/switch")
+    handle = serve.run(build_app(args, {"num_replicas": 1}), name="switch", route_prefix="/switch")
     try:
         for n in (16, 1 << 15):  # 64 bytes and 128 KiB
             x = np.random.default_rng(n).standard_normal((1, n), dtype=np.float32)

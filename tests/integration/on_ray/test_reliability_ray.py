@@ -62,7 +62,7 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
     import ray
     from ray import serve
 
-    from ray_triton_shm.serve import _build, build_node_config
+    from ray_triton_shm.serve import build_app, build_node_config
 
     args = {
         "model_repository": REPO_MODELS,
@@ -72,7 +72,7 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
         "pools": {"sleep": {"slots": SLOTS}},
     }
     config = build_node_config(**{k: v for k, v in args.items() if k != "slots_per_model"})
-    handle = serve.run(_build(args, {"num_replicas": 1}), name="victim", route_prefix="/victim")
+    handle = serve.run(build_app(args, {"num_replicas": 1}), name="victim", route_prefix="/victim")
     try:
         victim = handle.whereami.remote().result()["pid"]
         one = {"INPUT0": np.full((1, 1), 0.01, np.float32)}
