@@ -8,7 +8,6 @@ once: ``add_sub`` from S3 and ``strings`` from a local directory.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from ray_triton_shm import ServerConfig, ServerStartError, TritonServer, TritonShmClient
+from tests.helpers import free_port
 
 from .conftest import MODEL_REPOSITORY
 
@@ -33,18 +33,12 @@ CREDENTIALS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """moto's standalone S3 server on loopback, stopped (and checked) after the test."""
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)  # for boto3 here and for Triton, which inherits them
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

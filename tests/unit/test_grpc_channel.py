@@ -26,21 +26,16 @@ from ray_triton_shm._private.triton.grpc_channel import (
     never_sent,
     split_host_port,
 )
+from tests.helpers import free_port
 
 SERVICE = "inference.GRPCInferenceService"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:
     """A gRPC server on a fixed port answering ``ServerLive``; stop() and start() again."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.calls = 0
         self._server: grpc.Server | None = None

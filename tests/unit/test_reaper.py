@@ -9,6 +9,7 @@ import sys
 import time
 
 from ray_triton_shm._private.node.node_registry import _REAPER
+from tests.helpers import pid_alive
 
 # Plays Triton: leads its own process group, starts a "stub" in it, prints the stub's pid and
 # exits without being waited for, so it stays a zombie (an empty command line) for a while,
@@ -20,14 +21,6 @@ _FAKE_TRITON = (
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
-
-
 def test_reaper_kills_the_group_of_a_triton_that_died_unreaped() -> None:
     leader = subprocess.Popen(
         [sys.executable, "-c", _FAKE_TRITON, "tritonserver"], stdout=subprocess.PIPE, start_new_session=True
@@ -37,12 +30,12 @@ def test_reaper_kills_the_group_of_a_triton_that_died_unreaped() -> None:
     reaper = None
     try:
         deadline = time.monotonic() + 30
-        while _alive(leader.pid):
+        while pid_alive(leader.pid):
             assert time.monotonic() < deadline, "the fake Triton did not exit"
             time.sleep(0.05)
         with open(f"/proc/{leader.pid}/cmdline", "rb") as f:
             assert f.read() == b"", "the fake Triton should be a zombie, unreaped"
-        assert _alive(stub)
+        assert pid_alive(stub)
         prefix = f"rtshm_0_0_reapertest{os.getpid()}_"  # names no segment
         reaper = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _REAPER, prefix], stdin=subprocess.PIPE, stdout=subprocess.PIPE
@@ -53,11 +46,11 @@ def test_reaper_kills_the_group_of_a_triton_that_died_unreaped() -> None:
         reaper.stdin.write(f"triton {leader.pid}\n".encode())
         reaper.stdin.close()  # its owner is gone
         deadline = time.monotonic() + 30
-        while _alive(stub) or _alive(reaper_pid):
+        while pid_alive(stub) or pid_alive(reaper_pid):
             assert time.monotonic() < deadline, "the stub outlived its dead Triton's reaper"
             time.sleep(0.05)
     finally:
-        if _alive(stub):
+        if pid_alive(stub):
             os.kill(stub, signal.SIGKILL)
         leader.wait(30)
         leader.stdout.close()

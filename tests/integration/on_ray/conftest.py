@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import socket
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 CONFIG_FILE = REPO / "deployments" / "triton_shm.yaml"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config_copy(tmp_dir: Path, **app_args) -> tuple[Path, int]:
@@ -66,25 +65,9 @@ def teardown_ray() -> None:
                 ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def serve_app(tmp_path_factory):
-    """Local Ray, the Serve app started from the config file (quick slot reclaim for tests)."""
-    import ray
-
-    from ray_triton_shm.serve import run_config_file
-
-    path, port = config_copy(tmp_path_factory.mktemp("serve"), quarantine_s=1.0)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        handles = run_config_file(str(path))
-        yield handles["triton"], f"127.0.0.1:{port}"
-    finally:
-        teardown_ray()
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    """A private local Ray for one module, torn down (Serve and node actors too) after it."""
+@contextlib.contextmanager
+def local_ray() -> Iterator[None]:
+    """A private local Ray (2 CPUs, no dashboard) for the block; Serve and node actors torn down after."""
     import ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -92,3 +75,21 @@ def ray_local():
         yield
     finally:
         teardown_ray()
+
+
+@pytest.fixture(scope="module")
+def serve_app(tmp_path_factory):
+    """Local Ray, the Serve app started from the config file (quick slot reclaim for tests)."""
+    from ray_triton_shm.serve import run_config_file
+
+    path, port = config_copy(tmp_path_factory.mktemp("serve"), quarantine_s=1.0)
+    with local_ray():
+        handles = run_config_file(str(path))
+        yield handles["triton"], f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A private local Ray for one module, torn down (Serve and node actors too) after it."""
+    with local_ray():
+        yield

@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 from ray_triton_shm import PoolConfig, RayTritonShmError, ServerConfig, TritonCallError, UnavailableError
+from tests.helpers import pid_alive
+
+from .conftest import local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +27,8 @@ REPO_MODELS = str(__import__("pathlib").Path(__file__).resolve().parents[3] / "d
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    import ray
+    from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor
 
-    from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor, shutdown_node_actors
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = NodeConfig(
         # Only the models called here: a Triton with every model takes seconds more to start and stop.
         server=ServerConfig(model_repository=REPO_MODELS, load_models=("add_sub", "sleep")),
@@ -37,12 +37,9 @@ def node(tmp_path_factory):
         idle_shutdown_s=None,
         pools={"add_sub": PoolConfig(slots=4), "sleep": PoolConfig(slots=2)},
     )
-    try:
+    with local_ray():
         ensure_node_actors(config)
         yield config, get_node_actor()
-    finally:
-        shutdown_node_actors()
-        ray.shutdown()
 
 
 def _add_sub(client, value: int) -> None:
@@ -136,7 +133,7 @@ def test_killed_node_actor_comes_back_and_clients_reconnect(node):
     with NodeClient(config, slots_per_model=1, request_timeout_s=20) as client:
         _add_sub(client, 1)
         ray.kill(actor, no_restart=False)
-        _wait_for(lambda: not _pid_alive(before.triton_pid))  # Triton dies with its actor
+        _wait_for(lambda: not pid_alive(before.triton_pid))  # Triton dies with its actor
         deadline = time.monotonic() + 90
         while True:
             assert time.monotonic() < deadline, "client never reconnected"
@@ -153,13 +150,3 @@ def test_killed_node_actor_comes_back_and_clients_reconnect(node):
     from ray_triton_shm._private.shm.segment import stale_segments
 
     assert not [s for s in stale_segments() if "_node_" in s]
-
-
-def _pid_alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import yaml
 
-from .conftest import free_port
+from tests.helpers import free_port, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +46,6 @@ def _wait_for(predicate, timeout: float, what: str):
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout}s: {what}")
         time.sleep(0.5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
 
 
 def _pids_with(markers: tuple[str, ...], gcs_address: str) -> list[int]:
@@ -183,9 +175,9 @@ def _stop_cluster(temp_dir: str, markers: tuple[str, ...], gcs_address: str) -> 
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
             time.sleep(0.2)
-    left = [p for p in _pids_with(markers, gcs_address) if _alive(p)]
+    left = [p for p in _pids_with(markers, gcs_address) if pid_alive(p)]
     shutil.rmtree(temp_dir, ignore_errors=True)
     assert not left, f"processes of the fake cluster outlived it: {left}"
 
@@ -242,14 +234,14 @@ def test_deploying_the_gpu_config_starts_a_gpu_worker_and_deleting_it_leaves_not
     triton_pid, actor_pid = origin["triton_pid"], origin["actor_pid"]
     assert len({o["triton_pid"] for o in seen.values()}) == 1, "one Triton per node, shared by its replicas"
     assert node_actor_names(worker) and not node_actor_names(head), "a node actor on the worker only"
-    assert _alive(triton_pid) and _alive(actor_pid)
+    assert pid_alive(triton_pid) and pid_alive(actor_pid)
 
     serve.delete("triton")
 
     # The replicas are gone; idle_shutdown_s later the node actor stops Triton and exits.
     _wait_for(lambda: not node_actor_names(worker), 90, "the worker's node actor to go")
-    _wait_for(lambda: not _alive(triton_pid), 30, "the worker's Triton to stop")
-    _wait_for(lambda: not _alive(actor_pid), 30, "the node actor process to exit")
+    _wait_for(lambda: not pid_alive(triton_pid), 30, "the worker's Triton to stop")
+    _wait_for(lambda: not pid_alive(actor_pid), 30, "the node actor process to exit")
     owners = [actor_pid, triton_pid, *seen]
     _wait_for(
         lambda: not [n for n in os.listdir("/dev/shm") if any(n.startswith(f"rtshm_{p}_") for p in owners)],

@@ -10,7 +10,9 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from .conftest import CONFIG_FILE, free_port, teardown_ray
+from tests.helpers import free_port
+
+from .conftest import CONFIG_FILE, local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -18,8 +20,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ingress(tmp_path_factory):
     """(handle, gRPC address of the Serve app) from deployments/triton_shm.yaml (its grpc_options)."""
-    import ray
-
     from ray_triton_shm.serve import run_config_file
 
     spec = yaml.safe_load(CONFIG_FILE.read_text())
@@ -32,12 +32,9 @@ def ingress(tmp_path_factory):
     app["deployments"] = [{"name": "TritonDeployment", "num_replicas": 1}]
     path = tmp_path_factory.mktemp("grpc") / "grpc.yaml"
     path.write_text(yaml.safe_dump(spec))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray():
         handles = run_config_file(str(path))
         yield handles["triton"], f"127.0.0.1:{port}"
-    finally:
-        teardown_ray()
 
 
 @pytest.fixture(scope="module")

@@ -44,14 +44,11 @@ def affine(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def node():
-    import ray
-
     from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor
 
-    from .conftest import teardown_ray
+    from .conftest import local_ray
 
     saved = os.environ.pop(ENV, None)  # Ray's workers inherit the shipped default
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = NodeConfig(
         # Only the models called through this node (its Triton is killed and restarted here).
         server=ServerConfig(model_repository=REPO_MODELS, load_models=("affine", "sleep")),
@@ -66,10 +63,10 @@ def node():
         },
     )
     try:
-        ensure_node_actors(config)
-        yield config, get_node_actor()
+        with local_ray():
+            ensure_node_actors(config)
+            yield config, get_node_actor()
     finally:
-        teardown_ray()
         if saved is not None:
             os.environ[ENV] = saved
 

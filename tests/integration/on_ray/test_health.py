@@ -11,6 +11,8 @@ import pytest
 
 from ray_triton_shm import PoolConfig, ServerConfig, TritonCallError, UnavailableError
 
+from .conftest import local_ray
+
 pytestmark = pytest.mark.slow
 
 REPO_MODELS = str(__import__("pathlib").Path(__file__).resolve().parents[3] / "deployments" / "models")
@@ -23,11 +25,8 @@ PROBE_TIMEOUT_S = 1.0  # node_actor._probe_timeout for UNHEALTHY_S: a probe star
 
 @pytest.fixture(scope="module")
 def node():
-    import ray
+    from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor
 
-    from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor, shutdown_node_actors
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = NodeConfig(
         # Only the model called here: the tests restart this Triton several times.
         server=ServerConfig(model_repository=REPO_MODELS, load_models=("add_sub",)),
@@ -39,12 +38,9 @@ def node():
         idle_shutdown_s=None,  # the module holds the actor's handle across tests
         pools={"add_sub": PoolConfig(slots=4)},
     )
-    try:
+    with local_ray():
         ensure_node_actors(config)
         yield config, get_node_actor()
-    finally:
-        shutdown_node_actors()
-        ray.shutdown()
 
 
 def _add_sub(client, value: int) -> None:

@@ -20,7 +20,9 @@ import pytest
 import requests
 import yaml
 
-from .conftest import REPO, free_port, teardown_ray
+from tests.helpers import free_port
+
+from .conftest import REPO, local_ray
 
 pytest.importorskip("PIL")
 
@@ -53,7 +55,6 @@ def _segments(pid: int) -> list[str]:
 @pytest.fixture(scope="module")
 def image_app():
     """(handle of the shm app, URL of the shm app, URL of the grpc app, the node actor's pid)."""
-    import ray
     from ray import serve
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
@@ -70,9 +71,8 @@ def image_app():
     grpc["args"]["transport"] = "grpc"
     spec["applications"].append(grpc)
     config = ServeDeploySchema.model_validate(spec)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     actor_pid = None
-    try:
+    with local_ray():
         client = serve_api.serve_start(
             http_options=config.http_options.model_dump(), proxy_location=config.proxy_location
         )
@@ -82,8 +82,6 @@ def image_app():
         actor_pid = handle.node.remote().result()["actor_pid"]
         base = f"http://127.0.0.1:{port}"
         yield handle, base + "/embed", base + "/embed-grpc", actor_pid
-    finally:
-        teardown_ray()
     deadline = time.monotonic() + 60
     while actor_pid is not None and _segments(actor_pid) and time.monotonic() < deadline:
         time.sleep(0.5)

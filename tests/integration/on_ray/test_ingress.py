@@ -21,7 +21,9 @@ import requests
 import tritonclient.http as httpclient
 import yaml
 
-from .conftest import CONFIG_FILE, free_port, teardown_ray
+from tests.helpers import free_port
+
+from .conftest import CONFIG_FILE, local_ray
 
 PREFIX = "/triton"
 # The sleep pool's lease timeout (how long a request waits for its one slot; 30 s by default)
@@ -33,8 +35,6 @@ SLEEP_HOLD_S = 20.0
 @pytest.fixture(scope="module")
 def ingress(tmp_path_factory):
     """(handle, base URL of the app, base URL of the reference Triton)."""
-    import ray
-
     from ray_triton_shm.serve import run_config_file
 
     spec = yaml.safe_load(CONFIG_FILE.read_text())
@@ -49,14 +49,11 @@ def ingress(tmp_path_factory):
     app["deployments"] = [{"name": "TritonDeployment", "num_replicas": 1}]
     path = tmp_path_factory.mktemp("ingress") / "ingress.yaml"
     path.write_text(yaml.safe_dump(spec))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray():
         handles = run_config_file(str(path))
         base = f"http://127.0.0.1:{port}{PREFIX}"
         wait_for(lambda: requests.get(base + "/v2/health/ready", timeout=10).status_code == 200, 120)
         yield handles["triton"], base
-    finally:
-        teardown_ray()
 
 
 @pytest.fixture(scope="module")

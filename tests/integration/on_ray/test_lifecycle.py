@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from ray_triton_shm import PoolConfig, TritonCallError, UnavailableError
+from tests.helpers import pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +42,6 @@ def _wait_for(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
-
-
 def _segments_of(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"rtshm_{pid}_")]
 
@@ -66,7 +59,8 @@ def _config(**kwargs):
 
 def _gone(info) -> bool:
     """The node actor of ``info``, its Triton and all its segments are gone."""
-    return not _alive(info.actor_pid) and not _alive(info.triton_pid) and not _segments_of(info.actor_pid)
+    pids = (info.actor_pid, info.triton_pid)
+    return not any(pid_alive(p) for p in pids) and not _segments_of(info.actor_pid)
 
 
 def _client_actor():
@@ -172,7 +166,7 @@ def test_node_actor_goes_when_its_last_user_does(ray_local):
         users = ray.get(get_node_actor(config).stats.remote())["users"]
         assert len(users) == 2
     time.sleep(4.0)  # past the grace period: the other process still uses it
-    assert _alive(info.triton_pid) and _segments_of(info.actor_pid)
+    assert pid_alive(info.triton_pid) and _segments_of(info.actor_pid)
     ray.kill(other)  # dies without a close
     took = _wait_for(lambda: _gone(info), 60, "actor, Triton and segments gone after the last user died")
     assert not [n for n in node_actor_names() if config.fingerprint() in n]
@@ -217,7 +211,7 @@ def test_a_killed_node_actor_leaves_no_triton_and_no_segments(ray_local, how):
             return True
 
         _wait_for(back, 120, "the restarted actor answers")
-        assert new.actor_pid != info.actor_pid and _alive(new.triton_pid)
+        assert new.actor_pid != info.actor_pid and pid_alive(new.triton_pid)
         ray.get(actor.shutdown.remote())
         ray.kill(actor, no_restart=True)
         _wait_for(lambda: _gone(new), 30, "restarted actor gone")
@@ -268,7 +262,7 @@ def test_redeploy_two_apps_and_delete(ray_local, tmp_path):
         # Same config as app two now: the same Triton.
         assert one.whereami.remote().result()["triton_pid"] == where_two["triton_pid"]
         old = where_one["triton_pid"]
-        took = _wait_for(lambda: not _alive(old), 60, "the old Triton stopped after the redeploy")
+        took = _wait_for(lambda: not pid_alive(old), 60, "the old Triton stopped after the redeploy")
         print(f"redeploy: old Triton gone {took:.1f} s after the new app answered")
         # The actor stops its Triton first, then itself: its name goes a moment later.
         _wait_for(lambda: len(node_actor_names()) == 1, 30, "only the new config's node actor left")
@@ -277,7 +271,7 @@ def test_redeploy_two_apps_and_delete(ray_local, tmp_path):
         serve.delete("two")
         started = time.monotonic()
         _wait_for(lambda: not node_actor_names(), 60, "no node actor after both apps were deleted")
-        _wait_for(lambda: not _alive(where_two["triton_pid"]), 30, "Triton gone")
+        _wait_for(lambda: not pid_alive(where_two["triton_pid"]), 30, "Triton gone")
         took = time.monotonic() - started
         assert not _segments_of(where_one["actor_pid"]) and not _segments_of(where_two["actor_pid"])
         print(f"delete: node actor and Triton gone {took:.1f} s after serve.delete")

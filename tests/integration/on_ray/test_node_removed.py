@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ray_triton_shm import PoolConfig, ServerConfig
+from tests.helpers import pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -43,15 +44,6 @@ def cluster():
             teardown_ray()
         finally:
             cluster.shutdown()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_removed_node_stops_serving_and_the_rest_carries_on(cluster):
@@ -96,7 +88,7 @@ def test_removed_node_stops_serving_and_the_rest_carries_on(cluster):
     assert segment.list_segments(prefix), "the worker's node actor should own segments"
     cluster.remove_node(worker)
     deadline = time.monotonic() + 60
-    while _alive(doomed_triton) or _alive(doomed_actor):
+    while pid_alive(doomed_triton) or pid_alive(doomed_actor):
         assert time.monotonic() < deadline, "the removed node's actor or Triton outlived its node"
         time.sleep(0.2)
 

@@ -17,7 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from .conftest import free_port, teardown_ray
+from tests.helpers import free_port
+
+from .conftest import local_ray
 
 ARGS = {
     "model_repository": "examples",
@@ -37,25 +39,23 @@ def _segments(pid: int) -> list[str]:
 @pytest.fixture(scope="module")
 def app():
     """(handle, caller, node actor pid): one replica of the Serve app, a SlotRefCaller on this node."""
-    import ray
     from ray import serve
 
     from ray_triton_shm.serve import SlotRefCaller
     from ray_triton_shm.serve import app as build
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     actor_pid = None
     caller = None
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-        handle = serve.run(build(ARGS), name="refs", route_prefix=None)
-        actor_pid = handle.whereami.remote().result()["actor_pid"]
-        caller = SlotRefCaller(handle, args=ARGS)
-        yield handle, caller, actor_pid
-    finally:
-        if caller is not None:
-            caller.close()
-        teardown_ray()
+    with local_ray():
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+            handle = serve.run(build(ARGS), name="refs", route_prefix=None)
+            actor_pid = handle.whereami.remote().result()["actor_pid"]
+            caller = SlotRefCaller(handle, args=ARGS)
+            yield handle, caller, actor_pid
+        finally:
+            if caller is not None:
+                caller.close()
     deadline = time.monotonic() + 60
     while actor_pid is not None and _segments(actor_pid) and time.monotonic() < deadline:
         time.sleep(0.5)
