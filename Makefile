@@ -88,16 +88,16 @@ bench-quick: bench-env native
 
 # What sharing slots between processes costs per 4 KB request (private vs shared pool, same run).
 bench-sharing: setup
-	$(PY) -m ray_triton_shm._private.bench.sharing --size 4096 --rounds 8
+	$(PY) -m ray_triton_shm bench-sharing --size 4096 --rounds 8
 
 # Paste the latest bench-results/ into docs/benchmarks.md and docs/img/.
 bench-docs: $(STAMP)
-	$(PY) -m ray_triton_shm._private.bench.docs bench-results docs/benchmarks.md
+	$(PY) -m ray_triton_shm bench-docs bench-results docs/benchmarks.md
 
 # The full soak (16 callers on 4 slots, 2 minutes through the client and 2 through
 # Serve) and the 100000-cycle leak checks; `make test` runs short forms of both.
 soak: setup native
-	$(PY) -m ray_triton_shm._private.cli.soak --duration 120 --callers 16 --slots 4
+	$(PY) -m ray_triton_shm soak --duration 120 --callers 16 --slots 4
 	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/test_reliability.py -k cycles
 	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/on_ray/test_leak_ray.py
 

@@ -126,3 +126,53 @@ def test_cleanup_leaves_segments_locked_by_an_owner_in_another_pid_namespace(
     finally:
         os.close(fd)
         segment._unlink_quietly(name)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["soak"], {"duration": 120.0, "callers": 16, "slots": 4, "target": "all"}),
+        (
+            ["soak", "--duration", "20", "--callers", "8", "--slots", "2", "--target", "client"],
+            {"duration": 20.0, "callers": 8, "slots": 2, "target": "client"},
+        ),
+        (["bench-sharing"], {"size": 4096, "rounds": 6, "calls": 400, "model_repository": None}),
+        (
+            ["bench-sharing", "--size", "1024", "--rounds", "8", "--calls", "10", "--model-repository", "m"],
+            {"size": 1024, "rounds": 8, "calls": 10, "model_repository": "m"},
+        ),
+        (["bench-docs"], {"results_dir": "bench-results", "docs_file": "docs/benchmarks.md"}),
+        (["bench-docs", "r", "d.md"], {"results_dir": "r", "docs_file": "d.md"}),
+        (
+            ["bench-cuda", "--mb", "8", "--repeats", "2", "--url", "h:1", "--json", "o.json"],
+            {"mb": 8, "repeats": 2, "url": "h:1", "json": "o.json"},
+        ),
+    ],
+)
+def test_tool_commands_take_their_flags(argv: list[str], expected: dict[str, object]) -> None:
+    args = cli.build_parser().parse_args(argv)
+    assert {name: getattr(args, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize("command", ["soak", "bench-sharing", "bench-docs", "bench-cuda"])
+def test_tool_commands_have_help(command: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: ray-triton-shm {command}" in capsys.readouterr().out
+
+
+def test_bench_docs_pastes_the_report_between_the_markers(tmp_path) -> None:
+    results = tmp_path / "bench-results"
+    results.mkdir()
+    (results / "report.md").write_text("## Results\n\n![plot](latency.png)\n")
+    (results / "latency.png").write_bytes(b"png")
+    docs = tmp_path / "docs" / "benchmarks.md"
+    docs.parent.mkdir()
+    docs.write_text("# Benchmarks\n<!-- bench:begin -->\nold\n<!-- bench:end -->\ntail\n")
+    assert cli.main(["bench-docs", str(results), str(docs)]) == 0
+    assert docs.read_text() == (
+        "# Benchmarks\n<!-- bench:begin -->\n### Results\n\n![plot](img/bench-latency.png)\n\n"
+        "<!-- bench:end -->\ntail\n"
+    )
+    assert (tmp_path / "docs" / "img" / "bench-latency.png").read_bytes() == b"png"

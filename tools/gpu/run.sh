@@ -119,7 +119,7 @@ fi
 
 if [ "$PHASE" != tests ] && [ -z "${CPU_DRY_RUN:-}" ]; then
     step "64 MB: CUDA shm vs system shm vs plain gRPC (limit ${BENCH_LIMIT_S}s)"
-    timeout "$BENCH_LIMIT_S" "$PY" -m ray_triton_shm._private.bench.cuda_paths --mb 64 --repeats 10 \
+    timeout "$BENCH_LIMIT_S" "$PY" -m ray_triton_shm bench-cuda --mb 64 --repeats 10 \
         --json "$OUTDIR/bench_cuda_64mb.json" || status=1
 fi
 

@@ -2,7 +2,7 @@
 
 Run on a GPU machine (needs cupy and a GPU)::
 
-    python -m ray_triton_shm._private.bench.cuda_paths --mb 64
+    ray-triton-shm bench-cuda --mb 64
 
 Each path sends one FP32 tensor of ``--mb`` megabytes to the ``identity``
 model and gets it back, and checks the answer once. GB/s counts the bytes
@@ -15,7 +15,6 @@ sent plus the bytes received per call (2 x size) over the median wall time:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -112,40 +111,35 @@ def print_table(rows: Sequence[dict[str, Any]], out: TextIO) -> None:
     out.write("GB/s = (bytes sent + bytes received) / median wall time of one infer call\n")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=64, help="tensor size in MB (default 64)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--url", help="use a running Triton (gRPC host:port) instead of starting one")
-    parser.add_argument("--model-repository", default=os.path.join(os.getcwd(), "deployments", "models"))
-    parser.add_argument("--json", help="also write the rows to this file")
-    args = parser.parse_args(argv)
+def command(mb: int, repeats: int, url: str | None, model_repository: str, json_path: str | None) -> int:
+    """``ray-triton-shm bench-cuda``: the three paths at ``mb`` MB, printed (and written to ``json_path``).
+
+    Returns:
+        0 when every answer matched, 1 when one did not, 2 without a GPU.
+    """
     try:
         import_cupy()
         require_device(None)
     except CudaError as e:
         sys.stderr.write(f"bench_cuda needs a GPU: {e}\n")
         return 2
-    if args.url:
-        rows = run_bench(args.url, args.mb, repeats=args.repeats)
+    if url:
+        rows = run_bench(url, mb, repeats=repeats)
     else:
         # The Python backend's own arena must hold a whole tensor in and out without growing per call.
-        arena = 4 * args.mb * MB
+        arena = 4 * mb * MB
         config = ServerConfig(
-            model_repository=os.path.abspath(args.model_repository),
+            model_repository=os.path.abspath(model_repository),
             load_models=("identity",),
             python_shm_default_bytes=arena,
             python_shm_growth_bytes=arena,
         )
         with TritonServer(config) as server:
             sys.stdout.write(f"tritonserver {server.version} ({server.binary_source})\n")
-            rows = run_bench(server.grpc_url, args.mb, repeats=args.repeats)
+            rows = run_bench(server.grpc_url, mb, repeats=repeats)
     print_table(rows, sys.stdout)
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(rows, f, indent=2)
     return 0 if all(r["matched"] for r in rows) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

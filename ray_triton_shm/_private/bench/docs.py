@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 from pathlib import Path
 
 BEGIN = "<!-- bench:begin -->"
@@ -38,6 +37,3 @@ def update_docs(results_dir: str = "bench-results", docs_file: str = "docs/bench
     _, tail = rest.split(END, 1)
     docs.write_text(f"{head}{BEGIN}\n{report}\n{END}{tail}")
 
-
-if __name__ == "__main__":
-    update_docs(*sys.argv[1:3])

@@ -7,16 +7,16 @@ of one Triton, the same model and payload, one with private slots (a pool of
 its own) and one whose pool is shared through a slot table; rounds alternate
 between them. ::
 
-    python -m ray_triton_shm._private.bench.sharing --size 4096 --rounds 6
+    ray-triton-shm bench-sharing --size 4096 --rounds 6
 
 Prints each round's p50 and the ratio of the medians (shared / private).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -90,22 +90,20 @@ def run(repository: str, size: int, rounds: int, calls: int) -> dict[str, object
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=4096, help="payload bytes")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--calls", type=int, default=400, help="timed calls per round")
-    parser.add_argument("--model-repository", default=None)
-    args = parser.parse_args(argv)
-    repository = resolve_repositories(args.model_repository)
-    result = run(repository, args.size, args.rounds, args.calls)  # type: ignore[arg-type]
+def command(
+    model_repository: str | None, size: int, rounds: int, calls: int, write: Callable[[str], None]
+) -> int:
+    """``ray-triton-shm bench-sharing``: run :func:`run` on ``model_repository`` and write its figures.
+
+    Raises:
+        ConfigError: ``model_repository`` does not exist.
+    """
+    repository = resolve_repositories(model_repository)
+    result = run(repository, size, rounds, calls)  # type: ignore[arg-type]
     for name, p50s in result["p50_ms_by_round"].items():  # type: ignore[union-attr]
-        print(f"{name:8s} p50 by round (ms): " + " ".join(f"{v:.3f}" for v in p50s))
-    print("shared / private by round: " + " ".join(f"{r:.3f}" for r in result["ratio_by_round"]))  # type: ignore[union-attr]
-    print(f"{args.size} B: shared / private p50 = {result['ratio_shared_to_private']:.3f}")
-    print(f"slot table claim + release alone: {result['table_us_per_request']:.2f} us per request")
+        write(f"{name:8s} p50 by round (ms): " + " ".join(f"{v:.3f}" for v in p50s))
+    write("shared / private by round: " + " ".join(f"{r:.3f}" for r in result["ratio_by_round"]))  # type: ignore[union-attr]
+    write(f"{size} B: shared / private p50 = {result['ratio_shared_to_private']:.3f}")
+    write(f"slot table claim + release alone: {result['table_us_per_request']:.2f} us per request")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

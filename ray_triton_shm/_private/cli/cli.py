@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 
+from ray_triton_shm._private.cli import soak
 from ray_triton_shm._private.cli.demo import run_demo
 from ray_triton_shm._private.cli.demo_log import quiet_logs
 from ray_triton_shm._private.cli.status import run as run_status
@@ -138,6 +140,29 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if records and all(r.ok for r in records) else 1
 
 
+def _bench_sharing(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.bench import sharing  # lazy: the benchmark loads only for its commands
+
+    return sharing.command(args.model_repository, args.size, args.rounds, args.calls, write=print)
+
+
+def _bench_cuda(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.bench import cuda_paths  # lazy: the benchmark loads only for its commands
+
+    return cuda_paths.command(args.mb, args.repeats, args.url, args.model_repository, args.json)
+
+
+def _bench_docs(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.bench import docs  # lazy: the benchmark loads only for its commands
+
+    docs.update_docs(args.results_dir, args.docs_file)
+    return 0
+
+
+def _soak(args: argparse.Namespace) -> int:
+    return soak.command(args.duration, args.callers, args.slots, args.target)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-triton-shm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -185,6 +210,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-profile", action="store_true", help="skip the per-request profile")
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
+    text = "what sharing slots between processes costs per request (private vs shared pool, one run)"
+    sharing = sub.add_parser("bench-sharing", help=text, description=text)
+    sharing.add_argument("--size", type=int, default=4096, help="payload bytes")
+    sharing.add_argument("--rounds", type=int, default=6)
+    sharing.add_argument("--calls", type=int, default=400, help="timed calls per round")
+    sharing.add_argument("--model-repository", default=None)
+    sharing.set_defaults(func=_bench_sharing)
+    text = "CUDA shm vs system shm vs plain gRPC for one large tensor through identity (needs a GPU)"
+    cuda = sub.add_parser("bench-cuda", help=text, description=text)
+    cuda.add_argument("--mb", type=int, default=64, help="tensor size in MB (default 64)")
+    cuda.add_argument("--repeats", type=int, default=10)
+    cuda.add_argument("--url", help="use a running Triton (gRPC host:port) instead of starting one")
+    cuda.add_argument("--model-repository", default=os.path.join(os.getcwd(), "deployments", "models"))
+    cuda.add_argument("--json", help="also write the rows to this file")
+    cuda.set_defaults(func=_bench_cuda)
+    text = "copy the latest benchmark run (report and plots) into docs/benchmarks.md"
+    bench_docs = sub.add_parser("bench-docs", help=text, description=text)
+    bench_docs.add_argument("results_dir", nargs="?", default="bench-results", help="a bench run's output")
+    bench_docs.add_argument("docs_file", nargs="?", default="docs/benchmarks.md", help="the page to update")
+    bench_docs.set_defaults(func=_bench_docs)
+    text = "a bounded soak: many callers on fewer slots, through the client and Serve, every answer checked"
+    soak_cmd = sub.add_parser("soak", help=text, description=text)
+    soak_cmd.add_argument("--duration", type=float, default=120.0, help="seconds per target")
+    soak_cmd.add_argument("--callers", type=int, default=16)
+    soak_cmd.add_argument("--slots", type=int, default=4, help="slots shared by the callers")
+    soak_cmd.add_argument("--target", choices=("client", "serve", "all"), default="all")
+    soak_cmd.set_defaults(func=_soak)
     shutdown = sub.add_parser("shutdown", help="stop every node actor now: Tritons, pools, segments")
     shutdown.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     shutdown.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each actor")

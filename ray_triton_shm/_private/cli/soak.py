@@ -6,12 +6,11 @@ caller, shows up as a mismatch rather than passing unnoticed.
 
 Run it with ``make soak`` (2 minutes per target) or::
 
-    python -m ray_triton_shm._private.cli.soak --duration 20 --callers 16 --target client
+    ray-triton-shm soak --duration 20 --callers 16 --target client
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import logging
@@ -251,17 +250,3 @@ def command(duration_s: float, callers: int, slots: int, target: str, out: TextI
     ok = all(r.error_count == 0 and r.mismatches == 0 and r.requests > 0 for r in reports)
     return 0 if ok else 1
 
-
-def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
-    """``python -m ray_triton_shm._private.cli.soak``: parse the flags and run :func:`command`."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds per target")
-    parser.add_argument("--callers", type=int, default=16)
-    parser.add_argument("--slots", type=int, default=4, help="slots shared by the callers")
-    parser.add_argument("--target", choices=("client", "serve", "all"), default="all")
-    args = parser.parse_args(argv)
-    return command(args.duration, args.callers, args.slots, args.target, out)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
