@@ -12,6 +12,8 @@ small packages written here that break each rule, to show that it fails.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -233,6 +235,18 @@ def test_the_docstring_states_the_layers_in_order() -> None:
     assert doc is not None
     positions = [doc.find(f"``{name}``") for name in LAYERS[1:]]
     assert -1 not in positions and positions == sorted(positions), positions
+
+
+def test_importing_the_package_and_its_core_loads_no_ray() -> None:
+    """What the static check promises, seen at run time: the package and its layers below node."""
+    code = (
+        "import sys, ray_triton_shm, ray_triton_shm.client, ray_triton_shm.server\n"
+        "import ray_triton_shm._private.core.slot_runs, ray_triton_shm._private.shm.cuda_pool\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 # -- The checker fails where it should: small packages that break one rule each. --
