@@ -105,10 +105,24 @@ ROUTES = ("/v2/models/add_sub/infer", "/v2/models/add_sub/versions/1/infer")
 
 
 def _raw_http(port: int, head: bytes, body: bytes, timeout_s: float) -> bytes:
-    """Send ``head`` (request line and headers) and ``body`` on a fresh connection; the first bytes back."""
+    """Send ``head`` (request line and headers) and ``body`` on a fresh connection; the answer's
+    head and body (as much as its Content-Length says)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
         sock.sendall(head + body)
-        return sock.recv(65536)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return answer
+            answer += chunk
+        top, _, rest = answer.partition(b"\r\n\r\n")
+        length = re.search(rb"(?im)^content-length:\s*(\d+)", top)
+        while length and len(rest) < int(length.group(1)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+        return top + b"\r\n\r\n" + rest
 
 
 # -- body size and inflation --------------------------------------------------------------------
@@ -138,9 +152,10 @@ def test_a_body_over_the_limit_is_413(ingress, route, chunked) -> None:
     response = requests.post(base + route, data=payload, timeout=120)
     assert response.status_code == 413, response.content[:300]
     assert "exceeds the maximum allowed" in _error_text(response)
-    # One byte less is read and parsed (and refused as JSON without inputs, not for its size).
+    # One byte less is read and parsed: refused as JSON without inputs (by Triton itself, on the
+    # versioned route), not for its size.
     fits = requests.post(base + route, data=data[: MAX_BODY - 1] + b"}", timeout=120)
-    assert fits.status_code == 400, fits.content[:300]
+    assert fits.status_code in (400, 500) and "inputs" in _error_text(fits), fits.content[:300]
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -392,7 +407,8 @@ def test_error_answers_name_no_addresses_nodes_or_slots(ingress, stub) -> None:
             grpc_errors.append((e.code().name, e.details() or ""))
         time.sleep(0.2)
     assert http_errors and grpc_errors, "the killed Triton never failed a request"
-    assert {code for code, _ in http_errors} <= {500, 503}, http_errors
+    # 503 while Triton is down; Triton's own 404 while it loads its models again.
+    assert {code for code, _ in http_errors} <= {404, 503}, sorted(set(http_errors))
     for _, text in http_errors + grpc_errors:
         assert not _ADDRESS.search(text), text
         for secret in secrets:
