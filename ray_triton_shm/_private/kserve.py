@@ -6,16 +6,15 @@ tensor bytes), which is what ``tritonclient.http`` sends by default.
 
 Every malformed request raises :class:`InputError` (HTTP 400, as Triton
 answers it); :func:`http_status` maps our other errors to the status codes
-Triton's own HTTP endpoint uses for the same failures.
+Triton's own HTTP endpoint uses for the same failures. What a client may send
+(body size, JSON, shapes) is in ``kserve_limits``, what an error answer may
+say in ``kserve_errors``; their public names are here too.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-import re
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,42 +22,19 @@ from urllib.parse import quote
 
 import numpy as np
 
+from ray_triton_shm._private.kserve_errors import error_body as error_body
+from ray_triton_shm._private.kserve_errors import error_message as error_message
+from ray_triton_shm._private.kserve_errors import http_status as http_status
+from ray_triton_shm._private.kserve_errors import names_internals as names_internals
+from ray_triton_shm._private.kserve_limits import MAX_ELEMENTS as MAX_ELEMENTS
+from ray_triton_shm._private.kserve_limits import MAX_RANK, check_shape, load_json
+from ray_triton_shm._private.kserve_limits import MAX_REQUEST_BYTES as MAX_REQUEST_BYTES
+from ray_triton_shm._private.kserve_limits import VERSION_CACHE_SIZE as VERSION_CACHE_SIZE
+from ray_triton_shm._private.kserve_limits import VersionCache as VersionCache
 from ray_triton_shm._private.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
-from ray_triton_shm._private.segment import redact
-from ray_triton_shm.errors import (
-    InputError,
-    LayoutError,
-    PoolTimeoutError,
-    RequestTooLargeError,
-    TritonCallError,
-    UnavailableError,
-)
-
-logger = logging.getLogger(__name__)
+from ray_triton_shm.errors import InputError
 
 HEADER_LENGTH = "inference-header-content-length"
-
-MAX_REQUEST_BYTES = 1 << 26
-"""Default largest request body (and inflated body) the ingress accepts: Triton's own HTTP default."""
-MAX_RANK = 64
-"""Most dimensions a tensor may have (numpy's limit)."""
-MAX_ELEMENTS = (2**63 - 1) // 8
-"""Most elements a tensor may count (its non-zero dimensions multiplied), at 8 bytes an element."""
-_MAX_DIM = 2**63 - 1  # Triton's dims are int64
-
-# Triton's HTTP endpoint answers a failed call with the code of its error kind; over gRPC the
-# same kinds carry these status names (Triton's HttpCodeFromError and its gRPC mapping).
-_HTTP_BY_STATUS = {
-    "INVALID_ARGUMENT": 400,
-    "UNKNOWN": 400,
-    "ALREADY_EXISTS": 400,
-    "CANCELLED": 400,
-    "NOT_FOUND": 404,
-    "INTERNAL": 500,
-    "UNIMPLEMENTED": 501,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-}
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
@@ -195,76 +171,8 @@ def _shape(entry: dict[str, Any], name: str) -> list[int]:
     return shape
 
 
-def check_shape(name: str, shape: list[int]) -> None:
-    """Refuse a shape no tensor can have, before numpy (or a product of its dims) sees it.
-
-    Args:
-        name: The input's name, for the message.
-        shape: The dims as the request gives them (any integers).
-
-    Raises:
-        InputError: More than :data:`MAX_RANK` dims, a negative dim, a dim past
-            int64, or more than :data:`MAX_ELEMENTS` elements (counting the
-            non-zero dims, as numpy does).
-    """
-    if len(shape) > MAX_RANK:
-        raise InputError(f"input {name!r}: a shape of {len(shape)} dimensions has more than {MAX_RANK}")
-    count = 1
-    for dim in shape:
-        if dim < 0:
-            raise InputError(f"input {name!r}: shape {list(shape)} has a negative dimension")
-        if dim > _MAX_DIM:
-            raise InputError(f"input {name!r}: shape {list(shape)} is too large (a dimension past int64)")
-        count *= dim or 1
-        if count > MAX_ELEMENTS:
-            raise InputError(
-                f"input {name!r}: shape {list(shape)} is too large (more than {MAX_ELEMENTS} elements)"
-            )
-
-
 SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 """Tensor parameters that name a registered shared-memory region: never accepted from a client."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's members, each key once.
-
-    Triton's parser reads the first of two equal keys, Python's the last: a
-    request checked here must not mean something else to Triton.
-    """
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise InputError(f"failed to parse the request JSON buffer: duplicate key {key!r}")
-            seen.add(key)
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise InputError(f"failed to parse the request JSON buffer: {name} is not valid JSON")
-
-
-def load_json(data: bytes | memoryview) -> Any:
-    """The JSON document of a request header, parsed as strictly as Triton parses it.
-
-    Raises:
-        InputError: Not UTF-8 or not JSON, a key given twice in one object,
-            ``NaN`` or ``Infinity``, nesting too deep, a number with too many digits.
-    """
-    try:
-        return json.loads(bytes(data) or b"{}", object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    except InputError:
-        raise
-    except json.JSONDecodeError as e:
-        raise InputError(f"failed to parse the request JSON buffer: {e.msg} at {e.pos}") from e
-    except UnicodeDecodeError as e:
-        raise InputError(f"failed to parse the request JSON buffer: invalid UTF-8 at {e.start}") from e
-    except RecursionError as e:
-        raise InputError("failed to parse the request JSON buffer: nesting is too deep") from e
-    except ValueError as e:  # an integer of more digits than Python converts
-        raise InputError("failed to parse the request JSON buffer: a number has too many digits") from e
 
 
 def refuse_shm_parameters(body: bytes, header_length: int | None) -> None:
@@ -505,48 +413,6 @@ def encode_response(
     }
 
 
-VERSION_CACHE_SIZE = 64
-"""Models whose served version :class:`VersionCache` keeps."""
-
-
-class VersionCache:
-    """The version Triton serves of each model, for a short while, for the last few models asked.
-
-    Least recently used first out; only models Triton knows are put in (the
-    caller's choice), so names a client makes up cannot grow it.
-
-    Args:
-        size: Models kept.
-        ttl_s: How long an entry holds.
-    """
-
-    def __init__(self, size: int = VERSION_CACHE_SIZE, ttl_s: float = 10.0) -> None:
-        self._size = size
-        self._ttl_s = ttl_s
-        self._entries: OrderedDict[str, tuple[float, str]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __iter__(self) -> Any:
-        return iter(list(self._entries))
-
-    def get(self, model: str, now: float) -> str | None:
-        """The version cached for ``model`` at time ``now`` (monotonic), or ``None``."""
-        entry = self._entries.get(model)
-        if entry is None or entry[0] <= now:
-            return None
-        self._entries.move_to_end(model)
-        return entry[1]
-
-    def put(self, model: str, version: str, now: float) -> None:
-        """Keep ``version`` of ``model`` from ``now`` for the cache's time to live."""
-        self._entries[model] = (now + self._ttl_s, version)
-        self._entries.move_to_end(model)
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
-
-
 def route_path(scope: Mapping[str, Any]) -> str:
     """The request path below the app's ``route_prefix`` (Serve keeps the prefix in ``root_path``).
 
@@ -570,79 +436,3 @@ def triton_path(path: str, query: str) -> str:
     """
     quoted = "/".join(quote(part, safe="") for part in path.split("/"))
     return f"{quoted}?{query}" if query else quoted
-
-
-def http_status(error: BaseException) -> int:
-    """The HTTP status Triton's endpoint would answer for ``error`` (ours: 503 for a pool timeout).
-
-    Bad requests (:class:`InputError`) are 400, and 413 when the body is too
-    large (:class:`RequestTooLargeError`); Triton's own refusals keep the
-    code of their kind (unknown model or version 404, invalid argument 400,
-    unavailable 503); a model that cannot use shared-memory slots is 501
-    (Triton serves it, this ingress cannot); anything else is 500.
-    """
-    if isinstance(error, RequestTooLargeError):
-        return 413
-    if isinstance(error, InputError):
-        return 400
-    if isinstance(error, LayoutError):
-        return 501
-    if isinstance(error, PoolTimeoutError):
-        return 503
-    if isinstance(error, UnavailableError):
-        return 503
-    if isinstance(error, TritonCallError):
-        return _HTTP_BY_STATUS.get(error.status or "", 500)
-    return 500
-
-
-# What must not leave the node in an error answer: addresses (Triton's loopback endpoints, as
-# gRPC and our transports name them) and long hex ids (Ray node ids).
-_INTERNALS = re.compile(
-    r"\b(?:ipv4|ipv6|unix|unix-abstract):"
-    r"|\b\d{1,3}(?:\.\d{1,3}){3}\b"
-    r"|\[[0-9a-fA-F:.]*:[0-9a-fA-F:.]*\]"
-    r"|\blocalhost:\d+"
-    r"|\b[0-9a-f]{40,}\b"
-)
-_GENERIC = {
-    503: "the inference server on this node is unavailable; try again shortly",
-    504: "the inference server on this node did not answer in time",
-}
-
-
-def names_internals(message: str) -> bool:
-    """Whether ``message`` names an address or an id of this node (see :func:`error_message`)."""
-    return _INTERNALS.search(message) is not None
-
-
-def error_message(error: BaseException) -> str:
-    """The text of an error answer: Triton's own message for Triton's refusals, else ours.
-
-    What a client may read, never the node's internals: a message that names
-    an address, port or node id (a transport failure, a restarting node) is
-    replaced by a plain one of its status, the pool's occupancy is left out of
-    a pool timeout, and an error that is not the client's or Triton's is
-    ``internal error (<type>)``. The full text is logged instead. Segment
-    keys are redacted.
-    """
-    if isinstance(error, InputError | LayoutError):
-        return redact(str(error))
-    if isinstance(error, PoolTimeoutError):
-        if error.detail:
-            logger.info("ingress: %s", error)
-        return redact(str(PoolTimeoutError(error.model, error.timeout_s)))
-    if isinstance(error, TritonCallError):
-        message = redact(error.message)
-        if not names_internals(message):
-            return message
-        code = http_status(error)
-        logger.warning("ingress: answered %d for: %s", code, error)
-        return _GENERIC.get(code, "internal error")
-    logger.warning("ingress: answered %d for: %s", http_status(error), error, exc_info=error)
-    return f"internal error ({type(error).__name__})"
-
-
-def error_body(message: str) -> bytes:
-    """The v2 error object."""
-    return json.dumps({"error": message}).encode()

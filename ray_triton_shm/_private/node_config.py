@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_triton_shm._private.kserve import MAX_REQUEST_BYTES
+from ray_triton_shm._private.kserve_limits import MAX_REQUEST_BYTES
 from ray_triton_shm.config import PoolConfig, ServerConfig, env_field
 from ray_triton_shm.errors import ConfigError
 
