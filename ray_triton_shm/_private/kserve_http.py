@@ -2,16 +2,13 @@
 
 A binary request (``Inference-Header-Content-Length``, ``Content-Length``, no
 ``Content-Encoding``) is decoded from its JSON header as soon as that has
-arrived (:func:`~ray_triton_shm._private.kserve.plan_request`); a slot is
-leased, and the tensor bytes that follow are written from each chunk Serve
-hands over straight into the slot's input buffers (:class:`Scatter`): the
-body is never joined into one ``bytes``. The answer is built from views of the
-slot's outputs, copied once into the response body
+arrived (:func:`~ray_triton_shm._private.kserve.plan_request`); the rest of
+the body is read as the chunks Serve hands over (never joined into one
+``bytes``), then a slot is leased and each chunk is written straight into the
+slot's input buffers (:class:`Scatter`). A slow upload holds memory (at most
+the body limit), never a slot. The answer is built from views of the slot's
+outputs, copied once into the response body
 (:func:`~ray_triton_shm._private.kserve.encode_response`), before the slot goes back.
-
-The whole body is read before the slot is leased: a slow upload holds
-memory (at most the body limit), never a slot; once leased, the body's
-chunks are copied straight into the slot's input buffers.
 
 No body larger than ``max_bytes`` (``NodeConfig.max_request_bytes``, 64 MiB
 by default as Triton's own HTTP limit) is read or inflated: a
@@ -23,7 +20,7 @@ Every other request (JSON tensors, BYTES data, a compressed body, a model
 without a slot layout, inputs the model refuses, a batch larger than one
 slot, a payload small enough to go over gRPC) takes the general path: the
 whole body, :func:`~ray_triton_shm._private.kserve.decode_request`, and
-:meth:`NodeClient.ainfer`, exactly as before. Both paths answer the same.
+:meth:`NodeClient.ainfer`. Both paths answer the same.
 """
 
 from __future__ import annotations
