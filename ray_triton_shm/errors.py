@@ -29,6 +29,7 @@ __all__ = [
     "PoolClosedError",
     "PoolTimeoutError",
     "RayTritonShmError",
+    "RequestTooLargeError",
     "ServerError",
     "ServerNotFoundError",
     "ServerStartError",
@@ -119,6 +120,10 @@ class LayoutMismatchError(LayoutError):
 
 class InputError(RayTritonShmError, ValueError):
     """Inputs given to ``infer`` do not match the model; nothing was written to shared memory."""
+
+
+class RequestTooLargeError(InputError):
+    """A request body (or what it inflates to) is larger than the ingress accepts (HTTP 413)."""
 
 
 class PoolTimeoutError(RayTritonShmError, TimeoutError):

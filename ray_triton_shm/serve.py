@@ -37,9 +37,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private.node.node_config import split_app_args
-from ray_triton_shm._private.serve import kserve, kserve_http
+from ray_triton_shm._private.serve import kserve, kserve_errors, kserve_http, kserve_limits
 from ray_triton_shm._private.serve.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
-from ray_triton_shm._private.serve.kserve_http import request_body as _request_body
 from ray_triton_shm._private.serve.slot_ref import SlotRef
 from ray_triton_shm._private.serve.slot_ref_serve import SlotRefCaller, SlotRefLease, SlotRefMixin
 from ray_triton_shm._private.shm.segment import redact
@@ -138,7 +137,9 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         self._client = NodeClient(
             node_config, slots_per_model=slots_per_model, memory=memory, kind="serve", grpc_fallback=True
         )
-        self._versions: dict[str, tuple[float, str]] = {}  # model -> (expiry, version served)
+        # the version served of known models
+        self._versions = kserve_limits.VersionCache(ttl_s=_VERSION_TTL_S)
+        self._max_request_bytes = node_config.max_request_bytes
         logger.info(
             "replica on node %s uses Triton %s", self._client.info.node_id, self._client.info.grpc_url
         )
@@ -193,8 +194,9 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
                     model, version = match.group(1), match.group(2)
                     if version is not None:  # Triton honours the version (and any Content-Encoding)
                         header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
-                        kserve.refuse_shm_parameters(await _request_body(request), header_length)
-                        return await self._proxy(request, path, await request.body())
+                        raw, body = await kserve_http.read_body(request, self._max_request_bytes)
+                        kserve.refuse_shm_parameters(body, header_length)
+                        return await self._proxy(request, path, raw)
                     return await self._http_infer(model, request)
             elif request.method == "GET":
                 if path in ("/v2/health/ready", "/v2/health/live"):
@@ -247,14 +249,20 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
     async def _http_infer(self, model: str, request: Request) -> Response:
         # A binary request goes from Serve's chunks straight into a slot, its answer from the slot
         # straight into the response body (see kserve_http).
-        return await kserve_http.http_infer(self._client, model, request, self._served_version)
+        return await kserve_http.http_infer(
+            self._client, model, request, self._served_version, max_bytes=self._max_request_bytes
+        )
 
     async def _served_version(self, model: str) -> str:
-        """The version Triton runs for a request without one: its highest ready version (cached briefly)."""
+        """The version Triton runs for a request without one: its highest ready version.
+
+        Cached briefly for models Triton knows
+        (see :class:`~ray_triton_shm._private.serve.kserve_limits.VersionCache`).
+        """
         now = time.monotonic()
-        cached = self._versions.get(model)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+        cached = self._versions.get(model, now)
+        if cached is not None:
+            return cached
         version = "1"
         try:
             code, answer, _ = await asyncio.to_thread(
@@ -266,13 +274,16 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
                 {},
                 PROBE_TIMEOUT_S,
             )
-            versions = (json.loads(answer).get("versions") or []) if code == 200 else []
+            if code != 200:  # an unknown model (Triton answers its own error): nothing to keep
+                return version
+            versions = json.loads(answer).get("versions") or []
             numbers = [int(v) for v in versions if str(v).isdigit()]
             if numbers:
                 version = str(max(numbers))
         except (OSError, ValueError, AttributeError):
             logger.debug("could not read the versions of %s", model, exc_info=True)
-        self._versions[model] = (now + _VERSION_TTL_S, version)
+            return version
+        self._versions.put(model, version, now)
         return version
 
 
@@ -318,7 +329,8 @@ def redact_bytes(data: bytes) -> bytes:
 
 
 def _error(code: int, message: str) -> Response:
-    return Response(kserve.error_body(redact(message)), status_code=code, media_type="application/json")
+    body = kserve_errors.error_body(redact(message))
+    return Response(body, status_code=code, media_type="application/json")
 
 
 def _error_response(error: Exception) -> Response:
@@ -327,7 +339,7 @@ def _error_response(error: Exception) -> Response:
     while isinstance(cause, ray.exceptions.RayTaskError) and isinstance(cause.cause, Exception):
         cause = cause.cause
     if isinstance(cause, RayTritonShmError):
-        return _error(kserve.http_status(cause), kserve.error_message(cause))
+        return _error(kserve_errors.http_status(cause), kserve_errors.error_message(cause))
     if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
         logger.warning("node actor unavailable: %s", type(cause).__name__)
         return _error(503, "the Triton node actor on this node is unavailable")

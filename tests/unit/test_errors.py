@@ -16,6 +16,7 @@ ARGS: dict[str, tuple] = {
     "DeviceMappingError": ("the client's GPU '3' is not visible to the server",),
     "NoGpuError": ("this process sees no GPU",),
     "InputError": ("INPUT0: expected dtype FP32 (float32), got INT64 (int64)",),
+    "RequestTooLargeError": ("request body of 99 bytes exceeds the maximum allowed size of 64 bytes",),
     "LayoutError": ("model 'strings' tensor 'TEXT' is BYTES/STRING",),
     "LayoutMismatchError": ("add_sub", "0123456789abcdef", "fedcba9876543210"),
     "LeaseReleasedError": ("this lease was released",),

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.serve import kserve
+from ray_triton_shm._private.serve import kserve, kserve_errors
 from ray_triton_shm.errors import (
     InputError,
     LayoutError,
@@ -86,8 +86,8 @@ FOUR_INTS = np.arange(4, dtype=np.int32).tobytes()
 # Every way decode_request refuses a request: (id, body, header length, words of the message).
 BAD_REQUESTS = [
     ("length-past-body", b'{"inputs": []}', 999, "outside the body"),
-    ("not-json", b"{inputs: nope", None, "malformed"),
-    ("not-utf8", b'{"inputs": ["\xff"]}', None, "malformed"),
+    ("not-json", b"{inputs: nope", None, "failed to parse the request JSON buffer"),
+    ("not-utf8", b'{"inputs": ["\xff"]}', None, "failed to parse the request JSON buffer"),
     ("not-an-object", b"[1, 2]", None, "'inputs' list"),
     ("no-inputs", b'{"outputs": []}', None, "'inputs' list"),
     ("inputs-not-a-list", b'{"inputs": {"name": "x"}}', None, "'inputs' list"),
@@ -150,6 +150,40 @@ BAD_REQUESTS = [
         "boolean",
     ),
     ("id-not-a-string", *body({"inputs": [int32_input()], "id": 5}), "'id'"),
+    # Parser traps: each must be a 400, never an internal error.
+    ("nested-200000", b"[" * 200_000, None, "failed to parse"),
+    (
+        "data-nested-100000",
+        b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [1], "data": '
+        + b"[" * 100_000
+        + b"1"
+        + b"]" * 100_000
+        + b"}]}",
+        None,
+        "failed to parse",
+    ),
+    (
+        "int-5000-digits",
+        b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [1], "data": [' + b"9" * 5000 + b"]}]}",
+        None,
+        "failed to parse",
+    ),
+    ("nan", b'{"inputs": [{"name": "F", "datatype": "FP32", "shape": [1], "data": [NaN]}]}', None, "NaN"),
+    (
+        "duplicate-key",
+        b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [1], "data": [1], "data": [2]}]}',
+        None,
+        "duplicate key 'data'",
+    ),
+    ("rank-100", *body({"inputs": [int32_input(shape=[1] * 100, data=[1])]}), "100 dimensions"),
+    ("rank-65-of-zeros", *body({"inputs": [int32_input(shape=[0] * 65, data=[])]}), "65 dimensions"),
+    ("dim-2**70", *body({"inputs": [int32_input(shape=[0, 2**70], data=[])]}), "too large"),
+    ("dims-past-int64", *body({"inputs": [int32_input(shape=[0, 2**62, 2**62], data=[])]}), "too large"),
+    (
+        "binary-dims-past-int64",
+        *body({"inputs": [_binary("I", 16) | {"shape": [2**40, 2**40]}]}, FOUR_INTS),
+        "too large",
+    ),
 ]
 
 
@@ -160,7 +194,13 @@ def test_every_malformed_request_is_an_input_error(data: bytes, length: int | No
     with pytest.raises(InputError) as info:
         kserve.decode_request(data, length)
     assert words in str(info.value)
-    assert kserve.http_status(info.value) == 400
+    assert kserve_errors.http_status(info.value) == 400
+    # Planning from the header alone refuses it the same way (or leaves it to decode_request).
+    split = len(data) if length is None else length
+    try:
+        kserve.plan_request(data[:split], split, len(data))
+    except InputError as e:
+        assert type(e) is type(info.value)
 
 
 @pytest.mark.parametrize("value", ["abc", "-5", "1.5", "", " ", "0x10", "١٢"])
@@ -236,15 +276,15 @@ def test_response_all_json_has_no_header_length() -> None:
     ],
 )
 def test_http_status_follows_tritons_codes(error: Exception, code: int) -> None:
-    assert kserve.http_status(error) == code
+    assert kserve_errors.http_status(error) == code
 
 
 def test_error_message_is_tritons_own_text_for_its_refusals() -> None:
     error = TritonCallError("Request for unknown model: 'x' is not found", "NOT_FOUND", "x")
-    assert kserve.error_message(error) == "Request for unknown model: 'x' is not found"
-    assert kserve.error_message(pickle.loads(pickle.dumps(error))) == error.message
-    assert "unknown datatype" in kserve.error_message(InputError("unknown datatype"))
-    assert json.loads(kserve.error_body('a "quoted" message')) == {"error": 'a "quoted" message'}
+    assert kserve_errors.error_message(error) == "Request for unknown model: 'x' is not found"
+    assert kserve_errors.error_message(pickle.loads(pickle.dumps(error))) == error.message
+    assert "unknown datatype" in kserve_errors.error_message(InputError("unknown datatype"))
+    assert json.loads(kserve_errors.error_body('a "quoted" message')) == {"error": 'a "quoted" message'}
 
 
 # -- routing ---------------------------------------------------------------------------------
@@ -284,5 +324,27 @@ def test_shm_parameters_are_refused_in_requests_passed_through() -> None:
         body = json.dumps(request).encode()
         with pytest.raises(InputError, match="shared-memory parameters are not accepted"):
             refuse_shm_parameters(body + b"\x00" * 8, len(body))  # binary data after the header
-    with pytest.raises(InputError, match="malformed"):
+    with pytest.raises(InputError, match="failed to parse the request JSON buffer"):
         refuse_shm_parameters(b"{not json", None)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        # Triton's parser reads the first of two equal keys, Python's the last: the first names a region.
+        b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [1], "data": [1],'
+        b' "parameters": {"shared_memory_region": "rtshm_1_2_node_x"}, "parameters": {}}]}',
+        b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [1], "data": [1]}],'
+        b' "outputs": [{"name": "O", "parameters": {"shared_memory_region": "r"}, "parameters": {}}]}',
+        b'{"inputs": [{"name": "I", "parameters": {"shared_memory_region": "r"}}],'
+        b' "inputs": [{"name": "I", "datatype": "INT32", "shape": [1], "data": [1]}]}',
+    ],
+    ids=["input-parameters", "output-parameters", "inputs"],
+)
+def test_duplicate_keys_cannot_hide_shm_parameters(header: bytes) -> None:
+    from ray_triton_shm._private.serve.kserve import refuse_shm_parameters
+
+    with pytest.raises(InputError, match="duplicate key"):
+        refuse_shm_parameters(header, None)
+    with pytest.raises(InputError, match="duplicate key"):
+        kserve.decode_request(header, None)

@@ -47,6 +47,12 @@ def test_typed_contents_decode() -> None:
     assert outputs is None
 
 
+def _reshape(request: pb.ModelInferRequest, shape: list[int]) -> None:
+    request.inputs[0].ClearField("shape")
+    request.inputs[0].shape.extend(shape)
+    request.raw_input_contents[0] = b""
+
+
 @pytest.mark.parametrize(
     "mutate",
     [
@@ -55,6 +61,12 @@ def test_typed_contents_decode() -> None:
         lambda r: setattr(r.inputs[0], "datatype", "FP99"),
         lambda r: r.inputs[0].parameters["shared_memory_region"].__setattr__("string_param", "rtshm_x"),
         lambda r: r.inputs.add(name="X", datatype="FP32", shape=[1]),  # twice
+        lambda r: r.inputs[0].shape.extend([1] * 98),  # rank 100, the 4 elements fill it
+        lambda r: r.inputs[0].shape.extend([1] * 63),  # rank 65
+        lambda r: _reshape(r, [0, 2**62, 2**62]),  # no elements, but more than int64 counts
+        lambda r: _reshape(r, [2**40, 2**40]),  # the element count overflows int64
+        lambda r: _reshape(r, [0] * 65),
+        lambda r: _reshape(r, [-1, 4]),
     ],
 )
 def test_bad_requests_are_input_errors(mutate) -> None:

@@ -18,6 +18,9 @@ from ray_triton_shm._private.triton.repository import resolve_repositories
 from ray_triton_shm.config import PoolConfig, ServerConfig, env_field
 from ray_triton_shm.errors import ConfigError
 
+MAX_REQUEST_BYTES = 1 << 26
+"""Default largest request body (and inflated body) the ingress accepts: Triton's own HTTP default."""
+
 NAMESPACE = "ray_triton_shm"
 NAME_PREFIX = "triton-node-"
 CVD = "CUDA_VISIBLE_DEVICES"
@@ -32,7 +35,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 # Settings that only the clients use: they do not change what a node's Triton runs.
-_CLIENT_ONLY = ("request_timeout_s",)
+_CLIENT_ONLY = ("request_timeout_s", "max_request_bytes")
 _CLIENT_ONLY_POOL = ("lease_timeout_s", "min_shm_bytes")
 
 
@@ -54,6 +57,12 @@ class NodeConfig:
             :func:`~ray_triton_shm.node.shutdown_node_actors`.
         request_timeout_s: Deadline of one inference call of the clients
             (``None``: no deadline); client-side only.
+        max_request_bytes: Largest KServe v2 request body the Serve ingress
+            reads, and largest it inflates a compressed one to; larger ones
+            are answered 413 (a ``Content-Length`` past it before any of the
+            body is read). 64 MiB by default, as Triton's own HTTP endpoint
+            (``--http-max-input-size``). Client-side only. Env
+            ``RAY_TRITON_SHM_MAX_REQUEST_BYTES``.
         cuda_pools: When clients that ask for GPU memory get CUDA pools:
             ``"auto"`` for models whose instances run on GPU (or whose pool
             config says ``memory="cuda"``) on nodes with GPUs, ``"always"``
@@ -78,6 +87,7 @@ class NodeConfig:
     cuda_pools: str = env_field("CUDA_POOLS", "auto")
     idle_shutdown_s: float | None = env_field("IDLE_SHUTDOWN_S", 30.0, _optional_float)
     request_timeout_s: float | None = env_field("REQUEST_TIMEOUT_S", 60.0, _optional_float)
+    max_request_bytes: int = env_field("MAX_REQUEST_BYTES", MAX_REQUEST_BYTES)
     unhealthy_after_s: float = env_field("UNHEALTHY_AFTER_S", 15.0)
     restart_backoff_s: float = env_field("RESTART_BACKOFF_S", 1.0)
     restart_backoff_max_s: float = env_field("RESTART_BACKOFF_MAX_S", 60.0)
@@ -110,6 +120,14 @@ class NodeConfig:
             raise ConfigError("NodeConfig.idle_shutdown_s must be >= 0 or None")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ConfigError("NodeConfig.request_timeout_s must be > 0 or None")
+        if (
+            isinstance(self.max_request_bytes, bool)
+            or not isinstance(self.max_request_bytes, int)
+            or self.max_request_bytes <= 0
+        ):
+            raise ConfigError(
+                f"NodeConfig.max_request_bytes must be a positive integer, got {self.max_request_bytes!r}"
+            )
         pools = dict(self.pools)
         if not all(isinstance(k, str) and isinstance(v, PoolConfig) for k, v in pools.items()):
             raise ConfigError("NodeConfig.pools must map model names to PoolConfig")

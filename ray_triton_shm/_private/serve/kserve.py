@@ -5,8 +5,10 @@ length is given by ``Inference-Header-Content-Length``, followed by raw
 tensor bytes), which is what ``tritonclient.http`` sends by default.
 
 Every malformed request raises :class:`InputError` (HTTP 400, as Triton
-answers it); :func:`http_status` maps our other errors to the status codes
-Triton's own HTTP endpoint uses for the same failures.
+answers it); :func:`kserve_errors.http_status` maps our other errors to the status codes
+Triton's own HTTP endpoint uses for the same failures. What a client may send
+(body size, JSON, shapes) is in ``kserve_limits``, what an error answer may
+say in ``kserve_errors``.
 """
 
 from __future__ import annotations
@@ -20,30 +22,11 @@ from urllib.parse import quote
 
 import numpy as np
 
+from ray_triton_shm._private.serve.kserve_limits import MAX_RANK, check_shape, load_json
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
-from ray_triton_shm.errors import (
-    InputError,
-    LayoutError,
-    PoolTimeoutError,
-    TritonCallError,
-    UnavailableError,
-)
+from ray_triton_shm.errors import InputError
 
 HEADER_LENGTH = "inference-header-content-length"
-
-# Triton's HTTP endpoint answers a failed call with the code of its error kind; over gRPC the
-# same kinds carry these status names (Triton's HttpCodeFromError and its gRPC mapping).
-_HTTP_BY_STATUS = {
-    "INVALID_ARGUMENT": 400,
-    "UNKNOWN": 400,
-    "ALREADY_EXISTS": 400,
-    "CANCELLED": 400,
-    "NOT_FOUND": 404,
-    "INTERNAL": 500,
-    "UNIMPLEMENTED": 501,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-}
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
@@ -173,7 +156,10 @@ def _accepts(dtype: np.dtype, value: Any) -> bool:
 def _shape(entry: dict[str, Any], name: str) -> list[int]:
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if isinstance(shape, list) and len(shape) > MAX_RANK:  # not quoted: it can be long
+            raise InputError(f"input {name!r}: a shape of {len(shape)} dimensions has more than {MAX_RANK}")
         raise InputError(f"input {name!r}: 'shape' must be an array of non-negative integers, got {shape!r}")
+    check_shape(name, shape)
     return shape
 
 
@@ -182,25 +168,33 @@ SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_mem
 
 
 def refuse_shm_parameters(body: bytes, header_length: int | None) -> None:
-    """Refuse a request whose inputs or outputs name shared-memory regions.
+    """Refuse a request whose inputs or outputs name shared-memory regions, or that no parser should see.
 
     The node's regions are ours: a client of the ingress must not make Triton
     read or write them. Requests passed to Triton as they are (a pinned model
     version) are checked with this; the rest are decoded by
-    :func:`decode_request`, which never takes data from a region.
+    :func:`decode_request`, which never takes data from a region. Its JSON
+    is parsed as :func:`load_json` parses it, and its input shapes checked as
+    :func:`check_shape` checks them (Triton answers some of them with an
+    internal error); everything else is Triton's to judge.
 
     Raises:
-        InputError: A tensor has shared-memory parameters, or the JSON header is malformed.
+        InputError: A tensor has shared-memory parameters or a shape no tensor
+            can have, or the JSON header is malformed (see :func:`load_json`: a
+            key given twice is refused, so that Triton cannot read another copy
+            of it than the one checked).
     """
     split = len(body) if header_length is None else header_length
     if split < 0 or split > len(body):
         raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {len(body)} bytes")
-    try:
-        header = json.loads(body[:split] or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"request JSON is malformed: {e}") from e
+    header = load_json(body[:split])
     if isinstance(header, dict):  # otherwise Triton refuses it itself
         _refuse_shm(header)
+        inputs = header.get("inputs")
+        for entry in inputs if isinstance(inputs, list) else ():
+            shape = entry.get("shape") if isinstance(entry, dict) else None
+            if isinstance(shape, list) and all(_is_int(d) for d in shape):  # else Triton refuses it
+                check_shape(str(entry.get("name")), shape)
 
 
 def _refuse_shm(header: dict[str, Any]) -> None:
@@ -286,10 +280,7 @@ def _decode(
     split = length if header_length is None else header_length
     if split < 0 or split > length:
         raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {length} bytes")
-    try:
-        header = json.loads(bytes(body[:split]) or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"request JSON is malformed: {e}") from e
+    header = load_json(body[:split])
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise InputError("request must be a JSON object with an 'inputs' list")
     _refuse_shm(header)
@@ -437,36 +428,3 @@ def triton_path(path: str, query: str) -> str:
     """
     quoted = "/".join(quote(part, safe="") for part in path.split("/"))
     return f"{quoted}?{query}" if query else quoted
-
-
-def http_status(error: Exception) -> int:
-    """The HTTP status Triton's endpoint would answer for ``error`` (ours: 503 for a pool timeout).
-
-    Bad requests (:class:`InputError`) are 400; Triton's own refusals keep
-    the code of their kind (unknown model or version 404, invalid argument
-    400, unavailable 503); a model that cannot use shared-memory slots is
-    501 (Triton serves it, this ingress cannot); anything else is 500.
-    """
-    if isinstance(error, InputError):
-        return 400
-    if isinstance(error, LayoutError):
-        return 501
-    if isinstance(error, PoolTimeoutError):
-        return 503
-    if isinstance(error, UnavailableError):
-        return 503
-    if isinstance(error, TritonCallError):
-        return _HTTP_BY_STATUS.get(error.status or "", 500)
-    return 500
-
-
-def error_message(error: Exception) -> str:
-    """The text of an error answer: Triton's own message for Triton's refusals, else ours."""
-    if isinstance(error, TritonCallError):
-        return error.message
-    return str(error)
-
-
-def error_body(message: str) -> bytes:
-    """The v2 error object."""
-    return json.dumps({"error": message}).encode()

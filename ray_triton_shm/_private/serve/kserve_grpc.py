@@ -39,6 +39,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.kserve import SHM_PARAMETERS, deserialize_bytes, serialize_bytes
+from ray_triton_shm._private.serve.kserve_errors import error_message, names_internals
+from ray_triton_shm._private.serve.kserve_limits import check_shape
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
 from ray_triton_shm._private.shm.segment import redact
@@ -123,6 +125,7 @@ def decode_infer_request(request: pb.ModelInferRequest) -> tuple[dict[str, np.nd
 
     Raises:
         InputError: A datatype Triton does not know, shared-memory parameters,
+            a shape no tensor can have (see :func:`~ray_triton_shm._private.serve.kserve_limits.check_shape`),
             data that does not match its shape, raw and typed contents mixed.
     """
     raw = request.raw_input_contents
@@ -136,8 +139,7 @@ def decode_infer_request(request: pb.ModelInferRequest) -> tuple[dict[str, np.nd
         if any(key in tensor.parameters for key in SHM_PARAMETERS):
             raise InputError(f"input {name!r}: shared-memory parameters are not accepted by this ingress")
         shape = [int(d) for d in tensor.shape]
-        if any(d < 0 for d in shape):
-            raise InputError(f"input {name!r}: shape {shape} has a negative dimension")
+        check_shape(name, shape)
         count = math.prod(shape)
         datatype = tensor.datatype
         dtype = TRITON_TO_NUMPY.get(datatype)
@@ -210,25 +212,39 @@ def encode_infer_response(
 
 
 def status_of(error: BaseException) -> tuple[str, str]:
-    """The gRPC status (code name, message) Triton's endpoint would answer for ``error``."""
+    """The gRPC status (code name, message) Triton's endpoint would answer for ``error``.
+
+    The message is what :func:`~ray_triton_shm._private.serve.kserve_errors.error_message`
+    lets a client read: nothing of the node's internals.
+    """
     cause = error
     while isinstance(cause, ray.exceptions.RayTaskError) and isinstance(cause.cause, BaseException):
         cause = cause.cause
     if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
         return "UNAVAILABLE", "the Triton node actor on this node is unavailable"
-    if isinstance(cause, GrpcAnswerError):
-        return cause.code, redact(cause.message)
+    if isinstance(cause, GrpcAnswerError):  # Triton's answer, or the loopback channel's failure
+        message = redact(cause.message)
+        if names_internals(message):
+            logger.warning("gRPC ingress: answered %s for: %s", cause.code, message)
+            message = _GENERIC_STATUS.get(cause.code, "internal error")
+        return cause.code, message
     if isinstance(cause, InputError):
-        return "INVALID_ARGUMENT", redact(str(cause))
-    if isinstance(cause, LayoutError):
-        return "UNIMPLEMENTED", redact(str(cause))
-    if isinstance(cause, (PoolTimeoutError, UnavailableError)):
-        return "UNAVAILABLE", redact(str(cause))
-    if isinstance(cause, TritonCallError):
-        return cause.status or "INTERNAL", redact(cause.message)
-    if isinstance(cause, RayTritonShmError):
-        return "INTERNAL", redact(str(cause))
-    return "INTERNAL", f"internal error ({type(cause).__name__})"
+        code = "INVALID_ARGUMENT"
+    elif isinstance(cause, LayoutError):
+        code = "UNIMPLEMENTED"
+    elif isinstance(cause, (PoolTimeoutError, UnavailableError)):
+        code = "UNAVAILABLE"
+    elif isinstance(cause, TritonCallError):
+        code = cause.status or "INTERNAL"
+    else:
+        code = "INTERNAL"
+    return code, error_message(cause)
+
+
+_GENERIC_STATUS = {
+    "UNAVAILABLE": "the inference server on this node is unavailable; try again shortly",
+    "DEADLINE_EXCEEDED": "the inference server on this node did not answer in time",
+}
 
 
 class KServeGrpcMixin:

@@ -2,22 +2,25 @@
 
 A binary request (``Inference-Header-Content-Length``, ``Content-Length``, no
 ``Content-Encoding``) is decoded from its JSON header as soon as that has
-arrived (:func:`~ray_triton_shm._private.serve.kserve.plan_request`); a slot is
-leased, and the tensor bytes that follow are written from each chunk Serve
-hands over straight into the slot's input buffers (:class:`Scatter`): the
-body is never joined into one ``bytes``. The answer is built from views of the
-slot's outputs, copied once into the response body
+arrived (:func:`~ray_triton_shm._private.serve.kserve.plan_request`); the rest of
+the body is read as the chunks Serve hands over (never joined into one
+``bytes``), then a slot is leased and each chunk is written straight into the
+slot's input buffers (:class:`Scatter`). A slow upload holds memory (at most
+the body limit), never a slot. The answer is built from views of the slot's
+outputs, copied once into the response body
 (:func:`~ray_triton_shm._private.serve.kserve.encode_response`), before the slot goes back.
 
-The price: the slot is held while the tensor bytes arrive, not only during
-Triton's call, so a slow upload keeps a slot of the model busy that long
-(``slots_per_model`` and the pool size bound how many).
+No body larger than ``max_bytes`` (``NodeConfig.max_request_bytes``, 64 MiB
+by default as Triton's own HTTP limit) is read or inflated: a
+``Content-Length`` past it is refused before any of the body is read, a
+streamed body once it passes it, a compressed one once it inflates past it
+(:class:`~ray_triton_shm.errors.RequestTooLargeError`, HTTP 413).
 
 Every other request (JSON tensors, BYTES data, a compressed body, a model
 without a slot layout, inputs the model refuses, a batch larger than one
 slot, a payload small enough to go over gRPC) takes the general path: the
 whole body, :func:`~ray_triton_shm._private.serve.kserve.decode_request`, and
-:meth:`NodeClient.ainfer`, exactly as before. Both paths answer the same.
+:meth:`NodeClient.ainfer`. Both paths answer the same.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ray_triton_shm._private.core.slot_runs import chunks
+from ray_triton_shm._private.node import node_config
 from ray_triton_shm._private.serve import kserve
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm._private.shm.validate import check_inputs
@@ -41,13 +45,131 @@ from ray_triton_shm.errors import (
     LayoutMismatchError,
     OutputTooLargeError,
     RayTritonShmError,
+    RequestTooLargeError,
 )
 
 logger = logging.getLogger(__name__)
 
 
+def _too_large(what: str, max_bytes: int) -> RequestTooLargeError:
+    return RequestTooLargeError(
+        f"{what} exceeds the maximum allowed size of {max_bytes} bytes (NodeConfig.max_request_bytes)"
+    )
+
+
+def check_content_length(request: Request, max_bytes: int) -> None:
+    """Refuse a request whose ``Content-Length`` is past ``max_bytes``, before its body is read.
+
+    Raises:
+        RequestTooLargeError: The announced body is too large.
+    """
+    text = (request.headers.get("content-length") or "").strip()
+    if text.isdigit() and text.isascii() and int(text) > max_bytes:
+        raise _too_large(f"request body of {int(text)} bytes", max_bytes)
+
+
+async def read_raw_body(
+    request: Request,
+    max_bytes: int,
+    prefix: Sequence[bytes] = (),
+    stream: AsyncIterator[bytes] | None = None,
+) -> list[bytes | memoryview]:
+    """The body's chunks as sent (not inflated), refused once past ``max_bytes``.
+
+    Args:
+        request: The request.
+        max_bytes: Largest body accepted.
+        prefix: Chunks of the body already read from ``stream``.
+        stream: ``request.stream()`` when some of it was read already.
+
+    Raises:
+        RequestTooLargeError: The body (announced or as it arrives) is larger than ``max_bytes``.
+    """
+    check_content_length(request, max_bytes)
+    return await _read_stream(stream if stream is not None else request.stream(), max_bytes, prefix)
+
+
+async def _read_stream(
+    stream: AsyncIterator[bytes], max_bytes: int, prefix: Sequence[bytes | memoryview] = ()
+) -> list[bytes | memoryview]:
+    """``prefix`` and the chunks still to come from ``stream``, refused once past ``max_bytes`` in all."""
+    chunks = [chunk for chunk in prefix if len(chunk)]
+    size = sum(len(chunk) for chunk in chunks)
+    if size > max_bytes:
+        raise _too_large("request body", max_bytes)
+    async for chunk in stream:
+        if chunk:
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large("request body", max_bytes)
+            chunks.append(chunk)
+    return chunks
+
+
+def content_encoding(request: Request) -> str:
+    """The request's ``Content-Encoding`` (``identity`` when absent), lower case."""
+    return (request.headers.get("content-encoding") or "identity").strip().lower()
+
+
+def inflate(data: bytes, encoding: str, max_bytes: int) -> bytes:
+    """``data`` inflated from ``encoding`` (``gzip`` or ``deflate``), never past ``max_bytes``.
+
+    Raises:
+        InputError: An unsupported encoding, or data that does not inflate.
+        RequestTooLargeError: It inflates to more than ``max_bytes``.
+    """
+    if encoding not in ("gzip", "deflate"):
+        raise InputError(f"unsupported Content-Encoding {encoding!r}")
+    inflator = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    parts: list[bytes] = []
+    size = 0
+    pending = data
+    try:
+        while pending and not inflator.eof:
+            part = inflator.decompress(pending, max_bytes + 1 - size)
+            size += len(part)
+            if size > max_bytes:
+                raise _too_large("decompressed request body", max_bytes)
+            parts.append(part)
+            pending = inflator.unconsumed_tail
+    except zlib.error as e:
+        raise InputError(f"request body is not valid {encoding} data: {e}") from e
+    if not inflator.eof:
+        raise InputError(f"request body is not valid {encoding} data: incomplete or truncated stream")
+    return b"".join(parts)
+
+
+async def read_body(
+    request: Request,
+    max_bytes: int = node_config.MAX_REQUEST_BYTES,
+    prefix: Sequence[bytes] = (),
+    stream: AsyncIterator[bytes] | None = None,
+) -> tuple[bytes, bytes]:
+    """The body as sent and as meant (inflated when the client compressed it), each at most ``max_bytes``.
+
+    Args:
+        request: The request.
+        max_bytes: Largest body accepted, before and after inflation.
+        prefix: Chunks of the body already read from ``stream``.
+        stream: ``request.stream()`` when some of it was read already.
+
+    Raises:
+        InputError: An unsupported encoding, or data that does not inflate.
+        RequestTooLargeError: The body, or what it inflates to, is larger than ``max_bytes``.
+    """
+    encoding = content_encoding(request)
+    if encoding not in ("identity", "gzip", "deflate"):  # refused before the body is read
+        raise InputError(f"unsupported Content-Encoding {encoding!r}")
+    raw = b"".join(await read_raw_body(request, max_bytes, prefix, stream))
+    return raw, (raw if encoding == "identity" else inflate(raw, encoding, max_bytes))
+
+
 async def request_body(
-    request: Request, prefix: Sequence[bytes] = (), stream: AsyncIterator[bytes] | None = None
+    request: Request,
+    prefix: Sequence[bytes] = (),
+    stream: AsyncIterator[bytes] | None = None,
+    *,
+    max_bytes: int = node_config.MAX_REQUEST_BYTES,
 ) -> bytes:
     """The request body, inflated when the client compressed it (``Content-Encoding``).
 
@@ -55,26 +177,13 @@ async def request_body(
         request: The request.
         prefix: Chunks of the body already read from ``stream``.
         stream: ``request.stream()`` when some of it was read already.
+        max_bytes: Largest body accepted, before and after inflation.
 
     Raises:
         InputError: An unsupported encoding, or data that does not inflate.
+        RequestTooLargeError: The body, or what it inflates to, is larger than ``max_bytes``.
     """
-    if stream is not None:
-        chunks = list(prefix)
-        async for chunk in stream:
-            chunks.append(chunk)
-        body = b"".join(chunks)
-    else:
-        body = await request.body()
-    encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
-    if encoding == "identity":
-        return body
-    if encoding not in ("gzip", "deflate"):
-        raise InputError(f"unsupported Content-Encoding {encoding!r}")
-    try:
-        return zlib.decompress(body, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    except zlib.error as e:
-        raise InputError(f"request body is not valid {encoding} data: {e}") from e
+    return (await read_body(request, max_bytes, prefix, stream))[1]
 
 
 class Scatter:
@@ -137,8 +246,8 @@ async def _read_header(stream: AsyncIterator[bytes], length: int) -> tuple[list[
 
 def _fast_path_lengths(request: Request) -> tuple[int, int] | None:
     """(header length, body length) when the body can go straight into a slot, else ``None``."""
-    encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
-    if encoding != "identity":  # the general path refuses a bad encoding before a bad header length
+    # The general path refuses a bad encoding before a bad header length.
+    if content_encoding(request) != "identity":
         return None
     header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
     content_length = request.headers.get("content-length")
@@ -188,14 +297,28 @@ def _shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
 
 
 async def http_infer(
-    client: Any, model: str, request: Request, served_version: Callable[[str], Awaitable[str]]
+    client: Any,
+    model: str,
+    request: Request,
+    served_version: Callable[[str], Awaitable[str]],
+    *,
+    max_bytes: int = node_config.MAX_REQUEST_BYTES,
 ) -> Response:
     """Answer one KServe v2 inference request for ``model`` through ``client`` (a :class:`NodeClient`).
 
+    Args:
+        client: The replica's :class:`NodeClient`.
+        model: The model named in the path.
+        request: The request.
+        served_version: The version Triton serves of a model (for the answer).
+        max_bytes: Largest body accepted, before and after inflation.
+
     Raises:
+        RequestTooLargeError: The body, or what it inflates to, is larger than ``max_bytes``.
         InputError, PoolTimeoutError, TritonCallError, UnavailableError: As
             :meth:`NodeClient.ainfer` (the caller turns them into KServe errors).
     """
+    check_content_length(request, max_bytes)
     lengths = _fast_path_lengths(request)
     prefix: list[bytes] = []
     stream = None
@@ -217,8 +340,10 @@ async def http_infer(
                 if _pool_at_hand(client, model)
                 else (await asyncio.to_thread(_shm_plan, client, model, decoded))
             ):
-                return await _infer_in_slot(client, model, decoded, spans, rest, stream, served_version)
-    body = await request_body(request, prefix, stream)
+                # The rest of the body arrives before a slot is leased: a slow upload holds no slot.
+                chunks = await _read_stream(stream, max_bytes - len(header), [rest])
+                return await _infer_in_slot(client, model, decoded, spans, chunks, served_version)
+    body = await request_body(request, prefix, stream, max_bytes=max_bytes)
     header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
     decoded = kserve.decode_request(body, header_length)
     version = await served_version(model)
@@ -236,11 +361,10 @@ async def _infer_in_slot(
     model: str,
     decoded: kserve.DecodedRequest,
     spans: list[kserve.BinarySpan],
-    rest: memoryview,
-    stream: AsyncIterator[bytes],
+    chunks: Sequence[bytes | memoryview],
     served_version: Callable[[str], Awaitable[str]],
 ) -> Response:
-    """Lease a slot, write the body's tensor bytes into it as they arrive, run, answer from the slot."""
+    """Lease a slot, write the body's tensor bytes (``chunks``, read already) into it, run, answer from it."""
     version = await served_version(model)
     with await client.alease(model) as lease:
         targets = []
@@ -251,8 +375,7 @@ async def _infer_in_slot(
             if all(span.name != name for span in spans):
                 lease.input(name, array.shape)[...] = array
         scatter = Scatter(targets)
-        scatter.feed(rest)
-        async for chunk in stream:
+        for chunk in chunks:
             scatter.feed(chunk)
         if not scatter.done:
             raise InputError("the request body is shorter than its Content-Length")
