@@ -436,8 +436,7 @@ class _NodeActor:
             self._grpc.close()
             self._reaper.close()
 
-    # == issue 15 (helper "models"): model control and server warnings =====
-    # Kept in one block at the end of the class so it merges cleanly with the lead's rework.
+    # == model control and server warnings ===================================
 
     def server_warnings(self) -> list[str]:
         """What ``ray-triton-shm status`` must shout about (e.g. a CPU-only fallback on a GPU node)."""

@@ -55,7 +55,7 @@ class _Profiled(TritonDeployment.func_or_class):  # type: ignore[name-defined,mi
         self._stages: list[tuple[str, float, float]] = []
         from ray_triton_shm._private import kserve
 
-        # The stages, timed where they exist (the code before and after issue 18 part 4 differ).
+        # The stages, timed where they exist (not every version of the ingress has each of them).
         for name in ("decode_request", "plan_request", "encode_response"):
             if hasattr(kserve, name):
                 setattr(kserve, name, self._timed(name, getattr(kserve, name)))
