@@ -117,7 +117,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
 
     The gRPC methods (``ModelInfer``, ``ServerLive``, ...) come from
     :class:`~ray_triton_shm._private.serve.kserve_grpc.KServeGrpcMixin`; Serve's gRPC
-    proxy calls them when ``grpc_options`` names Triton's servicer (see the README).
+    proxy calls them when ``grpc_options`` names Triton's servicer (see docs/serve.md).
 
     Args:
         node_config: What the node actor runs (created if the node has none).
@@ -185,7 +185,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         }
 
     async def __call__(self, request: Request) -> Response:
-        """KServe v2 over HTTP, under whatever ``route_prefix`` the app has (see the README)."""
+        """KServe v2 over HTTP, under whatever ``route_prefix`` the app has (see docs/serve.md)."""
         path = kserve.route_path(request.scope)
         try:
             if request.method == "POST":

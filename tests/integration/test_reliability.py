@@ -1,4 +1,4 @@
-"""Faults and bad input against a real Triton (issue cases 1-7, 9-11 and the security defaults).
+"""Faults and bad input against a real Triton (docs/reliability.md cases 1-7, 9-11, security defaults).
 
 Each test asserts a typed error or continued service, that every slot is back
 in its pool, and that nothing is left in /dev/shm (the ``client`` fixtures and

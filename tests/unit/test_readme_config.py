@@ -85,3 +85,17 @@ def test_defaults_match(monkeypatch: pytest.MonkeyPatch) -> None:
         want = _canonical(value)
         assert want is not None, f"no canonical form for the default of {key}: {value!r}"
         assert rows[key][1].startswith(want), f"README row {key}: default should start with {want}"
+
+
+def test_serve_args_table_names_every_key_the_app_reads() -> None:
+    """Every NodeConfig setting is a Serve arg, beside the repository, server, pools and client keys."""
+    text = README.read_text()
+    start, end = text.index("<!-- serve-args:start -->"), text.index("<!-- serve-args:end -->")
+    named = set()
+    for line in text[start:end].splitlines():
+        if line.startswith("| `"):
+            named.update(re.findall(r"`(\w+)`", line.split("|")[1]))
+    node_fields = {f.name for f in dataclasses.fields(NodeConfig)} - {"server", "pools", "default_pool"}
+    app_keys = {"model_repository", "server", "pools", "default_pool", "slots_per_model", "memory"}
+    differ = sorted(named ^ (node_fields | app_keys))
+    assert not differ, f"README's Serve args table is wrong about: {differ}"

@@ -66,7 +66,7 @@ class _Profiled(TritonDeployment.func_or_class):  # type: ignore[name-defined,mi
         self._reports: list[dict[str, Any]] = []
         self._stages: list[tuple[str, float, float]] = []
 
-        # Each stage is timed where the code being profiled has it.
+        # The stages, timed where they exist (not every version of the ingress has each of them).
         for name in ("decode_request", "plan_request", "encode_response"):
             if hasattr(kserve, name):
                 setattr(kserve, name, self._timed(name, getattr(kserve, name)))

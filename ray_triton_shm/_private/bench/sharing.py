@@ -3,8 +3,8 @@
 Node pools are shared on demand: every lease takes its slot in the pool's slot
 table (a kernel lock and a word of state) and every release gives it back.
 This measures that cost where it weighs most, on small requests: two clients
-of one Triton, the same model and payload, one with private slots (a pool of
-its own) and one whose pool is shared through a slot table; rounds alternate
+of one Triton, the same model and payload, one with private slots (no slot
+table) and one whose pool is shared through a slot table; rounds alternate
 between them. ::
 
     ray-triton-shm bench-sharing --size 4096 --rounds 6

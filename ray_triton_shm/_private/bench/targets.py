@@ -66,7 +66,7 @@ def targets(records: Sequence[Any]) -> list[tuple[str, str, str]]:
 
 
 def slot_ref_targets(records: Sequence[Any]) -> list[tuple[str, str, str]]:
-    """Issue 18's slot-reference targets at 16 MB: >= 10x Serve + gRPC, <= 1.5x ours-inplace.
+    """The slot-reference targets at 16 MB: >= 10x Serve + gRPC, <= 1.5x ours-inplace.
 
     The second is bounded below by the handle itself: a reference call is
     ``ours-inplace`` plus one handle round trip, and the cell measures that

@@ -432,7 +432,7 @@ class _NodeActor:
             self._grpc.close()
             self._reaper.close()
 
-    # -- Model control and server warnings --
+    # == model control and server warnings ===================================
 
     def server_warnings(self) -> list[str]:
         """What ``ray-triton-shm status`` must shout about (e.g. a CPU-only fallback on a GPU node)."""

@@ -4,7 +4,7 @@ A node actor is named by its node and the fingerprint of its
 :class:`NodeConfig`, so each config gets its own Triton on each node, and a
 changed config (a redeployed app) gets a new one. Users attach to the actor
 of their node; once its last user is gone for ``idle_shutdown_s`` it stops
-its Triton and exits (see the README's "Lifecycle").
+its Triton and exits (see "Lifecycle" in docs/architecture.md).
 
 Example:
     >>> from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors

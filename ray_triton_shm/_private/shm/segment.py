@@ -483,7 +483,7 @@ def stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     live process here, and neither its own lock nor the lock of any segment guarding
     it (see :func:`_guards`) is held. A held lock means a live owner, in this pid
     namespace or another that shares /dev/shm. A segment that was never locked (made
-    by an older version) is judged by the pid alone, as before: across pid namespaces
+    by an older version) is judged by the pid alone: across pid namespaces
     such segments of a live owner can be taken for stale, so upgrade every container
     sharing /dev/shm together. Only names starting with ``prefix`` are judged.
     """
