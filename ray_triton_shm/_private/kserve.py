@@ -25,6 +25,7 @@ from ray_triton_shm.errors import (
     InputError,
     LayoutError,
     PoolTimeoutError,
+    RefusedError,
     TritonCallError,
     UnavailableError,
 )
@@ -444,7 +445,8 @@ def http_status(error: Exception) -> int:
 
     Bad requests (:class:`InputError`) are 400; Triton's own refusals keep
     the code of their kind (unknown model or version 404, invalid argument
-    400, unavailable 503); a model that cannot use shared-memory slots is
+    400, unavailable 503), and so do the ingress's own refusals
+    (:class:`RefusedError`: unsupported 501, unavailable 503); a model that cannot use shared-memory slots is
     501 (Triton serves it, this ingress cannot); anything else is 500.
     """
     if isinstance(error, InputError):
@@ -455,7 +457,7 @@ def http_status(error: Exception) -> int:
         return 503
     if isinstance(error, UnavailableError):
         return 503
-    if isinstance(error, TritonCallError):
+    if isinstance(error, (TritonCallError, RefusedError)):
         return _HTTP_BY_STATUS.get(error.status or "", 500)
     return 500
 
