@@ -163,7 +163,8 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         return dict(result), {"path": result.path, **(await self.whereami())}
 
     async def whereami(self) -> dict[str, Any]:
-        """This replica's pid and node (as Ray runs it), the node and Triton it uses, its slots in use."""
+        """This replica's pid and node (as Ray runs it), the node and Triton it uses (its pid and
+        gRPC and HTTP endpoints), its slots in use."""
         import ray
 
         info = self._client.info
@@ -174,6 +175,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             "triton_pid": info.triton_pid,
             "actor_pid": info.actor_pid,
             "grpc_url": info.grpc_url,
+            "http_url": info.http_url,
             "busy": {stats.model: stats.busy for stats in self._client.client.pool_stats()},
         }
 
