@@ -15,7 +15,8 @@ choices as over HTTP (:mod:`~ray_triton_shm._private.kserve_routes`):
   for the caller (no regions: ``NOT_FOUND`` for a named one, as Triton);
   their ``Unregister`` a no-op.
 * ``RepositoryModelLoad`` / ``Unload``: forwarded with explicit model control,
-  else ``UNAVAILABLE`` (:class:`ModelControlRefusedError`).
+  else ``UNAVAILABLE`` (:class:`ModelControlRefusedError`); a load that sends
+  model files (``file:<path>`` parameters) ``UNIMPLEMENTED``.
 * Refused (``UNIMPLEMENTED`` with a message that says why and what to use
   instead): shared-memory registration, log or trace settings changes, and
   ``ModelStreamInfer``.
@@ -31,12 +32,14 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.kserve_routes import (
     CONTROL_TIMEOUT_S,
+    FILE_PARAMETER_PREFIX,
     PROBE_TIMEOUT_S,
     PROXY_TIMEOUT_S,
     SERVER_NAME,
     RouteNode,
     extensions,
     model_control_refused,
+    model_files_refused,
     settings_refused,
     shm_region_not_found,
     shm_registration_refused,
@@ -116,6 +119,8 @@ def _repository_control(method: str, response_cls: Any, action: str) -> Callable
     async def handler(node: RouteNode, request: Any, forward: Forward) -> Any:
         if not node.explicit_model_control:
             raise model_control_refused(action, request.model_name)
+        if action == "load" and any(key.startswith(FILE_PARAMETER_PREFIX) for key in request.parameters):
+            raise model_files_refused(request.model_name)
         response = await forward(method, request, response_cls, CONTROL_TIMEOUT_S)
         try:
             await node.model_changed(request.model_name)

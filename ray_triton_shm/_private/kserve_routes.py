@@ -17,6 +17,10 @@ that answer as it is. What each route gets:
 * Repository load and unload: forwarded when the node's Triton runs with
   explicit model control (then the node re-reads the model's configuration
   for its slot pools), else refused (:class:`ModelControlRefusedError`, 503).
+  A load that sends model files (``file:<path>`` parameters) is refused (501):
+  the files would be written to and run on the node (and Triton 2.51 aborts
+  on a path component longer than ``NAME_MAX``); a ``config`` override is
+  forwarded.
 * Refused with a typed error that says why and what to use instead:
   shared-memory registration (:class:`SharedMemoryRefusedError`, 501) and log
   or trace settings changes (:class:`SettingsRefusedError`, 501).
@@ -155,6 +159,20 @@ def model_control_refused(action: str, model: str) -> ModelControlRefusedError:
         "server: {model_control: explicit} to load and unload models through this endpoint "
         "(or ray-triton-shm models on the cluster)",
         "UNAVAILABLE",
+    )
+
+
+FILE_PARAMETER_PREFIX = "file:"
+"""Load parameters named ``file:<path>`` carry model files to write into the node's repository."""
+
+
+def model_files_refused(model: str) -> ModelControlRefusedError:
+    """The refusal of a load that sends model files (``file:<path>`` parameters)."""
+    return ModelControlRefusedError(
+        f"cannot load model '{model}' from files sent in the request: this endpoint does not accept "
+        "model files (they would be written to, and run on, the node's Triton). Put the model in the "
+        "app's model repository and load it by name, with a config parameter to override its "
+        "configuration"
     )
 
 
@@ -297,6 +315,8 @@ async def _repository_control(request: _Request) -> HttpAnswer:
     model, action = request.groups[0] or "", request.groups[1] or ""
     if not request.node.explicit_model_control:
         raise model_control_refused(action, model)
+    if action == "load" and _sends_files(request):
+        raise model_files_refused(model)
     timeout = CONTROL_TIMEOUT_S
     answer = await forward(
         request.node, "POST", request.path, request.query, request.headers, request.body, timeout=timeout
@@ -307,6 +327,18 @@ async def _repository_control(request: _Request) -> HttpAnswer:
         except Exception:  # Triton did it; the node catches up when a client finds the layout changed
             logger.warning("the node could not re-read the configuration of %s", model, exc_info=True)
     return answer
+
+
+def _sends_files(request: _Request) -> bool:
+    """Whether a load request's JSON parameters name model files (unparsable bodies are Triton's)."""
+    try:
+        body = json.loads(inflate(request.body or b"", request.headers.get("content-encoding")) or b"{}")
+    except (InputError, ValueError, UnicodeDecodeError):
+        return False
+    parameters = body.get("parameters") if isinstance(body, dict) else None
+    return isinstance(parameters, dict) and any(
+        isinstance(key, str) and key.startswith(FILE_PARAMETER_PREFIX) for key in parameters
+    )
 
 
 def _shm(kind: str) -> dict[str, Handler]:

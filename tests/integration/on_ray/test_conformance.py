@@ -324,6 +324,21 @@ def test_a_reload_with_another_config_is_served_on_its_new_layout(front_door, gr
     np.testing.assert_array_equal(ours.infer("simple", simple_inputs(x)).as_numpy("OUTPUT0"), 2 * x)
 
 
+def test_model_files_sent_in_a_load_are_refused(front_door, conformance_app, grpc_clients) -> None:
+    """Files would be written to and run on the node; this one (a path component over NAME_MAX)
+    makes Triton 2.51 itself abort."""
+    ours, _, _ = grpc_clients
+    pid = conformance_app[0].whereami.remote().result()["triton_pid"]
+    files = {"file:" + "A" * 256: b"a"}
+    refused = outcome(ours.load_model, "simple", config="{}", files=files, as_json=False)
+    assert refused[:2] == ("error", "StatusCode.UNIMPLEMENTED") and "model files" in refused[2]
+    body = b'{"parameters": {"config": "{}", "file:1/model.py": "YQ=="}}'
+    code, answer = ask(front_door.http, "POST", "/v2/repository/models/simple/load", body)
+    assert code == 501 and "does not accept model files" in answer["error"]
+    assert conformance_app[0].whereami.remote().result()["triton_pid"] == pid
+    assert ours.is_model_ready("simple")
+
+
 def test_log_and_trace_settings_are_read_and_never_changed(front_door, node_triton, grpc_clients) -> None:
     for method, path, body in (
         ("GET", "/v2/logging", None),
@@ -424,10 +439,6 @@ def _shown(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
 
 
-def _registers_shared_memory(program: Path) -> bool:
-    return bool(re.search(r"register_(system|cuda)_shared_memory\(", program.read_text()))
-
-
 @pytest.mark.parametrize("program", _params(program_dir(), "tritonclient example programs"))
 def test_tritons_example_program_passes(program: Path, front_door: FrontDoor, tmp_path: Path) -> None:
     result = run_program(program, front_door.url_for(program), tmp_path)
@@ -439,20 +450,42 @@ def _extra_dir() -> Path | None:
     return Path(value) if value else None
 
 
+REFUSALS = (SHM_REFUSAL, "this endpoint does not accept model files")
+
+
+def _meets_a_refusal(program: Path) -> bool:
+    """Whether the program registers shared memory or uploads model files (the ingress refuses both)."""
+    text = program.read_text()
+    return bool(re.search(r"register_(system|cuda)_shared_memory\(|load_model\([^)]*files=", text, re.S))
+
+
+def _restore(server, urls: list[str]) -> None:
+    """``simple`` served as the repository has it (model-control programs unload or reconfigure it),
+    and the reference Triton running (Triton 2.51 aborts on a model file path longer than NAME_MAX)."""
+    if not server.is_alive():
+        server.restart(kill=True)
+    for url in [*urls, server.grpc_url]:
+        with grpcclient.InferenceServerClient(url) as client:
+            client.load_model("simple")
+
+
 @pytest.mark.parametrize("program", _params(_extra_dir(), "extra programs"))
 def test_extra_program_ends_as_against_triton(
-    program: Path, front_door: FrontDoor, reference, grpc_clients, tmp_path: Path
+    program: Path, front_door: FrontDoor, reference, tmp_path: Path
 ) -> None:
-    """Same exit code as against a Triton of the same repository; shared memory refused instead."""
-    url = reference.grpc_url if "grpc" in program.name else reference.http_url
+    """As against a Triton of the same repository, but failing on the ingress's refusal where it meets one."""
     try:
+        url = reference.grpc_url if "grpc" in program.name else reference.http_url
         theirs = run_program(program, url, tmp_path)
+        if not reference.is_alive():
+            theirs.stderr += "\n[the reference Triton died during this program]"
         ours = run_program(program, front_door.url_for(program), tmp_path)
-    finally:  # model-control programs unload or reconfigure `simple`: serve it as the repository has it
-        for client in (grpc_clients[0], grpc_clients[2]):
-            client.load_model("simple")
+    finally:
+        _restore(reference, [front_door.grpc])
     shown = f"ours: {_shown(ours)}\nTriton's own: {_shown(theirs)}"
-    if _registers_shared_memory(program) and theirs.returncode == 0:
-        assert ours.returncode != 0 and SHM_REFUSAL in ours.stdout + ours.stderr, shown
+    print(f"\n=== {program.name}: ours {ours.returncode}, Triton {theirs.returncode}\n{shown[-1500:]}")
+    refused = any(text in ours.stdout + ours.stderr for text in REFUSALS)
+    if _meets_a_refusal(program) and theirs.returncode == 0:
+        assert ours.returncode != 0 and refused, shown
     else:
         assert ours.returncode == theirs.returncode, shown
