@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -396,6 +397,20 @@ def test_log_and_trace_settings_are_read_and_never_changed(front_door, node_trit
 )
 def test_other_paths_and_methods_answer_as_triton(front_door, reference, method, path, body) -> None:
     assert ask(front_door.http, method, path, body) == ask(reference.http_url, method, path, body)
+
+
+def test_a_models_own_error_reaches_the_client_as_tritons(front_door, reference, grpc_clients) -> None:
+    body = json.dumps(
+        {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": list(range(16))}]}
+    ).encode()
+    for path in ("/v2/models/simple_error/infer", "/v2/models/simple_error/versions/1/infer"):
+        assert ask(front_door.http, "POST", path, body) == ask(reference.http_url, "POST", path, body)
+    ours, _, theirs = grpc_clients
+    x = grpcclient.InferInput("INPUT0", [1, 16], "INT32")
+    x.set_data_from_numpy(np.zeros((1, 16), np.int32))
+    mine = outcome(ours.infer, "simple_error", [x], as_json=False)
+    assert mine == outcome(theirs.infer, "simple_error", [x], as_json=False)
+    assert mine[0] == "error" and "simple_error fails every request" in mine[2]
 
 
 def test_stream_inference_is_refused_with_a_message(front_door) -> None:
