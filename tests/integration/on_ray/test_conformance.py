@@ -21,11 +21,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,16 +30,22 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from .conformance_programs import (
+    REFUSALS,
+    SHM_REFUSAL,
+    FrontDoor,
+    extra_dir,
+    meets_a_refusal,
+    program_dir,
+    program_params,
+    run_program,
+    shown,
+)
 from .conftest import CONFIG_FILE, REPO, free_port, teardown_ray
 
 pytestmark = pytest.mark.slow
 
 MODELS = REPO / "tests" / "models" / "conformance"
-PROGRAMS_ENV = "RAY_TRITON_SHM_CONFORMANCE_DIR"
-EXTRA_ENV = "RAY_TRITON_SHM_CONFORMANCE_EXTRA"
-DEFAULT_PROGRAMS = REPO.parent / "shared" / "conformance" / "tritonclient_examples"
-SHM_REFUSAL = "shared-memory registration is not supported by this endpoint"
-PROGRAM_TIMEOUT_S = 300
 # Pools of the models the programs call: BYTES elements up to 64 bytes, simple_identity rows up to 64.
 POOLS = {
     "simple": {"slots": 4},
@@ -59,32 +60,6 @@ def setup_module(module):
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)
-
-
-def program_dir() -> Path:
-    return Path(os.environ.get(PROGRAMS_ENV) or DEFAULT_PROGRAMS)
-
-
-def _params(directory: Path | None, what: str) -> list:
-    if directory is None:
-        return [pytest.param(None, id="none", marks=pytest.mark.skip(reason=f"{EXTRA_ENV} is not set"))]
-    programs = sorted(directory.glob("*.py")) if directory.is_dir() else []
-    if not programs:
-        reason = f"no {what} in {directory} (set {PROGRAMS_ENV} / {EXTRA_ENV} to a directory of them)"
-        return [pytest.param(None, id="absent", marks=pytest.mark.skip(reason=reason))]
-    return [pytest.param(path, id=path.name) for path in programs]
-
-
-@dataclass(frozen=True)
-class FrontDoor:
-    """Where a client outside Ray reaches the app: ``host:port`` of its HTTP and its gRPC listener."""
-
-    http: str
-    grpc: str
-
-    def url_for(self, program: Path) -> str:
-        """The address a program gets: gRPC programs (``grpc`` in the name) the gRPC port."""
-        return self.grpc if "grpc" in program.name else self.http
 
 
 @pytest.fixture(scope="module")
@@ -431,47 +406,10 @@ def test_stream_inference_is_refused_with_a_message(front_door) -> None:
 # -- Triton's own programs ----------------------------------------------------------------------
 
 
-def run_program(program: Path, url: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``python program -u url``, unchanged; its /dev/shm regions removed if it left them."""
-    regions = set(re.findall(r'create_shared_memory_region\(\s*"[^"]*",\s*"/([^"]+)"', program.read_text()))
-    before = {name for name in regions if os.path.exists(f"/dev/shm/{name}")}
-    try:
-        return subprocess.run(
-            [sys.executable, str(program), "-u", url],
-            capture_output=True,
-            text=True,
-            timeout=PROGRAM_TIMEOUT_S,
-            cwd=cwd,
-        )
-    finally:
-        for name in regions - before:  # a refused registration ends the program before its cleanup
-            if os.path.exists(f"/dev/shm/{name}"):
-                os.unlink(f"/dev/shm/{name}")
-
-
-def _shown(result: subprocess.CompletedProcess) -> str:
-    out, err = result.stdout[-4000:], result.stderr[-4000:]
-    return f"exit {result.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
-
-
-@pytest.mark.parametrize("program", _params(program_dir(), "tritonclient example programs"))
+@pytest.mark.parametrize("program", program_params(program_dir(), "tritonclient example programs"))
 def test_tritons_example_program_passes(program: Path, front_door: FrontDoor, tmp_path: Path) -> None:
     result = run_program(program, front_door.url_for(program), tmp_path)
-    assert result.returncode == 0, f"{program.name} against {front_door.url_for(program)}: {_shown(result)}"
-
-
-def _extra_dir() -> Path | None:
-    value = os.environ.get(EXTRA_ENV)
-    return Path(value) if value else None
-
-
-REFUSALS = (SHM_REFUSAL, "this endpoint does not accept model files")
-
-
-def _meets_a_refusal(program: Path) -> bool:
-    """Whether the program registers shared memory or uploads model files (the ingress refuses both)."""
-    text = program.read_text()
-    return bool(re.search(r"register_(system|cuda)_shared_memory\(|load_model\([^)]*files=", text, re.S))
+    assert result.returncode == 0, f"{program.name} against {front_door.url_for(program)}: {shown(result)}"
 
 
 def _restore(server, urls: list[str]) -> None:
@@ -484,7 +422,7 @@ def _restore(server, urls: list[str]) -> None:
             client.load_model("simple")
 
 
-@pytest.mark.parametrize("program", _params(_extra_dir(), "extra programs"))
+@pytest.mark.parametrize("program", program_params(extra_dir(), "extra programs"))
 def test_extra_program_ends_as_against_triton(
     program: Path, front_door: FrontDoor, reference, tmp_path: Path
 ) -> None:
@@ -497,10 +435,10 @@ def test_extra_program_ends_as_against_triton(
         ours = run_program(program, front_door.url_for(program), tmp_path)
     finally:
         _restore(reference, [front_door.grpc])
-    shown = f"ours: {_shown(ours)}\nTriton's own: {_shown(theirs)}"
-    print(f"\n=== {program.name}: ours {ours.returncode}, Triton {theirs.returncode}\n{shown[-1500:]}")
+    both = f"ours: {shown(ours)}\nTriton's own: {shown(theirs)}"
+    print(f"\n=== {program.name}: ours {ours.returncode}, Triton {theirs.returncode}\n{both[-1500:]}")
     refused = any(text in ours.stdout + ours.stderr for text in REFUSALS)
-    if _meets_a_refusal(program) and theirs.returncode == 0:
-        assert ours.returncode != 0 and refused, shown
+    if meets_a_refusal(program) and theirs.returncode == 0:
+        assert ours.returncode != 0 and refused, both
     else:
-        assert ours.returncode == theirs.returncode, shown
+        assert ours.returncode == theirs.returncode, both
