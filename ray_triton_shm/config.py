@@ -292,6 +292,22 @@ class ServerConfig:
         return flags
 
     @property
+    def explicit_model_control(self) -> bool:
+        """Whether Triton runs with explicit model control: loads and unloads allowed while it runs.
+
+        ``model_control="explicit"`` or ``load_models`` turn it on; a
+        ``--model-control-mode`` flag in ``extra_args`` (given last) decides.
+        """
+        mode = "explicit" if self.load_models or self.model_control == "explicit" else "none"
+        args = list(self.extra_args)
+        for index, arg in enumerate(args):
+            if arg.startswith("--model-control-mode="):
+                mode = arg.split("=", 1)[1]
+            elif arg == "--model-control-mode" and index + 1 < len(args):
+                mode = args[index + 1]
+        return mode == "explicit"
+
+    @property
     def model_repositories(self) -> tuple[str, ...]:
         """Every repository served, as a tuple."""
         repo = self.model_repository

@@ -24,16 +24,20 @@ __all__ = [
     "LayoutError",
     "LayoutMismatchError",
     "LeaseReleasedError",
+    "ModelControlRefusedError",
     "NoGpuError",
     "OutputTooLargeError",
     "PoolClosedError",
     "PoolTimeoutError",
     "RayTritonShmError",
+    "RefusedError",
     "RequestTooLargeError",
     "ServerError",
     "ServerNotFoundError",
     "ServerStartError",
+    "SettingsRefusedError",
     "SharedMemoryError",
+    "SharedMemoryRefusedError",
     "SlotRefElsewhereError",
     "SlotRefError",
     "StaleSlotRefError",
@@ -225,3 +229,40 @@ class OutputTooLargeError(TritonCallError):
     Raise ``PoolConfig.max_shapes`` for that output, or set
     ``ClientConfig.grpc_fallback`` to send such requests over plain gRPC.
     """
+
+
+class RefusedError(RayTritonShmError):
+    """The KServe ingress does not serve a request, and its message says why and what to use instead.
+
+    Answered with the status Triton's own endpoint uses for the same kind of
+    refusal: ``UNIMPLEMENTED`` (HTTP 501) for what the ingress does not offer,
+    ``UNAVAILABLE`` (HTTP 503) for what the node's Triton is not configured to do.
+
+    Args:
+        message: Why, and what to use instead.
+        status: The gRPC status code name of the answer.
+    """
+
+    def __init__(self, message: str, status: str = "UNIMPLEMENTED") -> None:
+        super().__init__(message, status)
+        self.message = message
+        self.status = status
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SharedMemoryRefusedError(RefusedError):
+    """A client asked the ingress to register a shared-memory region (system or CUDA).
+
+    The app's shared memory lies on the server's own node and belongs to the
+    app: a client elsewhere cannot share memory with it.
+    """
+
+
+class ModelControlRefusedError(RefusedError):
+    """A model load or unload reached an app whose Triton does not run with explicit model control."""
+
+
+class SettingsRefusedError(RefusedError):
+    """A client asked the ingress to change the node Triton's log or trace settings."""

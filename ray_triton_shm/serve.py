@@ -20,11 +20,9 @@ against Serve unchanged, and Python code can call the deployment handle::
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,10 +32,10 @@ import ray
 import yaml
 from ray import serve
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ray_triton_shm._private.node.node_config import split_app_args
-from ray_triton_shm._private.serve import kserve, kserve_errors, kserve_http, kserve_limits
+from ray_triton_shm._private.serve import kserve, kserve_errors, kserve_http, kserve_limits, kserve_routes
 from ray_triton_shm._private.serve.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.serve.slot_ref import SlotRef
 from ray_triton_shm._private.serve.slot_ref_serve import SlotRefCaller, SlotRefLease, SlotRefMixin
@@ -60,10 +58,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
-_MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config)?$")
-
 
 def resolve_model_repository(value: str | Sequence[str] | None) -> str | tuple[str, ...]:
     """The model repository (or repositories) as Triton gets them.
@@ -140,6 +134,9 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         # the version served of known models
         self._versions = kserve_limits.VersionCache(ttl_s=_VERSION_TTL_S)
         self._max_request_bytes = node_config.max_request_bytes
+        self._node = kserve_routes.IngressNode(
+            self._client, node_config.server.explicit_model_control, node_config.max_request_bytes
+        )
         logger.info(
             "replica on node %s uses Triton %s", self._client.info.node_id, self._client.info.grpc_url
         )
@@ -172,7 +169,8 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         return dict(result), {"path": result.path, **(await self.whereami())}
 
     async def whereami(self) -> dict[str, Any]:
-        """This replica's pid and node (as Ray runs it), the node and Triton it uses, its slots in use."""
+        """This replica's pid and node (as Ray runs it), the node and Triton it uses (its pid and
+        gRPC and HTTP endpoints), its slots in use."""
         info = self._client.info
         return {
             "pid": os.getpid(),
@@ -181,70 +179,30 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             "triton_pid": info.triton_pid,
             "actor_pid": info.actor_pid,
             "grpc_url": info.grpc_url,
+            "http_url": info.http_url,
             "busy": {stats.model: stats.busy for stats in self._client.client.pool_stats()},
         }
 
     async def __call__(self, request: Request) -> Response:
-        """KServe v2 over HTTP, under whatever ``route_prefix`` the app has (see docs/serve.md)."""
+        """KServe v2 over HTTP, under whatever ``route_prefix`` the app has (see docs/serve.md).
+
+        Slot inference is answered here; every other route by
+        :func:`~ray_triton_shm._private.serve.kserve_routes.http_route`.
+        """
         path = kserve.route_path(request.scope)
         try:
-            if request.method == "POST":
-                match = _INFER.match(path)
-                if match:
-                    model, version = match.group(1), match.group(2)
-                    if version is not None:  # Triton honours the version (and any Content-Encoding)
-                        header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
-                        raw, body = await kserve_http.read_body(request, self._max_request_bytes)
-                        kserve.refuse_shm_parameters(body, header_length)
-                        return await self._proxy(request, path, raw)
-                    return await self._http_infer(model, request)
-            elif request.method == "GET":
-                if path in ("/v2/health/ready", "/v2/health/live"):
-                    return await self._proxy(request, path, None, probe=True)
-                if path == "/v2":
-                    return await self._server_metadata()
-                match = _MODEL.match(path)
-                if match:
-                    return await self._proxy(request, path, None, probe=match.group(3) == "/ready")
-            return _error(404, "Not Found")  # Triton's answer to a path it does not serve
+            model = kserve_routes.infer_route(request.method, path)
+            if model is not None:
+                return await self._http_infer(model, request)
+            body = None
+            if request.method not in ("GET", "HEAD"):
+                body = b"".join(await kserve_http.read_raw_body(request, self._max_request_bytes))
+            answer = await kserve_routes.http_route(
+                self._node, request.method, path, request.url.query, request.headers, body
+            )
+            return Response(answer.body, status_code=answer.status, headers=dict(answer.headers))
         except Exception as e:  # every failure becomes a KServe error object
             return _error_response(e)
-
-    async def _server_metadata(self) -> Response:
-        return JSONResponse(
-            {
-                "name": "ray-triton-shm",
-                "version": self._client.info.version,
-                "extensions": ["binary_tensor_data"],
-            }
-        )
-
-    async def _proxy(
-        self, request: Request, path: str, body: bytes | None, *, probe: bool = False
-    ) -> Response:
-        """Send the request to the node's Triton over loopback HTTP and give back its answer as is.
-
-        Health and readiness (``probe``) answer 400, KServe's "false", when
-        Triton does not answer within :data:`PROBE_TIMEOUT_S`; other routes 503.
-        """
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
-        target = kserve.triton_path(path, request.url.query)
-        try:
-            code, answer, answer_headers = await asyncio.to_thread(
-                _triton_http,
-                self._client.info.http_url,
-                request.method,
-                target,
-                body,
-                headers,
-                PROBE_TIMEOUT_S if probe else PROXY_TIMEOUT_S,
-            )
-        except OSError as e:
-            message = f"Triton on this node did not answer: {type(e).__name__}"
-            return _error(400 if probe else 503, message)
-        if code >= 400:  # Triton's messages can name shm keys; they must not leave the machine
-            answer = redact_bytes(answer)
-        return Response(answer, status_code=code, headers=answer_headers)
 
     async def _http_infer(self, model: str, request: Request) -> Response:
         # A binary request goes from Serve's chunks straight into a slot, its answer from the slot
@@ -266,7 +224,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         version = "1"
         try:
             code, answer, _ = await asyncio.to_thread(
-                _triton_http,
+                kserve_routes.triton_http,
                 self._client.info.http_url,
                 "GET",
                 kserve.triton_path(f"/v2/models/{model}", ""),
@@ -287,45 +245,9 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         return version
 
 
-PROBE_TIMEOUT_S = 2.0
+PROBE_TIMEOUT_S = kserve_routes.PROBE_TIMEOUT_S
 """How long a health or readiness probe waits for the node's Triton before answering "not ready"."""
-PROXY_TIMEOUT_S = 60.0
-"""How long metadata, config and versioned inference requests wait for the node's Triton."""
 _VERSION_TTL_S = 10.0
-_FORWARDED_HEADERS = ("content-type", "content-encoding", "accept-encoding", kserve.HEADER_LENGTH)
-_ANSWER_HEADERS = ("content-type", "content-encoding", kserve.HEADER_LENGTH)
-
-
-def _triton_http(
-    url: str, method: str, path: str, body: bytes | None, headers: Mapping[str, str], timeout: float
-) -> tuple[int, bytes, dict[str, str]]:
-    """One request to Triton's HTTP endpoint at ``host:port``: its status, body and protocol headers.
-
-    Raises:
-        OSError: Triton cannot be reached or did not answer in time.
-    """
-    host, _, port = url.rpartition(":")
-    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
-    try:
-        conn.request(method, path, body=body, headers=dict(headers))
-        answer = conn.getresponse()
-        data = answer.read()
-        kept = {k.lower(): v for k, v in answer.getheaders() if k.lower() in _ANSWER_HEADERS}
-        return answer.status, data, kept
-    except http.client.HTTPException as e:
-        raise OSError(f"unreadable answer from Triton: {e}") from e
-    finally:
-        conn.close()
-
-
-def redact_bytes(data: bytes) -> bytes:
-    """``data`` with segment keys redacted when it is text (Triton's error messages can name them)."""
-    if b"rtshm_" not in data:
-        return data
-    try:
-        return redact(data.decode()).encode()
-    except UnicodeDecodeError:
-        return data
 
 
 def _error(code: int, message: str) -> Response:

@@ -32,6 +32,10 @@ ARGS: dict[str, tuple] = {
     "TritonCallError": ("unexpected shape for input 'INPUT0'", "INVALID_ARGUMENT", "identity"),
     "UnavailableError": ("failed to connect to all addresses", "UNAVAILABLE", "add_sub"),
     "OutputTooLargeError": ("output 'OUTPUT0' should be at least 400 bytes", "INTERNAL", "identity"),
+    "RefusedError": ("ModelStreamInfer is not supported by this endpoint", "UNIMPLEMENTED"),
+    "SharedMemoryRefusedError": ("system shared-memory registration is not supported", "UNIMPLEMENTED"),
+    "ModelControlRefusedError": ("cannot load model 'simple': no explicit model control", "UNAVAILABLE"),
+    "SettingsRefusedError": ("changing log settings is not supported by this endpoint", "UNIMPLEMENTED"),
 }
 
 ATTRS: dict[str, tuple[str, ...]] = {
@@ -41,6 +45,10 @@ ATTRS: dict[str, tuple[str, ...]] = {
     "TritonCallError": ("message", "status", "model"),
     "UnavailableError": ("message", "status", "model"),
     "OutputTooLargeError": ("message", "status", "model"),
+    "RefusedError": ("message", "status"),
+    "SharedMemoryRefusedError": ("message", "status"),
+    "ModelControlRefusedError": ("message", "status"),
+    "SettingsRefusedError": ("message", "status"),
 }
 
 

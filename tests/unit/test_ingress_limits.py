@@ -93,7 +93,7 @@ def test_inflation_is_bounded_in_memory() -> None:
     tracemalloc.start()
     try:
         with pytest.raises(RequestTooLargeError):
-            kserve_http.inflate(bomb, "gzip", LIMIT)
+            kserve_limits.inflate(bomb, "gzip", LIMIT)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -181,6 +181,7 @@ def test_tritons_own_refusals_keep_their_text() -> None:
 
 def test_the_version_cache_is_bounded_and_skips_unknown_models(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray_triton_shm.serve as serve_module
+    from ray_triton_shm._private.serve import kserve_routes
 
     asked: list[str] = []
 
@@ -190,7 +191,7 @@ def test_the_version_cache_is_bounded_and_skips_unknown_models(monkeypatch: pyte
             return 200, b'{"name": "known", "versions": ["1", "3"]}', {}
         return 404, b'{"error": "Request for unknown model"}', {}
 
-    monkeypatch.setattr(serve_module, "_triton_http", fake_triton_http)
+    monkeypatch.setattr(kserve_routes, "triton_http", fake_triton_http)
     deployment = object.__new__(serve_module.TritonDeployment.func_or_class)
     deployment._client = type("C", (), {"info": type("I", (), {"http_url": "127.0.0.1:1"})()})()
     deployment._versions = kserve_limits.VersionCache()

@@ -401,6 +401,20 @@ class NodeClient:
         if error.server_fingerprint and actor is not None:
             ray.get(actor.layout_changed.remote(error.model), timeout=60)
 
+    def model_changed(self, model: str) -> None:
+        """Tell the node that ``model`` was loaded, reloaded or unloaded on its Triton by someone else.
+
+        The node reads the model's configuration again and retires its pools
+        of another layout (see the node actor's ``layout_changed``); the next
+        call takes a grant of the new one.
+
+        Raises:
+            UnavailableError: Triton is restarting or does not answer.
+        """
+        actor = self._actor
+        if actor is not None:
+            ray.get(actor.layout_changed.remote(model), timeout=60)
+
     def infer_grpc(self, model: str, inputs: Mapping[str, Any]) -> InferResult:
         """See :meth:`TritonShmClient.infer_grpc` (plain gRPC, for comparison)."""
         return self.client.infer_grpc(model, inputs)

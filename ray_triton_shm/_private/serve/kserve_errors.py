@@ -11,6 +11,7 @@ from ray_triton_shm.errors import (
     InputError,
     LayoutError,
     PoolTimeoutError,
+    RefusedError,
     RequestTooLargeError,
     TritonCallError,
     UnavailableError,
@@ -39,7 +40,8 @@ def http_status(error: BaseException) -> int:
     Bad requests (:class:`InputError`) are 400, and 413 when the body is too
     large (:class:`RequestTooLargeError`); Triton's own refusals keep the
     code of their kind (unknown model or version 404, invalid argument 400,
-    unavailable 503); a model that cannot use shared-memory slots is 501
+    unavailable 503), and so do the ingress's own refusals (:class:`RefusedError`:
+    unsupported 501, unavailable 503); a model that cannot use shared-memory slots is 501
     (Triton serves it, this ingress cannot); anything else is 500.
     """
     if isinstance(error, RequestTooLargeError):
@@ -52,7 +54,7 @@ def http_status(error: BaseException) -> int:
         return 503
     if isinstance(error, UnavailableError):
         return 503
-    if isinstance(error, TritonCallError):
+    if isinstance(error, (TritonCallError, RefusedError)):
         return _HTTP_BY_STATUS.get(error.status or "", 500)
     return 500
 
@@ -83,11 +85,11 @@ def error_message(error: BaseException) -> str:
     What a client may read, never the node's internals: a message that names
     an address, port or node id (a transport failure, a restarting node) is
     replaced by a plain one of its status, the pool's occupancy is left out of
-    a pool timeout, and an error that is not the client's or Triton's is
+    a pool timeout, the ingress's own refusals say why, and an error that is not the client's or Triton's is
     ``internal error (<type>)``. The full text is logged instead. Segment
     keys are redacted.
     """
-    if isinstance(error, InputError | LayoutError):
+    if isinstance(error, InputError | LayoutError | RefusedError):
         return redact(str(error))
     if isinstance(error, PoolTimeoutError):
         if error.detail:

@@ -12,11 +12,11 @@ those methods:
   replica's :class:`NodeClient`; the outputs are read from the slots into the
   answer's ``raw_output_contents``, as Triton answers.
 * ``ModelInfer`` with a version, or for a model whose tensors cannot live in
-  slots (unbounded dims), ``ServerLive``, ``ServerReady``,
-  ``ModelReady``, ``ModelMetadata``, ``ModelConfig``: passed to the node's
-  Triton over loopback gRPC and answered with its answer (or its status code
-  and message), so they are Triton's own. ``ServerMetadata`` is Triton's with
-  this ingress's name and extensions, as over HTTP.
+  slots (unbounded dims): passed to the node's Triton over loopback gRPC and
+  answered with its answer (or its status code and message).
+* Every other RPC: :func:`~ray_triton_shm._private.serve.kserve_grpc_routes.grpc_route`
+  (forwarded to the node's Triton over the same channel, answered, or refused
+  with a message), as over HTTP.
 
 Errors are gRPC statuses with Triton's code and message for what Triton
 refuses, ``INVALID_ARGUMENT`` for malformed requests (as Triton), and never
@@ -38,9 +38,12 @@ import ray
 from tritonclient.grpc import model_config_pb2, service_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 
+from ray_triton_shm._private.node import node_config
 from ray_triton_shm._private.serve.kserve import SHM_PARAMETERS, deserialize_bytes, serialize_bytes
 from ray_triton_shm._private.serve.kserve_errors import error_message, names_internals
+from ray_triton_shm._private.serve.kserve_grpc_routes import ROUTED, SERVICE, GrpcAnswerError, grpc_route
 from ray_triton_shm._private.serve.kserve_limits import check_shape
+from ray_triton_shm._private.serve.kserve_routes import PROXY_TIMEOUT_S, IngressNode
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
 from ray_triton_shm._private.shm.segment import redact
@@ -49,14 +52,15 @@ from ray_triton_shm.errors import (
     InputError,
     LayoutError,
     PoolTimeoutError,
-    RayTritonShmError,
+    RefusedError,
     TritonCallError,
     UnavailableError,
 )
 
 logger = logging.getLogger(__name__)
 
-SERVICE = "inference.GRPCInferenceService"
+__all__ = ["SERVICER_FUNCTION", "KServeGrpcMixin", "add_kserve_grpc_servicer"]
+
 SERVICER_FUNCTION = "ray_triton_shm.serve.add_kserve_grpc_servicer"
 """What ``grpc_options.grpc_servicer_functions`` must name for this ingress."""
 
@@ -76,8 +80,6 @@ def add_kserve_grpc_servicer(servicer: Any, server: Any) -> None:
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
 
 
-PROBE_TIMEOUT_S = 2.0
-PROXY_TIMEOUT_S = 60.0
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
@@ -101,23 +103,6 @@ _CONTENTS_FIELD = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
-
-
-class GrpcAnswerError(RayTritonShmError):
-    """An RPC answered with a non-OK status (Triton's, or ours for a bad request).
-
-    Args:
-        code: The gRPC status code name (``NOT_FOUND``, ...).
-        message: The status details.
-    """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(code, message)
-        self.code = code
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def decode_infer_request(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], list[str] | None]:
@@ -228,6 +213,8 @@ def status_of(error: BaseException) -> tuple[str, str]:
             logger.warning("gRPC ingress: answered %s for: %s", cause.code, message)
             message = _GENERIC_STATUS.get(cause.code, "internal error")
         return cause.code, message
+    if isinstance(cause, RefusedError):
+        return cause.status, redact(cause.message)
     if isinstance(cause, InputError):
         code = "INVALID_ARGUMENT"
     elif isinstance(cause, LayoutError):
@@ -250,7 +237,9 @@ _GENERIC_STATUS = {
 class KServeGrpcMixin:
     """The RPCs of ``inference.GRPCInferenceService`` as Serve deployment methods.
 
-    The class mixing it in has ``self._client`` (a :class:`NodeClient`) and
+    The class mixing it in has ``self._client`` (a :class:`NodeClient`),
+    ``self._node`` (the :class:`~ray_triton_shm._private.serve.kserve_routes.RouteNode`
+    of the routes; without it, one of ``self._client`` without model control) and
     ``async _served_version(model)``. Each method takes the request message and
     Serve's ``grpc_context`` and returns the response message; a failed call
     sets the status on the context and raises (Serve's proxy then answers that
@@ -262,44 +251,6 @@ class KServeGrpcMixin:
 
     async def _served_version(self, model: str) -> str:  # pragma: no cover - provided by the deployment
         raise NotImplementedError
-
-    async def ServerLive(
-        self, request: pb.ServerLiveRequest, grpc_context: Any = None
-    ) -> pb.ServerLiveResponse:
-        """Triton's answer; ``live: false`` when it does not answer within the probe timeout."""
-        return await self._probe("ServerLive", request, pb.ServerLiveResponse, grpc_context)
-
-    async def ServerReady(
-        self, request: pb.ServerReadyRequest, grpc_context: Any = None
-    ) -> pb.ServerReadyResponse:
-        """Triton's answer; ``ready: false`` when it does not answer within the probe timeout."""
-        return await self._probe("ServerReady", request, pb.ServerReadyResponse, grpc_context)
-
-    async def ModelReady(
-        self, request: pb.ModelReadyRequest, grpc_context: Any = None
-    ) -> pb.ModelReadyResponse:
-        """Triton's answer; ``ready: false`` when it does not answer within the probe timeout."""
-        return await self._probe("ModelReady", request, pb.ModelReadyResponse, grpc_context)
-
-    async def ServerMetadata(
-        self, request: pb.ServerMetadataRequest, grpc_context: Any = None
-    ) -> pb.ServerMetadataResponse:
-        """This ingress's name and extensions (as over HTTP) and the version of the node's Triton."""
-        return pb.ServerMetadataResponse(
-            name="ray-triton-shm", version=self._client.info.version, extensions=["binary_tensor_data"]
-        )
-
-    async def ModelMetadata(
-        self, request: pb.ModelMetadataRequest, grpc_context: Any = None
-    ) -> pb.ModelMetadataResponse:
-        """Triton's answer (or its error status)."""
-        return await self._answer("ModelMetadata", request, pb.ModelMetadataResponse, grpc_context)
-
-    async def ModelConfig(
-        self, request: pb.ModelConfigRequest, grpc_context: Any = None
-    ) -> pb.ModelConfigResponse:
-        """Triton's answer (or its error status)."""
-        return await self._answer("ModelConfig", request, pb.ModelConfigResponse, grpc_context)
 
     async def ModelInfer(
         self, request: pb.ModelInferRequest, grpc_context: Any = None
@@ -320,21 +271,9 @@ class KServeGrpcMixin:
 
     # -- the node's Triton over loopback gRPC ---------------------------------
 
-    async def _probe(self, method: str, request: Any, response_cls: Any, grpc_context: Any) -> Any:
-        try:
-            return await self._call(method, request, response_cls, PROBE_TIMEOUT_S)
-        except GrpcAnswerError as e:
-            if e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):  # no Triton to ask: not live, not ready
-                return response_cls()
-            _fail(grpc_context, e)
-        except Exception as e:
-            _fail(grpc_context, e)
-
-    async def _answer(self, method: str, request: Any, response_cls: Any, grpc_context: Any) -> Any:
-        try:
-            return await self._call(method, request, response_cls, PROXY_TIMEOUT_S)
-        except Exception as e:
-            _fail(grpc_context, e)
+    def _route_node(self) -> Any:
+        node = self.__dict__.get("_node")
+        return node if node is not None else IngressNode(self._client, False, node_config.MAX_REQUEST_BYTES)
 
     async def _call(self, method: str, request: Any, response_cls: Any, timeout: float) -> Any:
         """``method`` on the node's Triton.
@@ -394,33 +333,17 @@ def _fail(grpc_context: Any, error: BaseException) -> None:
     raise GrpcAnswerError(code, message) from error
 
 
-# RPCs of the service that this ingress does not serve: statistics, repository control,
-# shared-memory registration (a remote client cannot share the node's memory), trace
-# and log settings. Each answers UNIMPLEMENTED (``ModelStreamInfer`` is not routed).
-_UNSERVED = (
-    "ModelStatistics",
-    "RepositoryIndex",
-    "RepositoryModelLoad",
-    "RepositoryModelUnload",
-    "SystemSharedMemoryStatus",
-    "SystemSharedMemoryRegister",
-    "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryStatus",
-    "CudaSharedMemoryRegister",
-    "CudaSharedMemoryUnregister",
-    "TraceSetting",
-    "LogSettings",
-)
-
-
-def _unserved(name: str) -> Any:
+def _routed(name: str) -> Any:
     async def method(self: Any, request: Any, grpc_context: Any = None) -> Any:
-        _fail(grpc_context, GrpcAnswerError("UNIMPLEMENTED", f"{name} is not served by this ingress"))
+        try:
+            return await grpc_route(self._route_node(), name, request, self._call)
+        except Exception as e:
+            _fail(grpc_context, e)
 
     method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"``{name}``: not served here (``UNIMPLEMENTED``)."
+    method.__doc__ = f"``{name}``: see :mod:`~ray_triton_shm._private.serve.kserve_grpc_routes`."
     return method
 
 
-for _name in _UNSERVED:
-    setattr(KServeGrpcMixin, _name, _unserved(_name))
+for _name in ROUTED:
+    setattr(KServeGrpcMixin, _name, _routed(_name))

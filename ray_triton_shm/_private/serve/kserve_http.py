@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -37,7 +36,7 @@ from starlette.responses import Response
 
 from ray_triton_shm._private.core.slot_runs import chunks
 from ray_triton_shm._private.node import node_config
-from ray_triton_shm._private.serve import kserve
+from ray_triton_shm._private.serve import kserve, kserve_limits
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm._private.shm.validate import check_inputs
 from ray_triton_shm.errors import (
@@ -45,16 +44,10 @@ from ray_triton_shm.errors import (
     LayoutMismatchError,
     OutputTooLargeError,
     RayTritonShmError,
-    RequestTooLargeError,
 )
 
 logger = logging.getLogger(__name__)
 
-
-def _too_large(what: str, max_bytes: int) -> RequestTooLargeError:
-    return RequestTooLargeError(
-        f"{what} exceeds the maximum allowed size of {max_bytes} bytes (NodeConfig.max_request_bytes)"
-    )
 
 
 def check_content_length(request: Request, max_bytes: int) -> None:
@@ -65,7 +58,7 @@ def check_content_length(request: Request, max_bytes: int) -> None:
     """
     text = (request.headers.get("content-length") or "").strip()
     if text.isdigit() and text.isascii() and int(text) > max_bytes:
-        raise _too_large(f"request body of {int(text)} bytes", max_bytes)
+        raise kserve_limits.too_large(f"request body of {int(text)} bytes", max_bytes)
 
 
 async def read_raw_body(
@@ -96,12 +89,12 @@ async def _read_stream(
     chunks = [chunk for chunk in prefix if len(chunk)]
     size = sum(len(chunk) for chunk in chunks)
     if size > max_bytes:
-        raise _too_large("request body", max_bytes)
+        raise kserve_limits.too_large("request body", max_bytes)
     async for chunk in stream:
         if chunk:
             size += len(chunk)
             if size > max_bytes:
-                raise _too_large("request body", max_bytes)
+                raise kserve_limits.too_large("request body", max_bytes)
             chunks.append(chunk)
     return chunks
 
@@ -111,32 +104,6 @@ def content_encoding(request: Request) -> str:
     return (request.headers.get("content-encoding") or "identity").strip().lower()
 
 
-def inflate(data: bytes, encoding: str, max_bytes: int) -> bytes:
-    """``data`` inflated from ``encoding`` (``gzip`` or ``deflate``), never past ``max_bytes``.
-
-    Raises:
-        InputError: An unsupported encoding, or data that does not inflate.
-        RequestTooLargeError: It inflates to more than ``max_bytes``.
-    """
-    if encoding not in ("gzip", "deflate"):
-        raise InputError(f"unsupported Content-Encoding {encoding!r}")
-    inflator = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    parts: list[bytes] = []
-    size = 0
-    pending = data
-    try:
-        while pending and not inflator.eof:
-            part = inflator.decompress(pending, max_bytes + 1 - size)
-            size += len(part)
-            if size > max_bytes:
-                raise _too_large("decompressed request body", max_bytes)
-            parts.append(part)
-            pending = inflator.unconsumed_tail
-    except zlib.error as e:
-        raise InputError(f"request body is not valid {encoding} data: {e}") from e
-    if not inflator.eof:
-        raise InputError(f"request body is not valid {encoding} data: incomplete or truncated stream")
-    return b"".join(parts)
 
 
 async def read_body(
@@ -161,7 +128,7 @@ async def read_body(
     if encoding not in ("identity", "gzip", "deflate"):  # refused before the body is read
         raise InputError(f"unsupported Content-Encoding {encoding!r}")
     raw = b"".join(await read_raw_body(request, max_bytes, prefix, stream))
-    return raw, (raw if encoding == "identity" else inflate(raw, encoding, max_bytes))
+    return raw, (raw if encoding == "identity" else kserve_limits.inflate(raw, encoding, max_bytes))
 
 
 async def request_body(

@@ -88,7 +88,8 @@ def test_metadata_and_config_answer_as_triton(clients) -> None:
     reference = theirs.get_server_metadata(as_json=True)
     assert set(mine) == set(reference)
     assert mine["version"] == reference["version"]
-    assert mine["name"] == "ray-triton-shm"
+    assert mine["name"] == reference["name"] == "triton"
+    assert mine["extensions"] == ["model_configuration", "binary_tensor_data", "statistics"]
     for model in ("add_sub", "strings", "no_such_model"):
         assert outcome(ours.get_model_metadata, model, as_json=True) == outcome(
             theirs.get_model_metadata, model, as_json=True
@@ -141,11 +142,29 @@ def test_infer_goes_through_the_node_triton(ingress, clients) -> None:
     assert set(result.as_numpy("SERVER_PID").ravel()) == {where["triton_pid"]}
 
 
-def test_what_the_ingress_does_not_serve_is_unimplemented(clients) -> None:
-    ours, _ = clients
-    for call in (ours.get_inference_statistics, ours.get_model_repository_index):
-        assert outcome(call)[:2] == ("error", "StatusCode.UNIMPLEMENTED")
-    assert outcome(ours.get_system_shared_memory_status)[:2] == ("error", "StatusCode.UNIMPLEMENTED")
+def test_statistics_index_and_shared_memory_status_answer_as_triton(clients) -> None:
+    ours, theirs = clients
+    mine = ours.get_inference_statistics(as_json=True)["model_stats"]
+    reference = theirs.get_inference_statistics(as_json=True)["model_stats"]
+    assert sorted(m["name"] for m in mine) == sorted(m["name"] for m in reference)
+    assert outcome(ours.get_inference_statistics, "no_such_model") == outcome(
+        theirs.get_inference_statistics, "no_such_model"
+    )
+    assert outcome(ours.get_model_repository_index) == outcome(theirs.get_model_repository_index)
+    # The caller registered no regions (the app's own never show), as a fresh Triton answers.
+    assert outcome(ours.get_system_shared_memory_status) == outcome(theirs.get_system_shared_memory_status)
+    assert outcome(ours.get_cuda_shared_memory_status) == outcome(theirs.get_cuda_shared_memory_status)
+
+
+def test_what_the_ingress_refuses_says_why(clients) -> None:
+    ours, theirs = clients
+    refused = outcome(ours.register_system_shared_memory, "r", "/some_key", 64)
+    assert refused[:2] == ("error", "StatusCode.UNIMPLEMENTED")
+    assert "shared-memory registration is not supported by this endpoint" in refused[2]
+    for call in (ours.load_model, ours.unload_model):  # no explicit model control: Triton's code
+        mine, reference = outcome(call, "add_sub"), outcome(getattr(theirs, call.__name__), "add_sub")
+        assert mine[:2] == reference[:2] == ("error", "StatusCode.UNAVAILABLE")
+        assert "explicit model control" in mine[2]
 
 
 def test_errors_have_tritons_codes(clients) -> None:

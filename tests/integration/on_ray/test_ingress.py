@@ -161,7 +161,30 @@ def test_routes_live_under_the_prefix_only(ingress) -> None:
     root = base.removesuffix(PREFIX)
     assert requests.get(base + "/v2/health/ready", timeout=30).status_code == 200
     assert requests.get(root + "/v2/health/ready", timeout=30).status_code == 404
-    assert requests.get(base + "/v2", timeout=30).json()["extensions"] == ["binary_tensor_data"]
+    assert requests.get(base + "/v2/models/stats", timeout=30).status_code == 200
+    assert requests.get(root + "/v2/models/stats", timeout=30).status_code == 404
+
+
+def test_server_metadata_is_tritons_with_the_extensions_served(ingress, triton) -> None:
+    _, base = ingress
+    ours = requests.get(base + "/v2", timeout=30).json()
+    theirs = requests.get(triton + "/v2", timeout=30).json()
+    # No explicit model control here: the repository extensions are not served.
+    served = ["model_configuration", "binary_tensor_data", "statistics"]
+    assert ours == {"name": "triton", "version": theirs["version"], "extensions": served}
+
+
+def test_model_control_is_refused_without_explicit_mode(ingress, triton) -> None:
+    """Loads and unloads are Triton's 503 with a message that says why; the index is Triton's."""
+    _, base = ingress
+    for action in ("load", "unload"):
+        ours = requests.post(f"{base}/v2/repository/models/add_sub/{action}", timeout=60)
+        theirs = requests.post(f"{triton}/v2/repository/models/add_sub/{action}", timeout=60)
+        assert ours.status_code == theirs.status_code == 503
+        message = assert_error_object(ours)
+        assert f"cannot {action} model 'add_sub'" in message and "model_control: explicit" in message
+    index = [requests.post(url + "/v2/repository/index", timeout=60) for url in (base, triton)]
+    assert answer(index[0]) == answer(index[1])
 
 
 # -- inference ----------------------------------------------------------------------------
