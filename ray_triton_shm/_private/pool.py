@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import threading
 import time
 import weakref
@@ -32,7 +31,7 @@ from ray_triton_shm._private.bulk_copy import BulkCopier
 from ray_triton_shm._private.bytes_tensor import parse, serialize_into
 from ray_triton_shm._private.layout import ModelLayout, TensorSpec
 from ray_triton_shm._private.segment import Segment, new_segment_name
-from ray_triton_shm._private.slot_table import SlotTable
+from ray_triton_shm._private.slot_table import SlotTable, close_kept
 from ray_triton_shm.errors import (
     InputError,
     LayoutMismatchError,
@@ -416,7 +415,7 @@ class _LockHolder:
         with self._lock:
             self._views -= 1
             if self._views == 0:
-                os.close(self._fd)
+                close_kept(self._fd)
 
 
 def _check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, name: str) -> list[int]:

@@ -26,6 +26,12 @@ process that dies while leasing leaves its token (< 0) behind: the next process 
 that slot sees it and starts the quarantine itself. CLOCK_MONOTONIC is one
 clock for the whole machine, containers included.
 
+A forked child inherits its parent's descriptor of the table, and so its
+open file description: locks taken through it would not exclude the parent
+(the kernel sees one owner). Each table therefore takes a fresh description
+in the child right after ``fork()`` and forgets the parent's leases; the
+parent's locks stay with the parent alone.
+
 Example:
     >>> table = SlotTable.create(new_segment_name("slots"), slots=4, quarantine_s=30.0)
     >>> user = SlotTable.attach(table.name)
@@ -42,7 +48,9 @@ import fcntl
 import os
 import secrets
 import struct
+import threading
 import time
+import weakref
 from collections.abc import Iterable
 
 from ray_triton_shm._private.segment import Segment
@@ -71,6 +79,39 @@ def _flock(kind: int, index: int) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, index, 1, 0)
 
 
+# Every table of this process, and the descriptors that hold slots of closed tables (see
+# SlotTable.close): after a fork the child gets descriptions of its own and drops these copies.
+_tables: weakref.WeakSet[SlotTable] = weakref.WeakSet()
+_kept_fds: set[int] = set()
+_kept_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    for fd in _kept_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _kept_fds.clear()
+    for table in list(_tables):
+        table._leave_parent()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def close_kept(fd: int) -> None:
+    """Close a descriptor :meth:`SlotTable.close` returned, once its kept slots are free.
+
+    A no-op in a forked child, which never had those locks (and whose copy is closed already).
+    """
+    with _kept_lock:
+        if fd not in _kept_fds:
+            return
+        _kept_fds.discard(fd)
+    os.close(fd)
+
+
 class SlotTable:
     """The slot table of one pool, as seen by one process (see the module docstring).
 
@@ -85,6 +126,8 @@ class SlotTable:
         self._view = memoryview(segment.mm)
         self.slots = segment.size // _WORD.size - 2
         self._held: dict[int, int] = {}  # slot -> the token this process wrote for its lease
+        self._pid = os.getpid()
+        _tables.add(self)
 
     @classmethod
     def create(cls, name: str, *, slots: int, quarantine_s: float) -> SlotTable:
@@ -122,6 +165,28 @@ class SlotTable:
         except OSError as e:
             raise SharedMemoryError(f"cannot open slot table {name!r}: {e.strerror}") from e
 
+    def _leave_parent(self) -> None:
+        """In a forked child: a description of our own; the parent's leases stay the parent's."""
+        inherited, self._fd = self._fd, -1
+        self._held.clear()
+        self._pid = os.getpid()
+        if inherited < 0:
+            return
+        try:
+            # Through /proc: a new description of the very file, even if its name is gone.
+            self._fd = os.open(f"/proc/self/fd/{inherited}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            pass  # no table here: this child claims nothing (see _check_pid)
+        finally:
+            os.close(inherited)
+
+    def _check_pid(self) -> None:
+        """Refuse to act through a description shared with a parent (a fork the hook missed)."""
+        if self._pid != os.getpid():
+            self._leave_parent()
+        if self._fd < 0:
+            raise SharedMemoryError(f"slot table {self.name!r} is closed")
+
     @property
     def quarantine_ns(self) -> int:
         return _WORD.unpack_from(self._view, 8)[0]
@@ -151,6 +216,7 @@ class SlotTable:
         return True
 
     def _locked_elsewhere(self, index: int) -> bool:
+        self._check_pid()
         answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, index))
         return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
@@ -158,7 +224,12 @@ class SlotTable:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, index))
 
     def try_claim(self, index: int) -> bool:
-        """Take slot ``index`` for this process if nobody uses it and it is not protected."""
+        """Take slot ``index`` for this process if nobody uses it and it is not protected.
+
+        Raises:
+            SharedMemoryError: The table is closed in this process.
+        """
+        self._check_pid()
         if not self._lock(index):
             return False
         state, now = self._word(index), time.monotonic_ns()
@@ -173,9 +244,15 @@ class SlotTable:
         return False
 
     def release(self, index: int, protect_until_ns: int = FREE) -> None:
-        """Give slot ``index`` back, protected until ``protect_until_ns`` (monotonic ns) if given."""
+        """Give slot ``index`` back, protected until ``protect_until_ns`` (monotonic ns) if given.
+
+        A slot this process does not hold (a forked child's copy of its parent's lease) is left alone.
+        """
+        if self._pid != os.getpid():
+            self._leave_parent()
+        if self._held.pop(index, None) is None:
+            return
         self._set(index, protect_until_ns)
-        self._held.pop(index, None)
         self._unlock(index)
 
     def token(self, index: int) -> int | None:
@@ -189,12 +266,14 @@ class SlotTable:
         description than this process's) and its word is still ``token``: a
         lease that ended, or a slot someone else leased since, reads False.
         """
+        self._check_pid()
         if token >= LEASED or index in self._held:
             return False
         return self._word(index) == token and self._locked_elsewhere(index)
 
     def sweep(self) -> int:
         """Start the quarantine of slots left leased by processes that died. Returns how many."""
+        self._check_pid()
         found = 0
         for index in range(self.slots):
             if index in self._held or self._word(index) >= 0 or not self._lock(index):
@@ -238,14 +317,19 @@ class SlotTable:
         Returns:
             The descriptor still holding kept slots, or None.
         """
+        if self._pid != os.getpid():
+            self._leave_parent()
         fd, self._fd = self._fd, -1
-        if fd < 0:
-            return None
+        _tables.discard(self)
         self._view.release()
         self.segment.close()
+        if fd < 0:
+            return None
         kept = set(keep) & self._held.keys()
         self._held.clear()
         if kept:
+            with _kept_lock:
+                _kept_fds.add(fd)
             return fd
         os.close(fd)
         return None
