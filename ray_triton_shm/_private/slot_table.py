@@ -265,11 +265,19 @@ class SlotTable:
         True only while the slot's lock is held (by another open file
         description than this process's) and its word is still ``token``: a
         lease that ended, or a slot someone else leased since, reads False.
+
+        The word is read again after the lock is seen: a lease that ended and a
+        new one that took the slot between the first read and the lock check
+        would otherwise pass (the new holder's lock under the old token). A
+        token read twice around a held lock can still belong to a holder that
+        died while the next claimer, holding the lock, is about to start the
+        slot's quarantine: the slot then stays untouched for a whole
+        quarantine, which outlasts any request run on it.
         """
         self._check_pid()
         if token >= LEASED or index in self._held:
             return False
-        return self._word(index) == token and self._locked_elsewhere(index)
+        return self._word(index) == token and self._locked_elsewhere(index) and self._word(index) == token
 
     def sweep(self) -> int:
         """Start the quarantine of slots left leased by processes that died. Returns how many."""
