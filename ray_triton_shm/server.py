@@ -92,16 +92,46 @@ def _popen_from_launcher(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
     return done.result()
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL ``proc`` and its process group (its Python-backend stubs), then reap it.
+def _exit_code(proc: subprocess.Popen[bytes]) -> int | None:
+    """``proc``'s return code (as :attr:`subprocess.Popen.returncode`) if it exited; None while it runs.
 
-    The server leads its own group (``start_new_session``); it is our unreaped
-    child here, so its pid (the group id) cannot have been reused.
+    Never reaps it: an exited server stays a zombie until :func:`_kill_group`, so
+    its pid, which is its process group's id, cannot be handed to another process
+    while its backend stubs may still live in that group.
     """
+    if proc.returncode is not None:
+        return proc.returncode
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped behind our back (SIGCHLD ignored): Popen knows the rest
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` s for ``proc`` to exit, without reaping it. Returns whether it did."""
+    deadline = time.monotonic() + timeout
+    while _exit_code(proc) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc``'s process group (its Python-backend stubs), dead leader or not; then reap it.
+
+    The server leads its own group (``start_new_session``). Until it is reaped
+    here, its pid (the group id) is ours even if it died: stubs that outlive a
+    crashed server are killed with it, and no reused group can be hit.
+    """
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     proc.wait()
 
 
@@ -218,7 +248,7 @@ class TritonServer:
 
     def is_alive(self) -> bool:
         """Whether the process exists (a stopped or hung one counts as alive; see :meth:`probe`)."""
-        return self._proc is not None and self._proc.poll() is None
+        return self._proc is not None and _exit_code(self._proc) is None
 
     def probe(self, timeout: float = 1.0) -> bool:
         """Whether the server answers live and ready over HTTP, each within ``timeout`` seconds.
@@ -436,8 +466,8 @@ class TritonServer:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
-            if self._proc is None or self._proc.poll() is not None:
-                code = self._proc.returncode if self._proc else None
+            code = _exit_code(self._proc) if self._proc is not None else None
+            if self._proc is None or code is not None:
                 self._join_reader()
                 raise ServerStartError(
                     f"tritonserver exited with code {code} before it was ready", self.log_tail(60)
@@ -471,21 +501,17 @@ class TritonServer:
 
     def _terminate(self, kill: bool = False) -> None:
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            try:
-                if kill:
-                    _kill_group(proc)
-                else:
-                    proc.send_signal(signal.SIGINT)
-                    proc.send_signal(signal.SIGCONT)  # a stopped process handles SIGINT only once continued
-                    proc.wait(timeout=self.config.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("tritonserver ignored SIGINT for %gs; killing", self.config.stop_timeout_s)
-                _kill_group(proc)
-            except ProcessLookupError:
-                pass
         if proc is not None:
-            proc.wait()
+            if not kill and _exit_code(proc) is None:
+                try:
+                    os.kill(proc.pid, signal.SIGINT)
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process handles SIGINT only once continued
+                except ProcessLookupError:
+                    pass
+                if not _wait_exit(proc, self.config.stop_timeout_s):
+                    logger.warning("tritonserver ignored SIGINT for %gs; killing", self.config.stop_timeout_s)
+            # Always the whole group: a server that crashed leaves its backend stubs running.
+            _kill_group(proc)
             self._join_reader()
             if proc.stdout is not None:
                 proc.stdout.close()
