@@ -325,16 +325,20 @@ class _NodeActor:
         return grant
 
     # -- users and lifetime ---------------------------------------------------
-    def attach(self, user_id: str, pid: int, kind: str = "client") -> NodeInfo:
+    def attach(self, user_id: str, pid: int, kind: str = "client", lock: str | None = None) -> NodeInfo:
         """Register a user (a process on this node) of this Triton; returns how to reach it.
+
+        The user counts while it holds its ``lock`` (a ``UserLock``'s name); one
+        attached without a lock counts while ``pid`` runs here.
 
         Raises:
             UnavailableError: The actor is shutting down (its last user left);
                 ask again once it is gone and a new one starts.
+            InputError: ``lock`` is not one of our segments.
         """
         with self._lock:
             self._refuse_if_retiring()
-            self._users.attach(user_id, pid, kind)
+            self._users.attach(user_id, pid, kind, lock)
             return self.info()
 
     def detach(self, user_id: str) -> bool:

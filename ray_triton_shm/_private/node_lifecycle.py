@@ -91,9 +91,18 @@ def get_node_actor(config: NodeConfig | None = None, *, node_id: str | None = No
 
 
 def attach(
-    config: NodeConfig | None, user_id: str, pid: int, kind: str, *, timeout_s: float = 180.0
+    config: NodeConfig | None,
+    user_id: str,
+    pid: int,
+    kind: str,
+    *,
+    lock: str | None = None,
+    timeout_s: float = 180.0,
 ) -> tuple[ray.actor.ActorHandle, NodeInfo]:
     """Register a user with the node actor of its node, starting one if needed.
+
+    ``lock`` names the user's :class:`~ray_triton_shm._private.node_registry.UserLock`:
+    the actor counts the user for as long as that lock is held.
 
     An actor that is shutting down (its last user left) refuses; this waits
     until it is gone and starts a new one with ``config``.
@@ -109,7 +118,7 @@ def attach(
     while True:
         actor = get_node_actor(config)
         try:
-            return actor, ray.get(actor.attach.remote(user_id, pid, kind), timeout=timeout_s)
+            return actor, ray.get(actor.attach.remote(user_id, pid, kind, lock), timeout=timeout_s)
         except (UnavailableError, ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as e:
             if time.monotonic() > deadline:
                 raise RayTritonShmError(f"no node actor to attach to: {e}") from e

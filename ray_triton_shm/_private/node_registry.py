@@ -3,30 +3,99 @@
 Pure Python (no Ray). :class:`Users` is the node actor's registry of the
 processes that use its Triton (Serve replicas, Data workers, ``NodeClient``
 owners): the actor stops once the last one is gone for its grace period.
+A user proves it lives with a :class:`UserLock`, a small segment whose
+``flock`` it holds for as long as it lives: the kernel drops the lock when it
+dies, whatever pid namespace it runs in, so the actor never judges a user by a
+pid that may mean another process (or none) in its own namespace.
 :class:`Reaper` is a small process tied to the actor's life by a pipe: when
 the actor dies in any way (``ray.kill``, SIGKILL, ``ray stop``, a lost node),
 the pipe's other end closes and the reaper kills the actor's Triton and
 removes every segment the actor owned.
 
 Example:
+    >>> lock = UserLock()
     >>> users = Users()
-    >>> users.attach("replica-1", os.getpid(), "serve")
+    >>> users.attach("replica-1", os.getpid(), "serve", lock=lock.name)
     >>> users.idle_for()
     0.0
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import os
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 
-from ray_triton_shm._private.segment import SEGMENT_PREFIX, owner_tag, process_start_time
+from ray_triton_shm._private.segment import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    Segment,
+    new_segment_name,
+    owner_tag,
+    process_start_time,
+    validate_segment_name,
+)
+from ray_triton_shm.errors import InputError
 
 logger = logging.getLogger(__name__)
+
+
+class UserLock:
+    """A user process's proof of life for its node actor (see the module docstring).
+
+    A one-byte segment created and ``flock``-ed by this process; the lock goes
+    when the process dies (or calls :meth:`close`), and a forked child holds no
+    copy of it (see :mod:`.segment`).
+
+    Raises:
+        SharedMemoryError: The segment could not be created.
+    """
+
+    def __init__(self) -> None:
+        self._segment = Segment.create(new_segment_name("user"), 1)
+        self.name = self._segment.name
+
+    def close(self) -> None:
+        """Let go of the lock and remove its file. Idempotent."""
+        self._segment.close()
+
+
+def _lock_held(name: str) -> bool:
+    """Whether the user lock ``name`` is held (its user lives); removes the file of a dead user.
+
+    A file that cannot be opened for another reason than its absence (not ours
+    to open) cannot be judged: it counts as held.
+    """
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        logger.debug("cannot open user lock %s: %s", name, e)
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                logger.debug("cannot lock user lock %s: %s", name, e)
+            return True
+        try:  # its user is gone: remove the file, if the name still leads to what we locked
+            locked, current = os.fstat(fd), os.stat(path, follow_symlinks=False)
+            if (locked.st_dev, locked.st_ino) == (current.st_dev, current.st_ino):
+                os.unlink(path)
+        except OSError:
+            pass
+        return False
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -38,13 +107,23 @@ class User:
     start_time: int | None
     kind: str
     since: float
+    lock: str | None = None
+
+    def alive(self) -> bool:
+        """Whether the user's process lives: its lock is held (or, without one, its pid still runs)."""
+        if self.lock is not None:
+            return _lock_held(self.lock)
+        # No lock: only a pid seen running at attach, and still running since, counts.
+        return self.start_time is not None and process_start_time(self.pid) == self.start_time
 
 
 class Users:
     """The users of one node actor; thread-safe.
 
     A user is gone when it detaches or its process dies (checked by
-    :meth:`reap` against the pid's start time, so a reused pid is no user).
+    :meth:`reap`: its :class:`UserLock` is no longer held; for a user that
+    sent none, its pid no longer runs with the start time it had at attach,
+    or never did here).
     """
 
     def __init__(self) -> None:
@@ -52,10 +131,21 @@ class Users:
         self._users: dict[str, User] = {}
         self._empty_since: float | None = time.monotonic()
 
-    def attach(self, user_id: str, pid: int, kind: str) -> None:
-        """Register ``user_id`` (process ``pid``); attaching again refreshes it."""
+    def attach(self, user_id: str, pid: int, kind: str, lock: str | None = None) -> None:
+        """Register ``user_id`` (process ``pid``, alive while ``lock`` is held); attaching again refreshes it.
+
+        Raises:
+            InputError: ``lock`` is not the name of one of our segments.
+        """
+        if lock is not None:
+            try:
+                validate_segment_name(lock)
+            except Exception as e:
+                raise InputError(f"user lock {lock!r} is not a segment name: {e}") from e
+            if not lock.startswith(SEGMENT_PREFIX + "_"):
+                raise InputError(f"user lock {lock!r} is not one of our segments")
         with self._lock:
-            self._users[user_id] = User(user_id, pid, process_start_time(pid), kind, time.monotonic())
+            self._users[user_id] = User(user_id, pid, process_start_time(pid), kind, time.monotonic(), lock)
             self._empty_since = None
 
     def detach(self, user_id: str) -> bool:
@@ -68,7 +158,7 @@ class Users:
     def reap(self) -> list[User]:
         """Forget users whose process is gone; return them."""
         with self._lock:
-            dead = [u for u in self._users.values() if process_start_time(u.pid) != u.start_time]
+            dead = [u for u in self._users.values() if not u.alive()]
             for user in dead:
                 del self._users[user.user_id]
             self._mark_if_empty()
