@@ -31,6 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from ray_triton_shm._private import segment
@@ -195,6 +196,8 @@ class TritonServer:
         self._backend_guard: segment.Segment | None = None
         self.version: str = ""
         self.restarts = 0
+        # Called with (pid, process_marker) right after each launch, before the server is ready.
+        self.on_launch: Callable[[int, str], None] | None = None
         protect = config.protect_shm_api
         if protect is None:
             protect = not _is_loopback(config.host)
@@ -234,6 +237,15 @@ class TritonServer:
     def pid(self) -> int | None:
         """The server's process id while it runs."""
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def process_marker(self) -> str:
+        """Text on the command line of the running server and of its backend stubs ("" when stopped).
+
+        The Python backend's region prefix: 128 random bits, so a process that
+        shows it belongs to this server (see :attr:`on_launch`).
+        """
+        return self._backend_prefix if self._proc is not None else ""
 
     @property
     def binary_source(self) -> str:
@@ -443,6 +455,11 @@ class TritonServer:
         except BaseException:
             self._release_backend_segments()
             raise
+        if self.on_launch is not None:
+            try:
+                self.on_launch(self._proc.pid, self._backend_prefix)
+            except Exception:
+                logger.exception("the launch listener failed")
         self._reader = threading.Thread(
             target=self._pump_log, args=(self._proc,), name="tritonserver-log", daemon=True
         )

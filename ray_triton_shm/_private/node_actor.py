@@ -72,12 +72,13 @@ class _NodeActor:
         gpus = config.server.gpus
         self._gpu_visible = ",".join(map(str, gpus)) if gpus is not None else os.environ.get(_CVD)
         self._gpu_count = _local_gpu_count()
+        # The reaper learns each Triton as it is launched, long before its models are loaded.
+        self._server.on_launch = self._reaper.watch_triton
         try:
             self._server.start()  # sweeps segments of a previous incarnation first
         except BaseException:
             self._reaper.close()
             raise
-        self._reaper.watch_triton(self._server.pid)
         self._epoch = 1
         self._grpc = new_grpc_client(self._server.grpc_url)
         self._pools = NodePools(self._register, self._unregister, quarantine_s=config.quarantine_s)
@@ -193,6 +194,10 @@ class _NodeActor:
             except Exception:
                 logger.exception("node user check failed")
             try:
+                self._reaper.check()  # a reaper that died (OOM) is started again; status shows it
+            except Exception:
+                logger.exception("reaper check failed")
+            try:
                 metrics.record_pool_gauges(self.node_id, self._pools.stats())
             except Exception:
                 logger.debug("pool gauges failed", exc_info=True)
@@ -231,7 +236,6 @@ class _NodeActor:
                 logger.warning("Triton (pid %s) on node %s died; restarting", pid, self.node_id)
             try:
                 self._server.restart(kill=True)  # SIGKILL works on a stopped or hung process too
-                self._reaper.watch_triton(self._server.pid)
                 # Its own subchannels: the old channel's reconnect backoff from the dead Triton stays there.
                 grpc = new_grpc_client(self._server.grpc_url)
                 with self._lock:
@@ -385,7 +389,7 @@ class _NodeActor:
                 entry[1] += int(nbytes)
 
     def status(self) -> dict[str, Any]:
-        """What ``ray-triton-shm status`` shows: Triton, its models, pools, traffic by path."""
+        """What ``ray-triton-shm status`` shows: Triton, its models, pools, traffic by path, the reaper."""
         with self._lock:
             traffic = [
                 {"model": model, "path": path, "requests": v[0], "bytes": v[1]}
@@ -411,6 +415,7 @@ class _NodeActor:
             "pools": self._pools.stats(),
             "users": self._users.snapshot(),
             "idle_shutdown_s": self.config.idle_shutdown_s,
+            "reaper": self._reaper.state(),
             "models": models,
             "traffic": traffic,
         }

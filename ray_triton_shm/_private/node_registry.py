@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ray_triton_shm._private.segment import (
     SEGMENT_PREFIX,
@@ -189,11 +190,13 @@ class Users:
 
 # The reaper: forks once more and lets its parent exit, so it is nobody's child: Ray kills the
 # children of a worker it kills (``ray.kill``), and the reaper must outlive the actor. It reports
-# its pid on stdout, then waits for EOF on stdin (its owner died or let go), SIGKILLs the process
-# group of the Triton it was last told about, and unlinks the owner's segments.
+# its pid on stdout, then reads what to clean up from stdin ("triton <pid>": the process group
+# of the owner's Triton; "marker <text>": what that Triton's command line and its backend stubs'
+# carry) until EOF (its owner died or let go). Then it SIGKILLs that group if it is still
+# Triton's, and unlinks the owner's segments whose lock no live owner holds.
 # -I -S: no site, no user paths; it must start fast and import nothing of ours.
 _REAPER = r"""
-import os, signal, sys
+import fcntl, os, signal, sys
 if os.fork():
     os._exit(0)
 os.setsid()
@@ -203,32 +206,92 @@ sys.stdout.write("%d\n" % os.getpid())
 sys.stdout.flush()
 devnull = os.open(os.devnull, os.O_WRONLY)
 os.dup2(devnull, 1)
-prefix, triton = sys.argv[1], 0
+prefix, triton, marker = sys.argv[1], 0, b""
 for line in sys.stdin:
     word, _, value = line.strip().partition(" ")
     if word == "triton":
         triton = int(value)
-if triton > 0:
-    # Triton may be dead already (Ray kills a killed worker's children) while its backend
-    # stubs live on in its group; a pid is not reused while its group has members. A dead
-    # Triton not yet reaped (a zombie: init may take seconds) has an empty command line.
+    elif word == "marker":
+        marker = value.encode()
+
+
+def cmdline(pid):
     try:
-        with open("/proc/%d/cmdline" % triton, "rb") as f:
-            cmdline = f.read()
-        ours = not cmdline or b"tritonserver" in cmdline
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read()
     except OSError:
-        ours = True
-    if ours:
+        return b""  # unreadable: proves nothing
+
+
+def tritons(pgid):
+    # Triton may be dead already (Ray kills a killed worker's children; it may be a zombie with an
+    # empty command line, or reaped) while its backend stubs live on in its group, and its pid may
+    # since lead another group. The group is Triton's only if one of its processes carries the
+    # marker (the Python backend's region prefix: 128 random bits) on its command line.
+    if not marker:
+        return False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            os.killpg(triton, signal.SIGKILL)
+            with open("/proc/%s/stat" % entry, "rb") as f:
+                stat = f.read()
         except OSError:
-            pass
-for name in os.listdir("/dev/shm"):
-    if name.startswith(prefix):
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except OSError:
-            pass
+            continue
+        if int(stat[stat.rfind(b")") + 2 :].split()[2]) == pgid and marker in cmdline(int(entry)):
+            return True
+    return False
+
+
+if triton > 0 and tritons(triton):
+    try:
+        os.killpg(triton, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def locked(name):
+    # Whether a live owner holds the segment's lock: ours are all free once the owner died, so a
+    # held one belongs to another owner whose name starts alike (another container sharing
+    # /dev/shm can have an owner of the same pid and start time).
+    try:
+        fd = os.open("/dev/shm/" + name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def unlink_unowned(name):
+    path = "/dev/shm/" + name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+held = [n for n in names if locked(n)]
+for name in names:
+    # Never-locked files (the Python backend's) go with the guard segment their name starts with.
+    if name not in held and not any(name.startswith(guard + "_") for guard in held):
+        unlink_unowned(name)
 """
 
 
@@ -244,10 +307,12 @@ def _running(pid: int) -> bool:
 class Reaper:
     """A process that cleans up after this one when it dies (see the module docstring).
 
-    It removes every ``/dev/shm`` entry named with this process's owner tag,
-    so it must only be started by a process whose segments all go with it
-    (the node actor). It is not this process's child (it forks away), so a
-    Ray that kills a killed actor's children leaves it running.
+    It removes the ``/dev/shm`` entries named with this process's owner tag
+    whose lock no live process holds, so it must only be started by a process
+    whose segments all go with it (the node actor). It is not this process's
+    child (it forks away), so a Ray that kills a killed actor's children
+    leaves it running. If it dies itself, :meth:`check` starts another and
+    tells it what the first knew; :meth:`state` says so.
 
     Raises:
         RuntimeError: The reaper did not start.
@@ -257,6 +322,14 @@ class Reaper:
         self.prefix = f"{owner_tag()}_"
         if not self.prefix.startswith(SEGMENT_PREFIX + "_"):
             raise RuntimeError(f"unexpected owner tag {self.prefix!r}")
+        self._lock = threading.Lock()
+        self._triton: tuple[int, str] = (0, "")
+        self._closed = False
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self._pid, self._start_time, self._stdin = self._launch()
+
+    def _launch(self) -> tuple[int, int | None, Any]:
         launcher = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _REAPER, self.prefix],
             stdin=subprocess.PIPE,
@@ -271,33 +344,90 @@ class Reaper:
             if launcher.stdin is not None:
                 launcher.stdin.close()
             raise RuntimeError("the reaper process did not start")
-        self._pid = int(line)
-        self._stdin = launcher.stdin
-        self._lock = threading.Lock()
+        pid = int(line)
+        return pid, process_start_time(pid), launcher.stdin
 
     @property
     def pid(self) -> int:
         return self._pid
 
-    def watch_triton(self, pid: int | None) -> None:
-        """Tell the reaper which Triton to kill if this process dies (its process group leader)."""
+    def alive(self) -> bool:
+        """Whether the reaper process still runs (the very one started: its start time matches)."""
+        return self._start_time is not None and process_start_time(self._pid) == self._start_time
+
+    def _send_locked(self) -> None:
+        stdin = self._stdin
+        if stdin is None or stdin.closed:
+            return
+        pid, marker = self._triton
+        try:
+            stdin.write(f"triton {pid}\nmarker {marker}\n".encode())
+            stdin.flush()
+        except OSError as e:
+            logger.warning("reaper %d unreachable: %s", self._pid, e)
+
+    def watch_triton(self, pid: int | None, marker: str = "") -> None:
+        """Tell the reaper which Triton to kill if this process dies.
+
+        Args:
+            pid: The server's pid (its process group's id); 0 or None: none.
+            marker: Text on the command line of the server and of its backend
+                stubs (see :attr:`TritonServer.process_marker`); the group is
+                killed only while one of its processes shows it.
+        """
         with self._lock:
-            stdin = self._stdin
-            if stdin is None or stdin.closed:
-                return
+            self._triton = (pid or 0, marker if pid else "")
+            self._send_locked()
+
+    def check(self) -> bool:
+        """Start a new reaper if this one died (and tell it what it must know). Returns whether it did.
+
+        A reaper that cannot be started again is retried on the next call;
+        :meth:`state` shows the failure meanwhile.
+        """
+        with self._lock:
+            if self._closed or self.alive():
+                return False
+            failure = f"reaper (pid {self._pid}) died"
+            logger.error("%s; starting another", failure)
+            if self._stdin is not None:
+                try:
+                    self._stdin.close()
+                except OSError:
+                    pass
+                self._stdin = None
             try:
-                stdin.write(f"triton {pid or 0}\n".encode())
-                stdin.flush()
-            except OSError as e:
-                logger.warning("reaper unreachable: %s", e)
+                self._pid, self._start_time, self._stdin = self._launch()
+            except (OSError, RuntimeError) as e:
+                self.last_failure = f"{failure}; could not start another: {e}"
+                logger.error("%s", self.last_failure)
+                return False
+            self.restarts += 1
+            self.last_failure = f"{failure} at {time.strftime('%Y-%m-%d %H:%M:%S')}; restarted as {self._pid}"
+            self._send_locked()
+            return True
+
+    def state(self) -> dict[str, object]:
+        """For ``status``: the reaper's pid, whether it runs, how often it was restarted, the last failure."""
+        with self._lock:
+            return {
+                "pid": self._pid,
+                "alive": self.alive(),
+                "restarts": self.restarts,
+                "last_failure": self.last_failure,
+            }
 
     def close(self, timeout: float = 10.0) -> None:
         """Let the reaper run now (after an orderly shutdown it finds nothing) and wait for it. Idempotent."""
         self.watch_triton(0)  # stopped already: its pid may belong to someone else by now
         with self._lock:
+            self._closed = True
             stdin = self._stdin
             if stdin is not None and not stdin.closed:
-                stdin.close()
+                try:
+                    stdin.close()
+                except OSError:  # a dead reaper: what was still buffered for it cannot go
+                    pass
         deadline = time.monotonic() + timeout
         while _running(self._pid):
             if time.monotonic() > deadline:

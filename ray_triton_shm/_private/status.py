@@ -93,6 +93,18 @@ def _health_lines(health: dict[str, Any] | None) -> list[str]:
     return [line]
 
 
+def _reaper_lines(reaper: dict[str, Any] | None) -> list[str]:
+    """One line on the node actor's reaper (it cleans up if the actor dies); none if not reported."""
+    if not reaper:
+        return []
+    line = f"  reaper pid {reaper['pid']} {'ok' if reaper.get('alive') else 'DOWN'}"
+    if reaper.get("restarts"):
+        line += f"  restarts {reaper['restarts']}"
+    if reaper.get("last_failure"):
+        line += f"  last failure: {reaper['last_failure']}"
+    return [line]
+
+
 def render(nodes: list[dict[str, Any]]) -> str:
     """A readable report of :func:`collect`'s result."""
     if not nodes:
@@ -116,6 +128,7 @@ def render(nodes: list[dict[str, Any]]) -> str:
             f"metrics {info['metrics_url']}  pid {info['triton_pid']}  restarts {info['restarts']}"
         )
         out += _health_lines(node.get("health"))
+        out += _reaper_lines(node.get("reaper"))
         ready = [m["name"] for m in node["models"] if m.get("state") == "READY"]
         other = [
             f"{m['name']} ({m.get('state') or 'not loaded'})"

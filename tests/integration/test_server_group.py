@@ -68,3 +68,69 @@ def test_close_after_the_server_crashed_kills_its_backend_stubs(python_model_rep
         for pid in _group_members(leader):
             os.kill(pid, signal.SIGKILL)
         server.close()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+_SLOW_MODEL = '''
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep({seconds})
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", data)]))
+        return out
+'''
+_SLOW_CONFIG = """
+name: "slow_load"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+"""
+LOAD_S = 4.0
+
+
+@pytest.fixture
+def slow_loading_repository(tmp_path: Path) -> str:
+    """One Python model whose instance takes ``LOAD_S`` seconds to initialise."""
+    model = tmp_path / "slow" / "slow_load"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(_SLOW_MODEL.format(seconds=LOAD_S))
+    (model / "config.pbtxt").write_text(_SLOW_CONFIG)
+    return str(model.parent)
+
+
+def test_the_launch_listener_hears_of_the_server_before_its_models_load(slow_loading_repository: str) -> None:
+    server = TritonServer(ServerConfig(model_repository=slow_loading_repository, load_models=("slow_load",)))
+    heard: list[tuple[int, str, float, bool]] = []
+
+    def listener(pid: int, marker: str) -> None:
+        heard.append((pid, marker, time.monotonic(), marker.encode() in _cmdline(pid)))
+
+    server.on_launch = listener
+    with server:
+        ready_at = time.monotonic()
+        assert len(heard) == 1, heard
+        pid, marker, heard_at, marked = heard[0]
+        assert pid == server.pid and marker == server.process_marker and marker, (heard, server.pid)
+        assert ready_at - heard_at >= LOAD_S * 0.9, "the listener heard of the server only once it was ready"
+        assert marked, "the server's command line does not carry its marker"
+        stubs = [p for p in _group_members(pid) if p != pid]
+        assert stubs and all(marker.encode() in _cmdline(p) for p in stubs), "a stub lacks the marker"
+    assert server.process_marker == ""
