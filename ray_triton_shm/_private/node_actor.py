@@ -423,13 +423,17 @@ class _NodeActor:
     def kill_triton(self) -> int:
         """SIGKILL this node's Triton (for fault tests); the health check restarts it.
 
+        Waits for a restart under way (it holds the restart lock), so that the
+        pid signalled is the running server's, never one the restart let go of.
+
         Returns:
             The killed process id.
         """
-        pid = self._server.pid or -1
-        if pid > 0:
-            os.kill(pid, 9)
-        return pid
+        with self._restart_lock:
+            pid = self._server.pid or -1
+            if pid > 0:
+                os.kill(pid, 9)
+            return pid
 
     def shutdown(self) -> None:
         """Stop Triton, then unregister and unlink every segment (free GPU regions). Idempotent.
