@@ -604,6 +604,23 @@ class Lease:
         """Hold the slot back after release: the server may still write to it."""
         self._quarantine = True
 
+    def request_started(self, timeout_s: float | None) -> None:
+        """A request on this slot goes to the server now, with a deadline ``timeout_s`` from now (None: none).
+
+        In a pool shared through a slot table, the deadline is written there: if
+        this process dies before the answer, the slot stays protected until the
+        deadline plus the quarantine.
+        """
+        table = self.pool._table
+        if table is not None:
+            table.request_started(self.slot.index, timeout_s)
+
+    def request_ended(self) -> None:
+        """The request is over (answered, or refused); a request left in doubt keeps its deadline."""
+        table = self.pool._table
+        if table is not None and not self._quarantine:
+            table.request_ended(self.slot.index)
+
     @property
     def released(self) -> bool:
         return self._released

@@ -11,9 +11,11 @@ idle.
 The table also says, per slot, until when it is protected after its last
 user let go::
 
-    word 0        magic and version (the retired magic once the pool's owner retired it)
-    word 1        quarantine in ns (for slots whose user died while leasing)
-    word 2 + i    slot i: 0 free, < 0 leased, > 0 protected until CLOCK_MONOTONIC ns
+    word 0          magic and version (the retired magic once the pool's owner retired it)
+    word 1          quarantine in ns: the margin past a request's deadline
+    word 2 + i      slot i: 0 free, < 0 leased, > 0 protected until CLOCK_MONOTONIC ns
+    word 2 + n + i  slot i's request deadline (CLOCK_MONOTONIC ns) while its lease has a
+                    request on the server; 0 when it has none (or no deadline)
 
 A leased slot's word is its lease token, ``-(pid << 32 | nonce)``: the
 leasing process's pid and a random nonce drawn for this lease. Another process
@@ -25,6 +27,14 @@ request timed out (Triton may still write the outputs) writes a deadline. A
 process that dies while leasing leaves its token (< 0) behind: the next process to lock
 that slot sees it and starts the quarantine itself. CLOCK_MONOTONIC is one
 clock for the whole machine, containers included.
+
+The quarantine is a margin past the deadline of the last request that ran on
+the slot: a slot is never handed out again before that deadline plus the
+quarantine. A user that timed out is past its deadline already; one that died
+with a request on the server (its deadline word is set) may have sent it just
+before, so its slot is protected until that request's deadline plus the
+quarantine. A lease that died with no request on the server (or one without a
+deadline) is protected for the quarantine from when its death is seen.
 
 A forked child inherits its parent's descriptor of the table, and so its
 open file description: locks taken through it would not exclude the parent
@@ -56,10 +66,10 @@ from collections.abc import Iterable
 from ray_triton_shm._private.segment import Segment
 from ray_triton_shm.errors import SharedMemoryError
 
-MAGIC = 0x52545348_4D000001  # "RTSHM" + format 1
+MAGIC = 0x52545348_4D000002  # "RTSHM" + format 2
 # Written over MAGIC by the pool's owner when the pool is retired (its model was reloaded with
 # another configuration): users take no more slots of it and ask the owner for the new pool.
-RETIRED = 0x52545348_4D0001FF
+RETIRED = 0x52545348_4D0002FF
 _WORD = struct.Struct("<q")
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 FREE, LEASED = 0, -1
@@ -124,7 +134,7 @@ class SlotTable:
         self.name = segment.name
         self._fd = fd
         self._view = memoryview(segment.mm)
-        self.slots = segment.size // _WORD.size - 2
+        self.slots = (segment.size // _WORD.size - 2) // 2
         self._held: dict[int, int] = {}  # slot -> the token this process wrote for its lease
         self._pid = os.getpid()
         _tables.add(self)
@@ -136,7 +146,7 @@ class SlotTable:
         Raises:
             SharedMemoryError: The segment could not be created.
         """
-        segment = Segment.create(name, (slots + 2) * _WORD.size)
+        segment = Segment.create(name, (2 * slots + 2) * _WORD.size)
         _WORD.pack_into(segment.mm, 8, int(quarantine_s * 1e9))
         _WORD.pack_into(segment.mm, 0, MAGIC)
         return cls(segment, cls._open(name))
@@ -206,6 +216,31 @@ class SlotTable:
     def _set(self, index: int, value: int) -> None:
         _WORD.pack_into(self._view, 16 + 8 * index, value)
 
+    def _deadline(self, index: int) -> int:
+        return _WORD.unpack_from(self._view, 16 + 8 * (self.slots + index))[0]
+
+    def _set_deadline(self, index: int, value: int) -> None:
+        _WORD.pack_into(self._view, 16 + 8 * (self.slots + index), value)
+
+    def _dead_lease_until(self, index: int, now: int) -> int:
+        """Until when the slot of a lease that died is protected (see the module docstring)."""
+        return max(now, self._deadline(index)) + self.quarantine_ns
+
+    def request_started(self, index: int, timeout_s: float | None) -> None:
+        """Say that this process's lease of slot ``index`` has a request on the server now.
+
+        Args:
+            index: A slot this process holds (others are left alone).
+            timeout_s: The request's deadline from now; None: it has none.
+        """
+        if index in self._held:
+            self._set_deadline(index, time.monotonic_ns() + int(timeout_s * 1e9) if timeout_s else 0)
+
+    def request_ended(self, index: int) -> None:
+        """Say that the request on this process's slot ``index`` is over (answered or refused)."""
+        if index in self._held:
+            self._set_deadline(index, 0)
+
     def _lock(self, index: int) -> bool:
         try:
             fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, index))
@@ -234,7 +269,8 @@ class SlotTable:
             return False
         state, now = self._word(index), time.monotonic_ns()
         if state < 0:  # its last user died while leasing: a request may still be running
-            self._set(index, now + self.quarantine_ns)
+            self._set(index, self._dead_lease_until(index, now))
+            self._set_deadline(index, 0)
         elif state <= now:
             token = lease_token(os.getpid(), secrets.randbits(31) | 1)
             self._set(index, token)
@@ -252,6 +288,7 @@ class SlotTable:
             self._leave_parent()
         if self._held.pop(index, None) is None:
             return
+        self._set_deadline(index, 0)
         self._set(index, protect_until_ns)
         self._unlock(index)
 
@@ -287,7 +324,8 @@ class SlotTable:
             if index in self._held or self._word(index) >= 0 or not self._lock(index):
                 continue
             if self._word(index) < 0:
-                self._set(index, time.monotonic_ns() + self.quarantine_ns)
+                self._set(index, self._dead_lease_until(index, time.monotonic_ns()))
+                self._set_deadline(index, 0)
                 found += 1
             self._unlock(index)
         return found
@@ -296,11 +334,11 @@ class SlotTable:
         """``time.monotonic()`` until which slot ``index`` may still be written by a request (0: free).
 
         A slot in use (or left leased by a process that died) counts a whole
-        quarantine from now.
+        quarantine from now, or from its request's deadline if that is later.
         """
         word = self._word(index)
         if index in self._held or self._locked_elsewhere(index) or word < 0:
-            return (time.monotonic_ns() + self.quarantine_ns) / 1e9
+            return self._dead_lease_until(index, time.monotonic_ns()) / 1e9
         return max(word, 0) / 1e9
 
     def state(self, now_ns: int | None = None) -> dict[str, int]:
