@@ -119,3 +119,19 @@ def test_the_parents_slots_stay_held_while_and_after_a_forked_child_runs(table) 
 
 def _word(table: SlotTable, index: int) -> int:
     return table._word(index)
+
+
+def test_a_forked_child_closing_its_copy_of_an_owned_segment_leaves_it_to_the_owner() -> None:
+    from ray_triton_shm._private.segment import Segment
+
+    owned = Segment.create(new_segment_name("forktest"), 64)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child: closes what it inherited, as a worker's cleanup would
+            owned.close()
+            os._exit(0)
+        assert _exit_code(pid) == 0
+        assert os.path.exists(f"/dev/shm/{owned.name}"), "a forked child unlinked its parent's segment"
+    finally:
+        owned.close()
+    assert not os.path.exists(f"/dev/shm/{owned.name}")
