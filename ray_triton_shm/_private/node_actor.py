@@ -30,7 +30,7 @@ from ray_triton_shm._private.node_config import _CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node_health import HealthMonitor
 from ray_triton_shm._private.node_pools import CudaRegion, Grant, NodePools, pool_key
 from ray_triton_shm._private.node_registry import Reaper, Users
-from ray_triton_shm._private.segment import check_span, new_segment_name, redact
+from ray_triton_shm._private.segment import Segment, check_span, new_segment_name, redact
 from ray_triton_shm.client import translate_error
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import (
@@ -59,7 +59,9 @@ class _NodeActor:
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.RLock()
         self._fingerprint = config.fingerprint()
-        self._users = Users()
+        # Users lock a byte of it while they live (see node_registry.UserLock).
+        self._users_file = Segment.create(new_segment_name("users"), 1)
+        self._users = Users(self._users_file.name)
         self._retiring = False
         # Cleans up if this process dies without shutdown(): kills Triton, unlinks our segments.
         self._reaper = Reaper()
@@ -78,6 +80,8 @@ class _NodeActor:
             self._server.start()  # sweeps segments of a previous incarnation first
         except BaseException:
             self._reaper.close()
+            self._users.close()
+            self._users_file.close()
             raise
         self._epoch = 1
         self._grpc = new_grpc_client(self._server.grpc_url)
@@ -303,6 +307,7 @@ class _NodeActor:
                 fingerprint=self._fingerprint,
                 model_repository=self.config.server.model_repository,
                 actor_pid=os.getpid(),
+                users_file=self._users_file.name,
             )
 
     def acquire(self, model: str, device: int | None = None, force_cuda: bool = False) -> Grant:
@@ -329,16 +334,17 @@ class _NodeActor:
         return grant
 
     # -- users and lifetime ---------------------------------------------------
-    def attach(self, user_id: str, pid: int, kind: str = "client", lock: str | None = None) -> NodeInfo:
+    def attach(self, user_id: str, pid: int, kind: str = "client", lock: int | None = None) -> NodeInfo:
         """Register a user (a process on this node) of this Triton; returns how to reach it.
 
-        The user counts while it holds its ``lock`` (a ``UserLock``'s name); one
-        attached without a lock counts while ``pid`` runs here.
+        The user counts while it locks byte ``lock`` of :attr:`NodeInfo.users_file`
+        (a ``UserLock``); one attached without a lock counts while ``pid`` runs here.
 
         Raises:
             UnavailableError: The actor is shutting down (its last user left);
-                ask again once it is gone and a new one starts.
-            InputError: ``lock`` is not one of our segments.
+                ask again once it is gone and a new one starts. Or the byte is
+                not locked (the user locked another actor's users file).
+            InputError: ``lock`` is not a byte offset.
         """
         with self._lock:
             self._refuse_if_retiring()
@@ -447,6 +453,8 @@ class _NodeActor:
             self._server.stop()
             self._pools.close()
             self._grpc.close()
+            self._users.close()
+            self._users_file.close()
             self._reaper.close()
 
     # == issue 15 (helper "models"): model control and server warnings =====

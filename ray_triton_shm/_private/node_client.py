@@ -270,7 +270,7 @@ class NodeClient:
         return dataclasses.replace(base, **fields)
 
     def _connect(self) -> TritonShmClient:
-        actor, info = attach(self._config, self._user_id, os.getpid(), self._kind, lock=self._user_lock.name)
+        actor, info = attach(self._config, self._user_id, os.getpid(), self._kind, lock=self._user_lock)
         self._actor = actor
         config = self._config
         extra: dict[str, Any] = (

@@ -223,6 +223,8 @@ class NodeInfo:
         fingerprint: :meth:`NodeConfig.fingerprint` of what this Triton runs.
         model_repository: Its model repository.
         actor_pid: The node actor's process id.
+        users_file: The segment whose byte at its own offset each user locks
+            while it lives (see ``_private.node_registry.UserLock``).
     """
 
     node_id: str
@@ -239,6 +241,7 @@ class NodeInfo:
     fingerprint: str = ""
     model_repository: str = ""
     actor_pid: int = -1
+    users_file: str = ""
 
 
 def actor_name(node_id: str, config: NodeConfig) -> str:

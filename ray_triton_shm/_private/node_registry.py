@@ -3,100 +3,130 @@
 Pure Python (no Ray). :class:`Users` is the node actor's registry of the
 processes that use its Triton (Serve replicas, Data workers, ``NodeClient``
 owners): the actor stops once the last one is gone for its grace period.
-A user proves it lives with a :class:`UserLock`, a small segment whose
-``flock`` it holds for as long as it lives: the kernel drops the lock when it
-dies, whatever pid namespace it runs in, so the actor never judges a user by a
-pid that may mean another process (or none) in its own namespace.
+A user proves it lives with a :class:`UserLock`: an open-file-description
+lock on one byte, at an offset of its own (62 random bits), of the actor's
+*users file* (a one-byte segment the actor owns; locks may lie past its end).
+The kernel drops the lock when the user dies, whatever pid namespace it runs
+in, so the actor never judges a user by a pid that may mean another process
+(or none) in its own namespace, and a user leaves no file of its own behind.
 :class:`Reaper` is a small process tied to the actor's life by a pipe: when
 the actor dies in any way (``ray.kill``, SIGKILL, ``ray stop``, a lost node),
 the pipe's other end closes and the reaper kills the actor's Triton and
 removes every segment the actor owned.
 
 Example:
+    >>> from ray_triton_shm._private.segment import Segment, new_segment_name
+    >>> users_file = Segment.create(new_segment_name("users"), 1)
+    >>> users = Users(users_file.name)
     >>> lock = UserLock()
-    >>> users = Users()
-    >>> users.attach("replica-1", os.getpid(), "serve", lock=lock.name)
+    >>> lock.hold(users_file.name)
+    >>> users.attach("replica-1", os.getpid(), "serve", lock=lock.offset)
     >>> users.idle_for()
     0.0
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
+import secrets
+import struct
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from ray_triton_shm._private.segment import (
     SEGMENT_PREFIX,
     SHM_DIR,
-    Segment,
-    new_segment_name,
     owner_tag,
     process_start_time,
     validate_segment_name,
 )
-from ray_triton_shm.errors import InputError
+from ray_triton_shm.errors import InputError, SharedMemoryError, UnavailableError
 
 logger = logging.getLogger(__name__)
+
+
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+
+
+def _byte(kind: int, offset: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0)
+
+
+# User locks of this process: a forked child closes its copies (it is not the user).
+_user_locks: weakref.WeakSet[UserLock] = weakref.WeakSet()
+
+
+def _drop_inherited_user_locks() -> None:
+    for lock in list(_user_locks):
+        lock._forget()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_user_locks)
 
 
 class UserLock:
     """A user process's proof of life for its node actor (see the module docstring).
 
-    A one-byte segment created and ``flock``-ed by this process; the lock goes
-    when the process dies (or calls :meth:`close`), and a forked child holds no
-    copy of it (see :mod:`.segment`).
-
-    Raises:
-        SharedMemoryError: The segment could not be created.
+    Create it once per user; :meth:`hold` takes the lock in a node actor's
+    users file (again whenever the actor, and so the file, changes). A forked
+    child holds no copy of it.
     """
 
     def __init__(self) -> None:
-        self._segment = Segment.create(new_segment_name("user"), 1)
-        self.name = self._segment.name
+        self.offset = secrets.randbits(62) | 1
+        self.users_file = ""
+        self._fd = -1
+        self._pid = os.getpid()
+        _user_locks.add(self)
+
+    def hold(self, users_file: str) -> None:
+        """Hold this user's byte of ``users_file`` (letting go of any other file's). Idempotent.
+
+        Raises:
+            SharedMemoryError: The file cannot be opened, or the byte is locked by another user.
+        """
+        if self._pid != os.getpid():
+            self._forget()
+        if users_file == self.users_file and self._fd >= 0:
+            return
+        validate_segment_name(users_file)
+        self.close()
+        try:
+            fd = os.open(os.path.join(SHM_DIR, users_file), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise SharedMemoryError(f"cannot open users file {users_file!r}: {e.strerror}") from e
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _byte(fcntl.F_WRLCK, self.offset))
+        except OSError as e:
+            os.close(fd)
+            raise SharedMemoryError(f"cannot lock byte {self.offset} of {users_file!r}: {e}") from e
+        self._fd, self.users_file = fd, users_file
+
+    def _forget(self) -> None:
+        """In a forked child: close the copy (the parent's lock stays the parent's)."""
+        fd, self._fd, self.users_file = self._fd, -1, ""
+        self._pid = os.getpid()
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def close(self) -> None:
-        """Let go of the lock and remove its file. Idempotent."""
-        self._segment.close()
-
-
-def _lock_held(name: str) -> bool:
-    """Whether the user lock ``name`` is held (its user lives); removes the file of a dead user.
-
-    A file that cannot be opened for another reason than its absence (not ours
-    to open) cannot be judged: it counts as held.
-    """
-    path = os.path.join(SHM_DIR, name)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    except OSError as e:
-        logger.debug("cannot open user lock %s: %s", name, e)
-        return True
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-                logger.debug("cannot lock user lock %s: %s", name, e)
-            return True
-        try:  # its user is gone: remove the file, if the name still leads to what we locked
-            locked, current = os.fstat(fd), os.stat(path, follow_symlinks=False)
-            if (locked.st_dev, locked.st_ino) == (current.st_dev, current.st_ino):
-                os.unlink(path)
-        except OSError:
-            pass
-        return False
-    finally:
-        os.close(fd)
+        """Let go of the lock. Idempotent."""
+        if self._pid != os.getpid():
+            self._forget()
+            return
+        fd, self._fd, self.users_file = self._fd, -1, ""
+        if fd >= 0:
+            os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -108,43 +138,64 @@ class User:
     start_time: int | None
     kind: str
     since: float
-    lock: str | None = None
-
-    def alive(self) -> bool:
-        """Whether the user's process lives: its lock is held (or, without one, its pid still runs)."""
-        if self.lock is not None:
-            return _lock_held(self.lock)
-        # No lock: only a pid seen running at attach, and still running since, counts.
-        return self.start_time is not None and process_start_time(self.pid) == self.start_time
+    lock: int | None = None  # its byte of the users file (see UserLock)
 
 
 class Users:
     """The users of one node actor; thread-safe.
 
     A user is gone when it detaches or its process dies (checked by
-    :meth:`reap`: its :class:`UserLock` is no longer held; for a user that
-    sent none, its pid no longer runs with the start time it had at attach,
-    or never did here).
+    :meth:`reap`: its byte of the users file is no longer locked; for a user
+    that sent no lock, its pid no longer runs with the start time it had at
+    attach, or never did here).
+
+    Args:
+        users_file: The users file (a segment the actor owns) users lock their byte of.
+
+    Raises:
+        SharedMemoryError: The users file cannot be opened.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, users_file: str | None = None) -> None:
         self._lock = threading.Lock()
         self._users: dict[str, User] = {}
         self._empty_since: float | None = time.monotonic()
+        self.users_file = users_file or ""
+        self._fd = -1
+        if users_file:
+            try:
+                path = os.path.join(SHM_DIR, users_file)
+                self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as e:
+                raise SharedMemoryError(f"cannot open users file {users_file!r}: {e.strerror}") from e
 
-    def attach(self, user_id: str, pid: int, kind: str, lock: str | None = None) -> None:
-        """Register ``user_id`` (process ``pid``, alive while ``lock`` is held); attaching again refreshes it.
+    def _held(self, offset: int) -> bool:
+        answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _byte(fcntl.F_WRLCK, offset))
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
+    def _alive(self, user: User) -> bool:
+        if user.lock is not None:
+            return self._fd >= 0 and self._held(user.lock)
+        # No lock: only a pid seen running at attach, and still running since, counts.
+        return user.start_time is not None and process_start_time(user.pid) == user.start_time
+
+    def attach(self, user_id: str, pid: int, kind: str, lock: int | None = None) -> None:
+        """Register ``user_id`` (process ``pid``, alive while it locks byte ``lock`` of the users file).
+
+        Attaching again refreshes it.
 
         Raises:
-            InputError: ``lock`` is not the name of one of our segments.
+            InputError: ``lock`` is not a byte offset, or this registry has no users file.
+            UnavailableError: The byte is not locked: the user locked another
+                actor's users file (this actor replaced it); it must look again.
         """
         if lock is not None:
-            try:
-                validate_segment_name(lock)
-            except Exception as e:
-                raise InputError(f"user lock {lock!r} is not a segment name: {e}") from e
-            if not lock.startswith(SEGMENT_PREFIX + "_"):
-                raise InputError(f"user lock {lock!r} is not one of our segments")
+            if isinstance(lock, bool) or not isinstance(lock, int) or not 0 < lock < 1 << 62:
+                raise InputError(f"user lock must be a byte offset in 1..2**62-1, got {lock!r}")
+            if self._fd < 0:
+                raise InputError("this node actor takes no user locks")
+            if not self._held(lock):
+                raise UnavailableError(f"user {user_id} holds no lock in users file {self.users_file}")
         with self._lock:
             self._users[user_id] = User(user_id, pid, process_start_time(pid), kind, time.monotonic(), lock)
             self._empty_since = None
@@ -159,7 +210,7 @@ class Users:
     def reap(self) -> list[User]:
         """Forget users whose process is gone; return them."""
         with self._lock:
-            dead = [u for u in self._users.values() if not u.alive()]
+            dead = [u for u in self._users.values() if not self._alive(u)]
             for user in dead:
                 del self._users[user.user_id]
             self._mark_if_empty()
@@ -186,6 +237,12 @@ class Users:
     def __len__(self) -> int:
         with self._lock:
             return len(self._users)
+
+    def close(self) -> None:
+        """Close the users file's descriptor. Idempotent."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 # The reaper: forks once more and lets its parent exit, so it is nobody's child: Ray kills the

@@ -12,17 +12,26 @@ import time
 import pytest
 
 from ray_triton_shm._private.node_registry import UserLock, Users
-from ray_triton_shm._private.segment import list_segments
+from ray_triton_shm._private.segment import Segment, list_segments, new_segment_name
+from ray_triton_shm.errors import UnavailableError
 
-# A user process: takes its proof of life, says its pid (as it sees it) and the proof's name,
-# then lives until its stdin closes.
+# A user process: locks its byte of the users file, says its pid (as it sees it) and its
+# byte's offset, then lives until its stdin closes.
 _USER = (
     "import os, sys\n"
     "from ray_triton_shm._private.node_registry import UserLock\n"
     "lock = UserLock()\n"
-    "print(os.getpid(), lock.name, flush=True)\n"
+    "lock.hold(sys.argv[1])\n"
+    "print(os.getpid(), lock.offset, flush=True)\n"
     "sys.stdin.read()\n"
 )
+
+
+@pytest.fixture
+def users_file():
+    owned = Segment.create(new_segment_name("userstest"), 1)
+    yield owned.name
+    owned.close()
 
 
 def _wait_reaped(users: Users, user_id: str, timeout: float = 10.0) -> bool:
@@ -34,13 +43,16 @@ def _wait_reaped(users: Users, user_id: str, timeout: float = 10.0) -> bool:
     return False
 
 
-def _user_process(prefix: list[str]) -> tuple[subprocess.Popen[str], int, str]:
+def _user_process(prefix: list[str], users_file: str) -> tuple[subprocess.Popen[str], int, int]:
     proc = subprocess.Popen(
-        [*prefix, sys.executable, "-c", _USER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [*prefix, sys.executable, "-c", _USER, users_file],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
-    pid, name = proc.stdout.readline().split()
-    return proc, int(pid), name
+    pid, offset = proc.stdout.readline().split()
+    return proc, int(pid), int(offset)
 
 
 def test_an_attach_from_a_process_that_already_died_is_reaped() -> None:
@@ -49,37 +61,52 @@ def test_an_attach_from_a_process_that_already_died_is_reaped() -> None:
     users = Users()
     users.attach("late", dead.pid, "client")
     assert [u.user_id for u in users.reap()] == ["late"], "a user whose process is gone was kept"
-    assert len(users) == 0 and users.idle_for() >= 0
+    assert len(users) == 0
 
 
-def test_a_user_counts_while_its_lock_is_held_and_goes_with_it() -> None:
-    proc, pid, name = _user_process([])
-    users = Users()
+def test_a_user_counts_while_its_lock_is_held_and_leaves_nothing_behind(users_file: str) -> None:
+    proc, pid, offset = _user_process([], users_file)
+    users = Users(users_file)
     try:
-        users.attach("u", pid, "client", lock=name)
+        users.attach("u", pid, "client", lock=offset)
         assert users.reap() == [] and len(users) == 1
-        proc.kill()  # SIGKILL: no detach, the lock's file stays behind
+        proc.kill()  # SIGKILL: no detach
         proc.wait()
-        assert _wait_reaped(users, "u"), "a user whose lock holder died was kept"
-        assert name not in list_segments(), "the dead user's lock file was left in /dev/shm"
+        assert _wait_reaped(users, "u"), "a user whose process died was kept"
+        assert list_segments(f"rtshm_{pid}_") == [], "a dead user left a file in /dev/shm"
     finally:
         proc.kill()
         proc.wait()
+        users.close()
 
 
-def test_a_user_lock_refuses_the_pid_of_a_forked_child() -> None:
-    lock = UserLock()
+def test_an_attach_whose_lock_is_not_held_is_refused(users_file: str) -> None:
+    users = Users(users_file)
     try:
+        with pytest.raises(UnavailableError, match="holds no lock"):
+            users.attach("u", os.getpid(), "client", lock=UserLock().offset)
+        assert len(users) == 0
+    finally:
+        users.close()
+
+
+def test_a_forked_child_does_not_keep_its_parents_user_lock(users_file: str) -> None:
+    lock = UserLock()
+    lock.hold(users_file)
+    users = Users(users_file)
+    try:
+        users.attach("parent", os.getpid(), "client", lock=lock.offset)
         pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child: it holds no copy of its parent's lock
+        if pid == 0:  # pragma: no cover - the child: lets go of its copy, as a worker's cleanup would
+            lock.close()
             os._exit(0)
         os.waitpid(pid, 0)
-        users = Users()
-        users.attach("parent", os.getpid(), "client", lock=lock.name)
         assert users.reap() == [], "the parent's lock was let go by its forked child"
+        lock.close()
+        assert _wait_reaped(users, "parent")
     finally:
         lock.close()
-    assert lock.name not in list_segments()
+        users.close()
 
 
 def _can_unshare() -> bool:
@@ -90,13 +117,13 @@ def _can_unshare() -> bool:
 
 
 @pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare to make a second pid namespace")
-def test_a_user_in_another_pid_namespace_counts_while_alive_and_goes_when_it_exits() -> None:
+def test_a_user_in_another_pid_namespace_counts_while_alive_and_goes_when_it_exits(users_file: str) -> None:
     # A user whose pid means another process here, or none: only its lock tells.
-    proc, pid, name = _user_process(["unshare", "--pid", "--fork", "--mount-proc"])
-    users = Users()
+    proc, pid, offset = _user_process(["unshare", "--pid", "--fork", "--mount-proc"], users_file)
+    users = Users(users_file)
     try:
         assert pid < 10, f"not in a fresh pid namespace (pid {pid})"
-        users.attach("far", pid, "serve", lock=name)
+        users.attach("far", pid, "serve", lock=offset)
         time.sleep(0.2)
         assert users.reap() == [], "a live user in another pid namespace was reaped"
         assert proc.stdin is not None
@@ -107,5 +134,4 @@ def test_a_user_in_another_pid_namespace_counts_while_alive_and_goes_when_it_exi
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-    for leftover in list_segments(name):
-        os.unlink(f"/dev/shm/{leftover}")
+        users.close()
