@@ -31,6 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from ray_triton_shm._private.shm import segment
@@ -93,16 +94,46 @@ def _popen_from_launcher(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
     return done.result()
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL ``proc`` and its process group (its Python-backend stubs), then reap it.
+def _exit_code(proc: subprocess.Popen[bytes]) -> int | None:
+    """``proc``'s return code (as :attr:`subprocess.Popen.returncode`) if it exited; None while it runs.
 
-    The server leads its own group (``start_new_session``); it is our unreaped
-    child here, so its pid (the group id) cannot have been reused.
+    Never reaps it: an exited server stays a zombie until :func:`_kill_group`, so
+    its pid, which is its process group's id, cannot be handed to another process
+    while its backend stubs may still live in that group.
     """
+    if proc.returncode is not None:
+        return proc.returncode
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped behind our back (SIGCHLD ignored): Popen knows the rest
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` s for ``proc`` to exit, without reaping it. Returns whether it did."""
+    deadline = time.monotonic() + timeout
+    while _exit_code(proc) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc``'s process group (its Python-backend stubs), dead leader or not; then reap it.
+
+    The server leads its own group (``start_new_session``). Until it is reaped
+    here, its pid (the group id) is ours even if it died: stubs that outlive a
+    crashed server are killed with it, and no reused group can be hit.
+    """
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     proc.wait()
 
 
@@ -166,6 +197,8 @@ class TritonServer:
         self._backend_guard: segment.Segment | None = None
         self.version: str = ""
         self.restarts = 0
+        # Called with (pid, process_marker) right after each launch, before the server is ready.
+        self.on_launch: Callable[[int, str], None] | None = None
         protect = config.protect_shm_api
         if protect is None:
             protect = not _is_loopback(config.host)
@@ -207,6 +240,15 @@ class TritonServer:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def process_marker(self) -> str:
+        """Text on the command line of the running server and of its backend stubs ("" when stopped).
+
+        The Python backend's region prefix: 128 random bits, so a process that
+        shows it belongs to this server (see :attr:`on_launch`).
+        """
+        return self._backend_prefix if self._proc is not None else ""
+
+    @property
     def binary_source(self) -> str:
         """Where the binary came from (explicit, PATH, system, embedded)."""
         return self._plan.source if self._plan else ""
@@ -219,7 +261,7 @@ class TritonServer:
 
     def is_alive(self) -> bool:
         """Whether the process exists (a stopped or hung one counts as alive; see :meth:`probe`)."""
-        return self._proc is not None and self._proc.poll() is None
+        return self._proc is not None and _exit_code(self._proc) is None
 
     def probe(self, timeout: float = 1.0) -> bool:
         """Whether the server answers live and ready over HTTP, each within ``timeout`` seconds.
@@ -412,6 +454,11 @@ class TritonServer:
         except BaseException:
             self._release_backend_segments()
             raise
+        if self.on_launch is not None:
+            try:
+                self.on_launch(self._proc.pid, self._backend_prefix)
+            except Exception:
+                logger.exception("the launch listener failed")
         self._reader = threading.Thread(
             target=self._pump_log, args=(self._proc,), name="tritonserver-log", daemon=True
         )
@@ -435,8 +482,8 @@ class TritonServer:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
-            if self._proc is None or self._proc.poll() is not None:
-                code = self._proc.returncode if self._proc else None
+            code = _exit_code(self._proc) if self._proc is not None else None
+            if self._proc is None or code is not None:
                 self._join_reader()
                 raise ServerStartError(
                     f"tritonserver exited with code {code} before it was ready", self.log_tail(60)
@@ -470,21 +517,17 @@ class TritonServer:
 
     def _terminate(self, kill: bool = False) -> None:
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            try:
-                if kill:
-                    _kill_group(proc)
-                else:
-                    proc.send_signal(signal.SIGINT)
-                    proc.send_signal(signal.SIGCONT)  # a stopped process handles SIGINT only once continued
-                    proc.wait(timeout=self.config.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("tritonserver ignored SIGINT for %gs; killing", self.config.stop_timeout_s)
-                _kill_group(proc)
-            except ProcessLookupError:
-                pass
         if proc is not None:
-            proc.wait()
+            if not kill and _exit_code(proc) is None:
+                try:
+                    os.kill(proc.pid, signal.SIGINT)
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process handles SIGINT only once continued
+                except ProcessLookupError:
+                    pass
+                if not _wait_exit(proc, self.config.stop_timeout_s):
+                    logger.warning("tritonserver ignored SIGINT for %gs; killing", self.config.stop_timeout_s)
+            # Always the whole group: a server that crashed leaves its backend stubs running.
+            _kill_group(proc)
             self._join_reader()
             if proc.stdout is not None:
                 proc.stdout.close()

@@ -11,19 +11,22 @@ import time
 from ray_triton_shm._private.node.node_registry import _REAPER
 from tests.helpers import pid_alive
 
+_MARKER = f"rtshm_0_0_pyb_reapertest{os.getpid()}_"  # a server's backend region prefix
+
 # Plays Triton: leads its own process group, starts a "stub" in it, prints the stub's pid and
 # exits without being waited for, so it stays a zombie (an empty command line) for a while,
 # as a Triton killed with its actor does until init reaps it.
+# Its stub carries the server's marker (the Python backend's region prefix) on its command line.
 _FAKE_TRITON = (
     "import subprocess, sys\n"
-    "stub = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    "stub = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', sys.argv[1]])\n"
     "print(stub.pid, flush=True)\n"
 )
 
 
 def test_reaper_kills_the_group_of_a_triton_that_died_unreaped() -> None:
     leader = subprocess.Popen(
-        [sys.executable, "-c", _FAKE_TRITON, "tritonserver"], stdout=subprocess.PIPE, start_new_session=True
+        [sys.executable, "-c", _FAKE_TRITON, _MARKER], stdout=subprocess.PIPE, start_new_session=True
     )
     assert leader.stdout is not None
     stub = int(leader.stdout.readline())
@@ -43,7 +46,7 @@ def test_reaper_kills_the_group_of_a_triton_that_died_unreaped() -> None:
         assert reaper.stdin is not None and reaper.stdout is not None
         reaper_pid = int(reaper.stdout.readline())
         reaper.wait(30)  # the launcher exits at once; the reaper itself forked away
-        reaper.stdin.write(f"triton {leader.pid}\n".encode())
+        reaper.stdin.write(f"triton {leader.pid}\nmarker {_MARKER}\n".encode())
         reaper.stdin.close()  # its owner is gone
         deadline = time.monotonic() + 30
         while pid_alive(stub) or pid_alive(reaper_pid):
@@ -56,3 +59,88 @@ def test_reaper_kills_the_group_of_a_triton_that_died_unreaped() -> None:
         leader.stdout.close()
         if reaper is not None and reaper.stdout is not None:
             reaper.stdout.close()
+
+
+def _run_reaper(prefix: str, *lines: str) -> None:
+    """Start the reaper for ``prefix``, tell it ``lines``, let it run (its owner is gone) and wait for it."""
+    reaper = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _REAPER, prefix], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert reaper.stdin is not None and reaper.stdout is not None
+    try:
+        reaper_pid = int(reaper.stdout.readline())
+        reaper.wait(30)
+        for line in lines:
+            reaper.stdin.write(f"{line}\n".encode())
+        reaper.stdin.close()
+        deadline = time.monotonic() + 30
+        while pid_alive(reaper_pid):
+            assert time.monotonic() < deadline, "the reaper did not finish"
+            time.sleep(0.05)
+    finally:
+        reaper.stdout.close()
+
+
+# Holds the flock of a segment it creates (as a live owner in another container sharing
+# /dev/shm would) until its stdin closes.
+_HOLDER = (
+    "import sys\n"
+    "from ray_triton_shm._private.shm.segment import Segment\n"
+    "s = Segment.create(sys.argv[1], 64)\n"
+    "print('ok', flush=True)\n"
+    "sys.stdin.read()\n"
+    "s.close()\n"
+)
+
+
+def test_reaper_leaves_segments_whose_owner_lives_elsewhere() -> None:
+    # Two containers sharing /dev/shm can have owners with equal pids and start times:
+    # the reaper's name prefix then also matches the other owner's segments.
+    prefix = f"rtshm_7_7_reapertest{os.getpid()}_"
+    live, dead = f"{prefix}pyb_live", f"{prefix}slots_dead"
+    guarded = f"{live}_region"  # a Python-backend file: never locked, guarded by the live segment
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, live], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        for name in (dead, guarded):  # dead: ours, its owner (and its lock) gone
+            with open(f"/dev/shm/{name}", "wb") as f:
+                f.write(b"x")
+        _run_reaper(prefix)
+        assert not os.path.exists(f"/dev/shm/{dead}"), "the reaper left its dead owner's segment"
+        assert os.path.exists(f"/dev/shm/{live}"), "the reaper removed a segment another live owner holds"
+        assert os.path.exists(f"/dev/shm/{guarded}"), "the reaper removed a file another live owner guards"
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+        holder.stdout.close()
+        for name in (live, dead, guarded):
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
+
+
+def test_reaper_spares_a_group_that_is_not_its_tritons() -> None:
+    # The Triton the reaper was told about is long gone and its pid now leads an unrelated
+    # group (as after pid reuse): the group's leader exited and was reaped, a member lives on.
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys\n"
+         "m = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+         "print(m.pid, flush=True)\n"],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert leader.stdout is not None
+    member = int(leader.stdout.readline())
+    leader.wait(30)  # reaped: /proc/<leader> is gone, its group lives on in the member
+    leader.stdout.close()
+    try:
+        assert not os.path.exists(f"/proc/{leader.pid}")
+        marker = f"rtshm_0_0_pyb_reapertest{os.getpid()}_"  # what its Triton's processes would carry
+        _run_reaper(f"rtshm_0_0_reapertest{os.getpid()}_", f"triton {leader.pid}", f"marker {marker}")
+        time.sleep(0.2)
+        assert pid_alive(member), "the reaper killed a process group that was not its Triton's"
+    finally:
+        if pid_alive(member):
+            os.kill(member, signal.SIGKILL)

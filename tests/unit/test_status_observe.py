@@ -80,3 +80,11 @@ def test_render_shouts_server_warnings() -> None:
     text = status.render([{**NODE, "warnings": [warning]}])
     assert f"  !!! {warning}" in text.splitlines()
     assert "!!!" not in status.render([NODE])
+
+
+def test_status_reports_a_reaper_that_died() -> None:
+    down = {"pid": 4242, "alive": False, "restarts": 1, "last_failure": "reaper (pid 4241) died"}
+    text = status.render([{**NODE, "reaper": down}])
+    assert "reaper" in text and "4241" in text and "restarts 1" in text, text
+    up = {"pid": 4242, "alive": True, "restarts": 0, "last_failure": None}
+    assert "reaper pid 4242 ok" in status.render([{**NODE, "reaper": up}])

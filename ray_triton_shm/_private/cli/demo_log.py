@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -19,11 +20,30 @@ from pathlib import Path
 _NOISY = ("ray", "ray.data", "ray.serve", "ray.train", "ray.tune", "py.warnings")
 
 
+def demo_log_dir() -> Path:
+    """This user's private log directory: ``<temp dir>/ray-triton-shm-<uid>``, mode 0700.
+
+    A name in a shared temp directory can be taken first by another user (a
+    directory open to all, or a link to elsewhere). The directory is used only
+    if it is a real directory of this user that nobody else may enter; anything
+    else under that name makes this call use a fresh, unguessable directory
+    instead (``tempfile.mkdtemp``, also 0700).
+    """
+    uid = os.getuid()
+    directory = Path(tempfile.gettempdir()) / f"ray-triton-shm-{uid}"
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(directory)
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not stat.S_IMODE(info.st_mode) & 0o077:
+        return directory
+    return Path(tempfile.mkdtemp(prefix=f"ray-triton-shm-{uid}-"))
+
+
 def demo_log_path() -> Path:
-    """A fresh log file path under the temp directory (``ray-triton-shm/demo-<time>-<pid>.log``)."""
-    directory = Path(tempfile.gettempdir()) / "ray-triton-shm"
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    """A fresh log file path in :func:`demo_log_dir` (``demo-<time>-<pid>.log``)."""
+    return demo_log_dir() / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
 
 
 def capture_ray_loggers() -> None:

@@ -77,7 +77,7 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list
 
 
 def _health_lines(health: dict[str, Any] | None) -> list[str]:
-    """One line on Triton's health (see ``_private.node_health``); none from nodes that do not report it."""
+    """One line on Triton's health (see ``node_health``); none from nodes that do not report it."""
     if not health:
         return []
     line = f"  health {health['state']}"
@@ -91,6 +91,18 @@ def _health_lines(health: dict[str, Any] | None) -> list[str]:
         line += f"  last restart took {health['last_restart_s']:.1f}s"
     if health.get("last_error"):
         line += f"  last error: {health['last_error']}"
+    return [line]
+
+
+def _reaper_lines(reaper: dict[str, Any] | None) -> list[str]:
+    """One line on the node actor's reaper (it cleans up if the actor dies); none if not reported."""
+    if not reaper:
+        return []
+    line = f"  reaper pid {reaper['pid']} {'ok' if reaper.get('alive') else 'DOWN'}"
+    if reaper.get("restarts"):
+        line += f"  restarts {reaper['restarts']}"
+    if reaper.get("last_failure"):
+        line += f"  last failure: {reaper['last_failure']}"
     return [line]
 
 
@@ -117,6 +129,7 @@ def render(nodes: list[dict[str, Any]]) -> str:
             f"metrics {info['metrics_url']}  pid {info['triton_pid']}  restarts {info['restarts']}"
         )
         out += _health_lines(node.get("health"))
+        out += _reaper_lines(node.get("reaper"))
         ready = [m["name"] for m in node["models"] if m.get("state") == "READY"]
         other = [
             f"{m['name']} ({m.get('state') or 'not loaded'})"

@@ -31,7 +31,7 @@ from ray_triton_shm._private.node.node_registry import Reaper, Users
 from ray_triton_shm._private.shm.cuda import DeviceBuffer, local_device_uuids, local_gpu_count
 from ray_triton_shm._private.shm.cuda_devices import local_device_index
 from ray_triton_shm._private.shm.layout import config_fingerprint, layout_from_config
-from ray_triton_shm._private.shm.segment import check_span, new_segment_name, redact
+from ray_triton_shm._private.shm.segment import Segment, check_span, new_segment_name, redact
 from ray_triton_shm._private.triton.call_errors import translate_error
 from ray_triton_shm._private.triton.grpc_channel import new_grpc_client
 from ray_triton_shm.config import PoolConfig
@@ -59,7 +59,9 @@ class _NodeActor:
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.RLock()
         self._fingerprint = config.fingerprint()
-        self._users = Users()
+        # Users lock a byte of it while they live (see node_registry.UserLock).
+        self._users_file = Segment.create(new_segment_name("users"), 1)
+        self._users = Users(self._users_file.name)
         self._retiring = False
         # Cleans up if this process dies without shutdown(): kills Triton, unlinks our segments.
         self._reaper = Reaper()
@@ -72,12 +74,15 @@ class _NodeActor:
         gpus = config.server.gpus
         self._gpu_visible = ",".join(map(str, gpus)) if gpus is not None else os.environ.get(CVD)
         self._gpu_count = local_gpu_count()
+        # The reaper learns each Triton as it is launched, long before its models are loaded.
+        self._server.on_launch = self._reaper.watch_triton
         try:
             self._server.start()  # sweeps segments of a previous incarnation first
         except BaseException:
             self._reaper.close()
+            self._users.close()
+            self._users_file.close()
             raise
-        self._reaper.watch_triton(self._server.pid)
         self._epoch = 1
         self._grpc = new_grpc_client(self._server.grpc_url)
         self._pools = NodePools(self._register, self._unregister, quarantine_s=config.quarantine_s)
@@ -189,12 +194,16 @@ class _NodeActor:
             except Exception:
                 logger.exception("node user check failed")
             try:
+                self._reaper.check()  # a reaper that died (OOM) is started again; status shows it
+            except Exception:
+                logger.exception("reaper check failed")
+            try:
                 metrics.record_pool_gauges(self.node_id, self._pools.stats())
             except Exception:
                 logger.debug("pool gauges failed", exc_info=True)
 
     def check(self) -> dict[str, int]:
-        """Probe Triton; restart it if dead or unready too long (see ``_private.node_health``).
+        """Probe Triton; restart it if dead or unready too long (see ``_private.node.node_health``).
 
         Returns:
             ``{"restarted": 0|1}``.
@@ -227,7 +236,6 @@ class _NodeActor:
                 logger.warning("Triton (pid %s) on node %s died; restarting", pid, self.node_id)
             try:
                 self._server.restart(kill=True)  # SIGKILL works on a stopped or hung process too
-                self._reaper.watch_triton(self._server.pid)
                 # Its own subchannels: the old channel's reconnect backoff from the dead Triton stays there.
                 grpc = new_grpc_client(self._server.grpc_url)
                 with self._lock:
@@ -295,6 +303,7 @@ class _NodeActor:
                 fingerprint=self._fingerprint,
                 model_repository=self.config.server.model_repository,
                 actor_pid=os.getpid(),
+                users_file=self._users_file.name,
             )
 
     def acquire(self, model: str, device: int | None = None, force_cuda: bool = False) -> Grant:
@@ -321,16 +330,21 @@ class _NodeActor:
         return grant
 
     # -- users and lifetime ---------------------------------------------------
-    def attach(self, user_id: str, pid: int, kind: str = "client") -> NodeInfo:
+    def attach(self, user_id: str, pid: int, kind: str = "client", lock: int | None = None) -> NodeInfo:
         """Register a user (a process on this node) of this Triton; returns how to reach it.
+
+        The user counts while it locks byte ``lock`` of :attr:`NodeInfo.users_file`
+        (a ``UserLock``); one attached without a lock counts while ``pid`` runs here.
 
         Raises:
             UnavailableError: The actor is shutting down (its last user left);
-                ask again once it is gone and a new one starts.
+                ask again once it is gone and a new one starts. Or the byte is
+                not locked (the user locked another actor's users file).
+            InputError: ``lock`` is not a byte offset.
         """
         with self._lock:
             self._refuse_if_retiring()
-            self._users.attach(user_id, pid, kind)
+            self._users.attach(user_id, pid, kind, lock)
             return self.info()
 
     def detach(self, user_id: str) -> bool:
@@ -369,7 +383,7 @@ class _NodeActor:
         }
 
     def report(self, traffic: Sequence[tuple[str, str, int, int]]) -> None:
-        """Add a client's traffic sums, ``(model, path, requests, bytes)`` rows (see ``_private.metrics``)."""
+        """Add a client's traffic sums, ``(model, path, requests, bytes)`` rows (see ``metrics``)."""
         with self._lock:
             for model, path, requests, nbytes in traffic:
                 entry = self._traffic.setdefault((str(model), str(path)), [0, 0])
@@ -377,7 +391,7 @@ class _NodeActor:
                 entry[1] += int(nbytes)
 
     def status(self) -> dict[str, Any]:
-        """What ``ray-triton-shm status`` shows: Triton, its models, pools, traffic by path."""
+        """What ``ray-triton-shm status`` shows: Triton, its models, pools, traffic by path, the reaper."""
         with self._lock:
             traffic = [
                 {"model": model, "path": path, "requests": v[0], "bytes": v[1]}
@@ -403,6 +417,7 @@ class _NodeActor:
             "pools": self._pools.stats(),
             "users": self._users.snapshot(),
             "idle_shutdown_s": self.config.idle_shutdown_s,
+            "reaper": self._reaper.state(),
             "models": models,
             "traffic": traffic,
         }
@@ -410,13 +425,17 @@ class _NodeActor:
     def kill_triton(self) -> int:
         """SIGKILL this node's Triton (for fault tests); the health check restarts it.
 
+        Waits for a restart under way (it holds the restart lock), so that the
+        pid signalled is the running server's, never one the restart let go of.
+
         Returns:
             The killed process id.
         """
-        pid = self._server.pid or -1
-        if pid > 0:
-            os.kill(pid, 9)
-        return pid
+        with self._restart_lock:
+            pid = self._server.pid or -1
+            if pid > 0:
+                os.kill(pid, 9)
+            return pid
 
     def shutdown(self) -> None:
         """Stop Triton, then unregister and unlink every segment (free GPU regions). Idempotent.
@@ -430,6 +449,8 @@ class _NodeActor:
             self._server.stop()
             self._pools.close()
             self._grpc.close()
+            self._users.close()
+            self._users_file.close()
             self._reaper.close()
 
     # == model control and server warnings ===================================

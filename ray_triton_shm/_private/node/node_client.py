@@ -24,6 +24,7 @@ from ray_triton_shm._private.node import metrics
 from ray_triton_shm._private.node.node_config import CVD, NodeConfig, NodeInfo, split_app_args
 from ray_triton_shm._private.node.node_lifecycle import attach, get_node_actor
 from ray_triton_shm._private.node.node_pools import Grant
+from ray_triton_shm._private.node.node_registry import UserLock
 from ray_triton_shm._private.shm.cuda import DeviceBuffer, local_gpu_count, require_device
 from ray_triton_shm._private.shm.cuda_devices import server_device_id
 from ray_triton_shm._private.shm.cuda_pool import CudaSlotPool
@@ -229,7 +230,13 @@ class NodeClient:
         self.info: NodeInfo | None = None
         self._closed = False
         self._recheck = False  # a call failed as if Triton were down: look for a restart before the next
-        self._connect()
+        # Held while this process uses the node: the actor counts it as a user for as long.
+        self._user_lock = UserLock()
+        try:
+            self._connect()
+        except BaseException:
+            self._user_lock.close()
+            raise
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None = None, **options: Any) -> NodeClient:
@@ -260,7 +267,7 @@ class NodeClient:
         return dataclasses.replace(base, **fields)
 
     def _connect(self) -> TritonShmClient:
-        actor, info = attach(self._config, self._user_id, os.getpid(), self._kind)
+        actor, info = attach(self._config, self._user_id, os.getpid(), self._kind, lock=self._user_lock)
         self._actor = actor
         config = self._config
         extra: dict[str, Any] = (
@@ -500,6 +507,7 @@ class NodeClient:
                 ray.get(actor.detach.remote(self._user_id), timeout=10)
             except ray.exceptions.RayError as e:  # gone already: nothing to unregister from
                 logger.debug("detach from the node actor failed: %s", e)
+        self._user_lock.close()
 
     def __enter__(self) -> NodeClient:
         return self

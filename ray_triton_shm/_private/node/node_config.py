@@ -48,8 +48,11 @@ class NodeConfig:
         pools: Pool settings by model; other models use ``default_pool``.
         default_pool: Pool settings for models not in ``pools``.
         preload: Models whose pools are created when the actor starts.
-        quarantine_s: How long a slot is held back when a request on it may
-            still run on the server (its client timed out, or died mid-request).
+        quarantine_s: How long a slot is held back past the deadline of a
+            request that may still run on the server (its client timed out,
+            or died mid-request): a slot whose client died with a request on
+            the server comes back no sooner than that request's deadline
+            (the client's ``request_timeout_s``) plus this. Must be > 0.
         health_interval_s: How often Triton's health and client liveness are checked.
         idle_shutdown_s: Once the last user (a ``NodeClient``: Serve replica,
             Data worker, task) is gone for this long, the node actor stops its
@@ -101,8 +104,11 @@ class NodeConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ConfigError(f"NodeConfig.{name} must be a number, got {value!r}")
-        if self.quarantine_s < 0:
-            raise ConfigError("NodeConfig.quarantine_s must be >= 0")
+        if not 0 < self.quarantine_s < float("inf"):
+            raise ConfigError(
+                f"NodeConfig.quarantine_s must be > 0 (a margin past a request's deadline), "
+                f"got {self.quarantine_s!r}"
+            )
         if self.health_interval_s <= 0:
             raise ConfigError("NodeConfig.health_interval_s must be > 0")
         for name in ("unhealthy_after_s", "restart_backoff_s", "restart_backoff_max_s"):
@@ -232,6 +238,8 @@ class NodeInfo:
         fingerprint: :meth:`NodeConfig.fingerprint` of what this Triton runs.
         model_repository: Its model repository.
         actor_pid: The node actor's process id.
+        users_file: The segment whose byte at its own offset each user locks
+            while it lives (see ``_private.node.node_registry.UserLock``).
     """
 
     node_id: str
@@ -248,6 +256,7 @@ class NodeInfo:
     fingerprint: str = ""
     model_repository: str = ""
     actor_pid: int = -1
+    users_file: str = ""
 
 
 def actor_name(node_id: str, config: NodeConfig) -> str:

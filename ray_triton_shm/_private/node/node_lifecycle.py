@@ -29,7 +29,8 @@ from ray_triton_shm._private.node.node_config import (
     actor_name,
     node_prefix,
 )
-from ray_triton_shm.errors import RayTritonShmError, UnavailableError
+from ray_triton_shm._private.node.node_registry import UserLock
+from ray_triton_shm.errors import RayTritonShmError, SharedMemoryError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +92,18 @@ def get_node_actor(config: NodeConfig | None = None, *, node_id: str | None = No
 
 
 def attach(
-    config: NodeConfig | None, user_id: str, pid: int, kind: str, *, timeout_s: float = 180.0
+    config: NodeConfig | None,
+    user_id: str,
+    pid: int,
+    kind: str,
+    *,
+    lock: UserLock | None = None,
+    timeout_s: float = 180.0,
 ) -> tuple[ray.actor.ActorHandle, NodeInfo]:
     """Register a user with the node actor of its node, starting one if needed.
+
+    With a ``lock``, the user first locks its byte of the actor's users file:
+    the actor counts it for as long as it holds that lock.
 
     An actor that is shutting down (its last user left) refuses; this waits
     until it is gone and starts a new one with ``config``.
@@ -109,8 +119,19 @@ def attach(
     while True:
         actor = get_node_actor(config)
         try:
-            return actor, ray.get(actor.attach.remote(user_id, pid, kind), timeout=timeout_s)
-        except (UnavailableError, ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as e:
+            offset = None
+            if lock is not None:
+                users_file = ray.get(actor.info.remote(), timeout=timeout_s).users_file
+                if users_file:
+                    lock.hold(users_file)
+                    offset = lock.offset
+            return actor, ray.get(actor.attach.remote(user_id, pid, kind, offset), timeout=timeout_s)
+        except (
+            UnavailableError,
+            SharedMemoryError,  # its users file went with it: the actor is going away
+            ray.exceptions.ActorDiedError,
+            ray.exceptions.ActorUnavailableError,
+        ) as e:
             if time.monotonic() > deadline:
                 raise RayTritonShmError(f"no node actor to attach to: {e}") from e
             logger.info("node actor is going away; waiting for a new one (%s)", type(e).__name__)

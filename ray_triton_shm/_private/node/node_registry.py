@@ -3,30 +3,130 @@
 Pure Python (no Ray). :class:`Users` is the node actor's registry of the
 processes that use its Triton (Serve replicas, Data workers, ``NodeClient``
 owners): the actor stops once the last one is gone for its grace period.
+A user proves it lives with a :class:`UserLock`: an open-file-description
+lock on one byte, at an offset of its own (62 random bits), of the actor's
+*users file* (a one-byte segment the actor owns; locks may lie past its end).
+The kernel drops the lock when the user dies, whatever pid namespace it runs
+in, so the actor never judges a user by a pid that may mean another process
+(or none) in its own namespace, and a user leaves no file of its own behind.
 :class:`Reaper` is a small process tied to the actor's life by a pipe: when
 the actor dies in any way (``ray.kill``, SIGKILL, ``ray stop``, a lost node),
 the pipe's other end closes and the reaper kills the actor's Triton and
 removes every segment the actor owned.
 
 Example:
-    >>> users = Users()
-    >>> users.attach("replica-1", os.getpid(), "serve")
+    >>> from ray_triton_shm._private.shm.segment import Segment, new_segment_name
+    >>> users_file = Segment.create(new_segment_name("users"), 1)
+    >>> users = Users(users_file.name)
+    >>> lock = UserLock()
+    >>> lock.hold(users_file.name)
+    >>> users.attach("replica-1", os.getpid(), "serve", lock=lock.offset)
     >>> users.idle_for()
     0.0
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import secrets
+import struct
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
-from ray_triton_shm._private.shm.segment import SEGMENT_PREFIX, owner_tag, process_start_time
+from ray_triton_shm._private.shm.segment import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    owner_tag,
+    process_start_time,
+    validate_segment_name,
+)
+from ray_triton_shm.errors import InputError, SharedMemoryError, UnavailableError
 
 logger = logging.getLogger(__name__)
+
+
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+
+
+def _byte(kind: int, offset: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0)
+
+
+# User locks of this process: a forked child closes its copies (it is not the user).
+_user_locks: weakref.WeakSet[UserLock] = weakref.WeakSet()
+
+
+def _drop_inherited_user_locks() -> None:
+    for lock in list(_user_locks):
+        lock._forget()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_user_locks)
+
+
+class UserLock:
+    """A user process's proof of life for its node actor (see the module docstring).
+
+    Create it once per user; :meth:`hold` takes the lock in a node actor's
+    users file (again whenever the actor, and so the file, changes). A forked
+    child holds no copy of it.
+    """
+
+    def __init__(self) -> None:
+        self.offset = secrets.randbits(62) | 1
+        self.users_file = ""
+        self._fd = -1
+        self._pid = os.getpid()
+        _user_locks.add(self)
+
+    def hold(self, users_file: str) -> None:
+        """Hold this user's byte of ``users_file`` (letting go of any other file's). Idempotent.
+
+        Raises:
+            SharedMemoryError: The file cannot be opened, or the byte is locked by another user.
+        """
+        if self._pid != os.getpid():
+            self._forget()
+        if users_file == self.users_file and self._fd >= 0:
+            return
+        validate_segment_name(users_file)
+        self.close()
+        try:
+            fd = os.open(os.path.join(SHM_DIR, users_file), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise SharedMemoryError(f"cannot open users file {users_file!r}: {e.strerror}") from e
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _byte(fcntl.F_WRLCK, self.offset))
+        except OSError as e:
+            os.close(fd)
+            raise SharedMemoryError(f"cannot lock byte {self.offset} of {users_file!r}: {e}") from e
+        self._fd, self.users_file = fd, users_file
+
+    def _forget(self) -> None:
+        """In a forked child: close the copy (the parent's lock stays the parent's)."""
+        fd, self._fd, self.users_file = self._fd, -1, ""
+        self._pid = os.getpid()
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Let go of the lock. Idempotent."""
+        if self._pid != os.getpid():
+            self._forget()
+            return
+        fd, self._fd, self.users_file = self._fd, -1, ""
+        if fd >= 0:
+            os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -38,24 +138,66 @@ class User:
     start_time: int | None
     kind: str
     since: float
+    lock: int | None = None  # its byte of the users file (see UserLock)
 
 
 class Users:
     """The users of one node actor; thread-safe.
 
     A user is gone when it detaches or its process dies (checked by
-    :meth:`reap` against the pid's start time, so a reused pid is no user).
+    :meth:`reap`: its byte of the users file is no longer locked; for a user
+    that sent no lock, its pid no longer runs with the start time it had at
+    attach, or never did here).
+
+    Args:
+        users_file: The users file (a segment the actor owns) users lock their byte of.
+
+    Raises:
+        SharedMemoryError: The users file cannot be opened.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, users_file: str | None = None) -> None:
         self._lock = threading.Lock()
         self._users: dict[str, User] = {}
         self._empty_since: float | None = time.monotonic()
+        self.users_file = users_file or ""
+        self._fd = -1
+        if users_file:
+            try:
+                path = os.path.join(SHM_DIR, users_file)
+                self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as e:
+                raise SharedMemoryError(f"cannot open users file {users_file!r}: {e.strerror}") from e
 
-    def attach(self, user_id: str, pid: int, kind: str) -> None:
-        """Register ``user_id`` (process ``pid``); attaching again refreshes it."""
+    def _held(self, offset: int) -> bool:
+        answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _byte(fcntl.F_WRLCK, offset))
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
+    def _alive(self, user: User) -> bool:
+        if user.lock is not None:
+            return self._fd >= 0 and self._held(user.lock)
+        # No lock: only a pid seen running at attach, and still running since, counts.
+        return user.start_time is not None and process_start_time(user.pid) == user.start_time
+
+    def attach(self, user_id: str, pid: int, kind: str, lock: int | None = None) -> None:
+        """Register ``user_id`` (process ``pid``, alive while it locks byte ``lock`` of the users file).
+
+        Attaching again refreshes it.
+
+        Raises:
+            InputError: ``lock`` is not a byte offset, or this registry has no users file.
+            UnavailableError: The byte is not locked: the user locked another
+                actor's users file (this actor replaced it); it must look again.
+        """
+        if lock is not None:
+            if isinstance(lock, bool) or not isinstance(lock, int) or not 0 < lock < 1 << 62:
+                raise InputError(f"user lock must be a byte offset in 1..2**62-1, got {lock!r}")
+            if self._fd < 0:
+                raise InputError("this node actor takes no user locks")
+            if not self._held(lock):
+                raise UnavailableError(f"user {user_id} holds no lock in users file {self.users_file}")
         with self._lock:
-            self._users[user_id] = User(user_id, pid, process_start_time(pid), kind, time.monotonic())
+            self._users[user_id] = User(user_id, pid, process_start_time(pid), kind, time.monotonic(), lock)
             self._empty_since = None
 
     def detach(self, user_id: str) -> bool:
@@ -68,7 +210,7 @@ class Users:
     def reap(self) -> list[User]:
         """Forget users whose process is gone; return them."""
         with self._lock:
-            dead = [u for u in self._users.values() if process_start_time(u.pid) != u.start_time]
+            dead = [u for u in self._users.values() if not self._alive(u)]
             for user in dead:
                 del self._users[user.user_id]
             self._mark_if_empty()
@@ -96,14 +238,22 @@ class Users:
         with self._lock:
             return len(self._users)
 
+    def close(self) -> None:
+        """Close the users file's descriptor. Idempotent."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
 
 # The reaper: forks once more and lets its parent exit, so it is nobody's child: Ray kills the
 # children of a worker it kills (``ray.kill``), and the reaper must outlive the actor. It reports
-# its pid on stdout, then waits for EOF on stdin (its owner died or let go), SIGKILLs the process
-# group of the Triton it was last told about, and unlinks the owner's segments.
+# its pid on stdout, then reads what to clean up from stdin ("triton <pid>": the process group
+# of the owner's Triton; "marker <text>": what that Triton's command line and its backend stubs'
+# carry) until EOF (its owner died or let go). Then it SIGKILLs that group if it is still
+# Triton's, and unlinks the owner's segments whose lock no live owner holds.
 # -I -S: no site, no user paths; it must start fast and import nothing of ours.
 _REAPER = r"""
-import os, signal, sys
+import fcntl, os, signal, sys
 if os.fork():
     os._exit(0)
 os.setsid()
@@ -113,32 +263,92 @@ sys.stdout.write("%d\n" % os.getpid())
 sys.stdout.flush()
 devnull = os.open(os.devnull, os.O_WRONLY)
 os.dup2(devnull, 1)
-prefix, triton = sys.argv[1], 0
+prefix, triton, marker = sys.argv[1], 0, b""
 for line in sys.stdin:
     word, _, value = line.strip().partition(" ")
     if word == "triton":
         triton = int(value)
-if triton > 0:
-    # Triton may be dead already (Ray kills a killed worker's children) while its backend
-    # stubs live on in its group; a pid is not reused while its group has members. A dead
-    # Triton not yet reaped (a zombie: init may take seconds) has an empty command line.
+    elif word == "marker":
+        marker = value.encode()
+
+
+def cmdline(pid):
     try:
-        with open("/proc/%d/cmdline" % triton, "rb") as f:
-            cmdline = f.read()
-        ours = not cmdline or b"tritonserver" in cmdline
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read()
     except OSError:
-        ours = True
-    if ours:
+        return b""  # unreadable: proves nothing
+
+
+def tritons(pgid):
+    # Triton may be dead already (Ray kills a killed worker's children; it may be a zombie with an
+    # empty command line, or reaped) while its backend stubs live on in its group, and its pid may
+    # since lead another group. The group is Triton's only if one of its processes carries the
+    # marker (the Python backend's region prefix: 128 random bits) on its command line.
+    if not marker:
+        return False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            os.killpg(triton, signal.SIGKILL)
+            with open("/proc/%s/stat" % entry, "rb") as f:
+                stat = f.read()
         except OSError:
-            pass
-for name in os.listdir("/dev/shm"):
-    if name.startswith(prefix):
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except OSError:
-            pass
+            continue
+        if int(stat[stat.rfind(b")") + 2 :].split()[2]) == pgid and marker in cmdline(int(entry)):
+            return True
+    return False
+
+
+if triton > 0 and tritons(triton):
+    try:
+        os.killpg(triton, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def locked(name):
+    # Whether a live owner holds the segment's lock: ours are all free once the owner died, so a
+    # held one belongs to another owner whose name starts alike (another container sharing
+    # /dev/shm can have an owner of the same pid and start time).
+    try:
+        fd = os.open("/dev/shm/" + name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def unlink_unowned(name):
+    path = "/dev/shm/" + name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+held = [n for n in names if locked(n)]
+for name in names:
+    # Never-locked files (the Python backend's) go with the guard segment their name starts with.
+    if name not in held and not any(name.startswith(guard + "_") for guard in held):
+        unlink_unowned(name)
 """
 
 
@@ -154,10 +364,12 @@ def _running(pid: int) -> bool:
 class Reaper:
     """A process that cleans up after this one when it dies (see the module docstring).
 
-    It removes every ``/dev/shm`` entry named with this process's owner tag,
-    so it must only be started by a process whose segments all go with it
-    (the node actor). It is not this process's child (it forks away), so a
-    Ray that kills a killed actor's children leaves it running.
+    It removes the ``/dev/shm`` entries named with this process's owner tag
+    whose lock no live process holds, so it must only be started by a process
+    whose segments all go with it (the node actor). It is not this process's
+    child (it forks away), so a Ray that kills a killed actor's children
+    leaves it running. If it dies itself, :meth:`check` starts another and
+    tells it what the first knew; :meth:`state` says so.
 
     Raises:
         RuntimeError: The reaper did not start.
@@ -167,6 +379,14 @@ class Reaper:
         self.prefix = f"{owner_tag()}_"
         if not self.prefix.startswith(SEGMENT_PREFIX + "_"):
             raise RuntimeError(f"unexpected owner tag {self.prefix!r}")
+        self._lock = threading.Lock()
+        self._triton: tuple[int, str] = (0, "")
+        self._closed = False
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self._pid, self._start_time, self._stdin = self._launch()
+
+    def _launch(self) -> tuple[int, int | None, Any]:
         launcher = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _REAPER, self.prefix],
             stdin=subprocess.PIPE,
@@ -181,33 +401,90 @@ class Reaper:
             if launcher.stdin is not None:
                 launcher.stdin.close()
             raise RuntimeError("the reaper process did not start")
-        self._pid = int(line)
-        self._stdin = launcher.stdin
-        self._lock = threading.Lock()
+        pid = int(line)
+        return pid, process_start_time(pid), launcher.stdin
 
     @property
     def pid(self) -> int:
         return self._pid
 
-    def watch_triton(self, pid: int | None) -> None:
-        """Tell the reaper which Triton to kill if this process dies (its process group leader)."""
+    def alive(self) -> bool:
+        """Whether the reaper process still runs (the very one started: its start time matches)."""
+        return self._start_time is not None and process_start_time(self._pid) == self._start_time
+
+    def _send_locked(self) -> None:
+        stdin = self._stdin
+        if stdin is None or stdin.closed:
+            return
+        pid, marker = self._triton
+        try:
+            stdin.write(f"triton {pid}\nmarker {marker}\n".encode())
+            stdin.flush()
+        except OSError as e:
+            logger.warning("reaper %d unreachable: %s", self._pid, e)
+
+    def watch_triton(self, pid: int | None, marker: str = "") -> None:
+        """Tell the reaper which Triton to kill if this process dies.
+
+        Args:
+            pid: The server's pid (its process group's id); 0 or None: none.
+            marker: Text on the command line of the server and of its backend
+                stubs (see :attr:`TritonServer.process_marker`); the group is
+                killed only while one of its processes shows it.
+        """
         with self._lock:
-            stdin = self._stdin
-            if stdin is None or stdin.closed:
-                return
+            self._triton = (pid or 0, marker if pid else "")
+            self._send_locked()
+
+    def check(self) -> bool:
+        """Start a new reaper if this one died (and tell it what it must know). Returns whether it did.
+
+        A reaper that cannot be started again is retried on the next call;
+        :meth:`state` shows the failure meanwhile.
+        """
+        with self._lock:
+            if self._closed or self.alive():
+                return False
+            failure = f"reaper (pid {self._pid}) died"
+            logger.error("%s; starting another", failure)
+            if self._stdin is not None:
+                try:
+                    self._stdin.close()
+                except OSError:
+                    pass
+                self._stdin = None
             try:
-                stdin.write(f"triton {pid or 0}\n".encode())
-                stdin.flush()
-            except OSError as e:
-                logger.warning("reaper unreachable: %s", e)
+                self._pid, self._start_time, self._stdin = self._launch()
+            except (OSError, RuntimeError) as e:
+                self.last_failure = f"{failure}; could not start another: {e}"
+                logger.error("%s", self.last_failure)
+                return False
+            self.restarts += 1
+            self.last_failure = f"{failure} at {time.strftime('%Y-%m-%d %H:%M:%S')}; restarted as {self._pid}"
+            self._send_locked()
+            return True
+
+    def state(self) -> dict[str, object]:
+        """For ``status``: the reaper's pid, whether it runs, how often it was restarted, the last failure."""
+        with self._lock:
+            return {
+                "pid": self._pid,
+                "alive": self.alive(),
+                "restarts": self.restarts,
+                "last_failure": self.last_failure,
+            }
 
     def close(self, timeout: float = 10.0) -> None:
         """Let the reaper run now (after an orderly shutdown it finds nothing) and wait for it. Idempotent."""
         self.watch_triton(0)  # stopped already: its pid may belong to someone else by now
         with self._lock:
+            self._closed = True
             stdin = self._stdin
             if stdin is not None and not stdin.closed:
-                stdin.close()
+                try:
+                    stdin.close()
+                except OSError:  # a dead reaper: what was still buffered for it cannot go
+                    pass
         deadline = time.monotonic() + timeout
         while _running(self._pid):
             if time.monotonic() > deadline:

@@ -145,6 +145,12 @@ class _BorrowedSlot:
     def mark_in_doubt(self) -> None:
         self.in_doubt = True
 
+    def request_started(self, timeout_s: float | None) -> None:
+        """Nothing to record: the slot table's words belong to the leasing process."""
+
+    def request_ended(self) -> None:
+        """Nothing to record (see :meth:`request_started`)."""
+
 
 def _has_bytes_inputs(layout: Any) -> bool:
     """Whether a layout has BYTES inputs, whose serialised sizes a reference does not carry."""

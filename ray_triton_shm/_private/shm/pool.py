@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import threading
 import time
 import weakref
@@ -33,7 +32,7 @@ from ray_triton_shm._private.shm.bytes_tensor import parse, serialize_into
 from ray_triton_shm._private.shm.cuda import import_cupy
 from ray_triton_shm._private.shm.layout import ModelLayout, TensorSpec
 from ray_triton_shm._private.shm.segment import Segment, new_segment_name
-from ray_triton_shm._private.shm.slot_table import SlotTable
+from ray_triton_shm._private.shm.slot_table import SlotTable, close_kept
 from ray_triton_shm.errors import (
     InputError,
     LayoutMismatchError,
@@ -417,7 +416,7 @@ class _LockHolder:
         with self._lock:
             self._views -= 1
             if self._views == 0:
-                os.close(self._fd)
+                close_kept(self._fd)
 
 
 def check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, name: str) -> list[int]:
@@ -603,6 +602,23 @@ class Lease:
     def mark_in_doubt(self) -> None:
         """Hold the slot back after release: the server may still write to it."""
         self._quarantine = True
+
+    def request_started(self, timeout_s: float | None) -> None:
+        """A request on this slot goes to the server now, with a deadline ``timeout_s`` from now (None: none).
+
+        In a pool shared through a slot table, the deadline is written there: if
+        this process dies before the answer, the slot stays protected until the
+        deadline plus the quarantine.
+        """
+        table = self.pool._table
+        if table is not None:
+            table.request_started(self.slot.index, timeout_s)
+
+    def request_ended(self) -> None:
+        """The request is over (answered, or refused); a request left in doubt keeps its deadline."""
+        table = self.pool._table
+        if table is not None and not self._quarantine:
+            table.request_ended(self.slot.index)
 
     @property
     def released(self) -> bool:

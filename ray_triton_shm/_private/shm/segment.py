@@ -269,7 +269,7 @@ class Segment:
         return cls(name=name, size=actual, mm=mm, owner=False)
 
     def close(self, keep: Sequence[tuple[int, int]] = ()) -> None:
-        """Unmap, and unlink if owned. Idempotent.
+        """Unmap, and unlink if owned (by this process: not in a forked child). Idempotent.
 
         If arrays still point into the mapping it cannot be unmapped now; the
         name is unlinked all the same and the memory is freed when the last
@@ -288,7 +288,8 @@ class Segment:
             logger.warning("segment %s still has arrays pointing into it; unmapped later", self.name)
             for offset, size in keep:
                 _make_private(self.mm, offset, size)
-        if self.owner:
+        # A forked child's copy of an owned segment is not the owner: the name stays the parent's.
+        if self.owner and self._lock_pid == os.getpid():
             _unlink_quietly(self.name)
         # The lock goes only after the name: a sweeper never sees the file linked and unlocked.
         if self._lock_fd >= 0 and self._lock_pid == os.getpid():  # a forked child closed its copy already

@@ -11,9 +11,11 @@ idle.
 The table also says, per slot, until when it is protected after its last
 user let go::
 
-    word 0        magic and version (the retired magic once the pool's owner retired it)
-    word 1        quarantine in ns (for slots whose user died while leasing)
-    word 2 + i    slot i: 0 free, < 0 leased, > 0 protected until CLOCK_MONOTONIC ns
+    word 0          magic and version (the retired magic once the pool's owner retired it)
+    word 1          quarantine in ns: the margin past a request's deadline
+    word 2 + i      slot i: 0 free, < 0 leased, > 0 protected until CLOCK_MONOTONIC ns
+    word 2 + n + i  slot i's request deadline (CLOCK_MONOTONIC ns) while its lease has a
+                    request on the server; 0 when it has none (or no deadline)
 
 A leased slot's word is its lease token, ``-(pid << 32 | nonce)``: the
 leasing process's pid and a random nonce drawn for this lease. Another process
@@ -25,6 +27,20 @@ request timed out (Triton may still write the outputs) writes a deadline. A
 process that dies while leasing leaves its token (< 0) behind: the next process to lock
 that slot sees it and starts the quarantine itself. CLOCK_MONOTONIC is one
 clock for the whole machine, containers included.
+
+The quarantine is a margin past the deadline of the last request that ran on
+the slot: a slot is never handed out again before that deadline plus the
+quarantine. A user that timed out is past its deadline already; one that died
+with a request on the server (its deadline word is set) may have sent it just
+before, so its slot is protected until that request's deadline plus the
+quarantine. A lease that died with no request on the server (or one without a
+deadline) is protected for the quarantine from when its death is seen.
+
+A forked child inherits its parent's descriptor of the table, and so its
+open file description: locks taken through it would not exclude the parent
+(the kernel sees one owner). Each table therefore takes a fresh description
+in the child right after ``fork()`` and forgets the parent's leases; the
+parent's locks stay with the parent alone.
 
 Example:
     >>> table = SlotTable.create(new_segment_name("slots"), slots=4, quarantine_s=30.0)
@@ -42,16 +58,18 @@ import fcntl
 import os
 import secrets
 import struct
+import threading
 import time
+import weakref
 from collections.abc import Iterable
 
 from ray_triton_shm._private.shm.segment import Segment
 from ray_triton_shm.errors import SharedMemoryError
 
-MAGIC = 0x52545348_4D000001  # "RTSHM" + format 1
+MAGIC = 0x52545348_4D000002  # "RTSHM" + format 2
 # Written over MAGIC by the pool's owner when the pool is retired (its model was reloaded with
 # another configuration): users take no more slots of it and ask the owner for the new pool.
-RETIRED = 0x52545348_4D0001FF
+RETIRED = 0x52545348_4D0002FF
 _WORD = struct.Struct("<q")
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 FREE, LEASED = 0, -1
@@ -71,6 +89,39 @@ def _flock(kind: int, index: int) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, index, 1, 0)
 
 
+# Every table of this process, and the descriptors that hold slots of closed tables (see
+# SlotTable.close): after a fork the child gets descriptions of its own and drops these copies.
+_tables: weakref.WeakSet[SlotTable] = weakref.WeakSet()
+_kept_fds: set[int] = set()
+_kept_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    for fd in _kept_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _kept_fds.clear()
+    for table in list(_tables):
+        table._leave_parent()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def close_kept(fd: int) -> None:
+    """Close a descriptor :meth:`SlotTable.close` returned, once its kept slots are free.
+
+    A no-op in a forked child, which never had those locks (and whose copy is closed already).
+    """
+    with _kept_lock:
+        if fd not in _kept_fds:
+            return
+        _kept_fds.discard(fd)
+    os.close(fd)
+
+
 class SlotTable:
     """The slot table of one pool, as seen by one process (see the module docstring).
 
@@ -83,8 +134,10 @@ class SlotTable:
         self.name = segment.name
         self._fd = fd
         self._view = memoryview(segment.mm)
-        self.slots = segment.size // _WORD.size - 2
+        self.slots = (segment.size // _WORD.size - 2) // 2
         self._held: dict[int, int] = {}  # slot -> the token this process wrote for its lease
+        self._pid = os.getpid()
+        _tables.add(self)
 
     @classmethod
     def create(cls, name: str, *, slots: int, quarantine_s: float) -> SlotTable:
@@ -93,7 +146,7 @@ class SlotTable:
         Raises:
             SharedMemoryError: The segment could not be created.
         """
-        segment = Segment.create(name, (slots + 2) * _WORD.size)
+        segment = Segment.create(name, (2 * slots + 2) * _WORD.size)
         _WORD.pack_into(segment.mm, 8, int(quarantine_s * 1e9))
         _WORD.pack_into(segment.mm, 0, MAGIC)
         return cls(segment, cls._open(name))
@@ -122,6 +175,28 @@ class SlotTable:
         except OSError as e:
             raise SharedMemoryError(f"cannot open slot table {name!r}: {e.strerror}") from e
 
+    def _leave_parent(self) -> None:
+        """In a forked child: a description of our own; the parent's leases stay the parent's."""
+        inherited, self._fd = self._fd, -1
+        self._held.clear()
+        self._pid = os.getpid()
+        if inherited < 0:
+            return
+        try:
+            # Through /proc: a new description of the very file, even if its name is gone.
+            self._fd = os.open(f"/proc/self/fd/{inherited}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            pass  # no table here: this child claims nothing (see _check_pid)
+        finally:
+            os.close(inherited)
+
+    def _check_pid(self) -> None:
+        """Refuse to act through a description shared with a parent (a fork the hook missed)."""
+        if self._pid != os.getpid():
+            self._leave_parent()
+        if self._fd < 0:
+            raise SharedMemoryError(f"slot table {self.name!r} is closed")
+
     @property
     def quarantine_ns(self) -> int:
         return _WORD.unpack_from(self._view, 8)[0]
@@ -141,6 +216,31 @@ class SlotTable:
     def _set(self, index: int, value: int) -> None:
         _WORD.pack_into(self._view, 16 + 8 * index, value)
 
+    def _deadline(self, index: int) -> int:
+        return _WORD.unpack_from(self._view, 16 + 8 * (self.slots + index))[0]
+
+    def _set_deadline(self, index: int, value: int) -> None:
+        _WORD.pack_into(self._view, 16 + 8 * (self.slots + index), value)
+
+    def _dead_lease_until(self, index: int, now: int) -> int:
+        """Until when the slot of a lease that died is protected (see the module docstring)."""
+        return max(now, self._deadline(index)) + self.quarantine_ns
+
+    def request_started(self, index: int, timeout_s: float | None) -> None:
+        """Say that this process's lease of slot ``index`` has a request on the server now.
+
+        Args:
+            index: A slot this process holds (others are left alone).
+            timeout_s: The request's deadline from now; None: it has none.
+        """
+        if index in self._held:
+            self._set_deadline(index, time.monotonic_ns() + int(timeout_s * 1e9) if timeout_s else 0)
+
+    def request_ended(self, index: int) -> None:
+        """Say that the request on this process's slot ``index`` is over (answered or refused)."""
+        if index in self._held:
+            self._set_deadline(index, 0)
+
     def _lock(self, index: int) -> bool:
         try:
             fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, index))
@@ -151,6 +251,7 @@ class SlotTable:
         return True
 
     def _locked_elsewhere(self, index: int) -> bool:
+        self._check_pid()
         answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, index))
         return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
@@ -158,12 +259,18 @@ class SlotTable:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, index))
 
     def try_claim(self, index: int) -> bool:
-        """Take slot ``index`` for this process if nobody uses it and it is not protected."""
+        """Take slot ``index`` for this process if nobody uses it and it is not protected.
+
+        Raises:
+            SharedMemoryError: The table is closed in this process.
+        """
+        self._check_pid()
         if not self._lock(index):
             return False
         state, now = self._word(index), time.monotonic_ns()
         if state < 0:  # its last user died while leasing: a request may still be running
-            self._set(index, now + self.quarantine_ns)
+            self._set(index, self._dead_lease_until(index, now))
+            self._set_deadline(index, 0)
         elif state <= now:
             token = lease_token(os.getpid(), secrets.randbits(31) | 1)
             self._set(index, token)
@@ -173,9 +280,16 @@ class SlotTable:
         return False
 
     def release(self, index: int, protect_until_ns: int = FREE) -> None:
-        """Give slot ``index`` back, protected until ``protect_until_ns`` (monotonic ns) if given."""
+        """Give slot ``index`` back, protected until ``protect_until_ns`` (monotonic ns) if given.
+
+        A slot this process does not hold (a forked child's copy of its parent's lease) is left alone.
+        """
+        if self._pid != os.getpid():
+            self._leave_parent()
+        if self._held.pop(index, None) is None:
+            return
+        self._set_deadline(index, 0)
         self._set(index, protect_until_ns)
-        self._held.pop(index, None)
         self._unlock(index)
 
     def token(self, index: int) -> int | None:
@@ -188,19 +302,30 @@ class SlotTable:
         True only while the slot's lock is held (by another open file
         description than this process's) and its word is still ``token``: a
         lease that ended, or a slot someone else leased since, reads False.
+
+        The word is read again after the lock is seen: a lease that ended and a
+        new one that took the slot between the first read and the lock check
+        would otherwise pass (the new holder's lock under the old token). A
+        token read twice around a held lock can still belong to a holder that
+        died while the next claimer, holding the lock, is about to start the
+        slot's quarantine: the slot then stays untouched for a whole
+        quarantine, which outlasts any request run on it.
         """
+        self._check_pid()
         if token >= LEASED or index in self._held:
             return False
-        return self._word(index) == token and self._locked_elsewhere(index)
+        return self._word(index) == token and self._locked_elsewhere(index) and self._word(index) == token
 
     def sweep(self) -> int:
         """Start the quarantine of slots left leased by processes that died. Returns how many."""
+        self._check_pid()
         found = 0
         for index in range(self.slots):
             if index in self._held or self._word(index) >= 0 or not self._lock(index):
                 continue
             if self._word(index) < 0:
-                self._set(index, time.monotonic_ns() + self.quarantine_ns)
+                self._set(index, self._dead_lease_until(index, time.monotonic_ns()))
+                self._set_deadline(index, 0)
                 found += 1
             self._unlock(index)
         return found
@@ -209,11 +334,11 @@ class SlotTable:
         """``time.monotonic()`` until which slot ``index`` may still be written by a request (0: free).
 
         A slot in use (or left leased by a process that died) counts a whole
-        quarantine from now.
+        quarantine from now, or from its request's deadline if that is later.
         """
         word = self._word(index)
         if index in self._held or self._locked_elsewhere(index) or word < 0:
-            return (time.monotonic_ns() + self.quarantine_ns) / 1e9
+            return self._dead_lease_until(index, time.monotonic_ns()) / 1e9
         return max(word, 0) / 1e9
 
     def state(self, now_ns: int | None = None) -> dict[str, int]:
@@ -238,14 +363,19 @@ class SlotTable:
         Returns:
             The descriptor still holding kept slots, or None.
         """
+        if self._pid != os.getpid():
+            self._leave_parent()
         fd, self._fd = self._fd, -1
-        if fd < 0:
-            return None
+        _tables.discard(self)
         self._view.release()
         self.segment.close()
+        if fd < 0:
+            return None
         kept = set(keep) & self._held.keys()
         self._held.clear()
         if kept:
+            with _kept_lock:
+                _kept_fds.add(fd)
             return fd
         os.close(fd)
         return None

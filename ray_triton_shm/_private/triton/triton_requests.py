@@ -99,6 +99,7 @@ class TritonRequests:
         lease.flush()
         started = time.perf_counter()
         for attempt in (0, 1):
+            lease.request_started(self._timeout)  # if we die now, the slot waits out this deadline
             try:
                 shapes_out = self.send_shm(layout.model, inputs, outputs)
                 break
@@ -113,6 +114,8 @@ class TritonRequests:
                 if error.status == "INVALID_ARGUMENT":
                     self._verify_layout(layout)  # a reloaded model: a typed error, not a puzzle
                 raise
+            finally:
+                lease.request_ended()
         seconds = time.perf_counter() - started
         nbytes = nbytes_in + sum(_output_nbytes(lease, name, shape) for name, shape in shapes_out.items())
         path = "cuda_shm" if lease.pool.memory == "cuda" else "shm"

@@ -158,7 +158,8 @@ def _regions_in_triton(actor_self) -> list[str]:
 def node_regions() -> list[str]:
     """The regions registered in the app's node Triton (its shared-memory API needs the node's key)."""
     import ray
-    from ray_triton_shm._private.model_control import node_actors
+
+    from ray_triton_shm._private.node.model_control import node_actors
 
     (_, actor), = node_actors()
     return ray.get(actor.__ray_call__.remote(_regions_in_triton))

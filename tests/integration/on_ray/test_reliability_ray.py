@@ -68,6 +68,8 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
         "model_repository": REPO_MODELS,
         "slots_per_model": PER_REPLICA,
         "quarantine_s": 1.0,
+        # A dead replica's slots come back after its requests' deadline plus the quarantine.
+        "request_timeout_s": 15.0,
         "server": {"load_models": ["sleep"]},  # only the model called here: a quicker Triton start
         "pools": {"sleep": {"slots": SLOTS}},
     }
