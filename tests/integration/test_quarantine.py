@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from ray_triton_shm import PoolConfig, TritonServer
 from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 from ray_triton_shm._private.shm.slot_table import SlotTable
-from ray_triton_shm.client import fetch_layout
+from ray_triton_shm._private.core.local_pools import fetch_layout
 
 QUARANTINE_S = 0.5
 REQUEST_TIMEOUT_S = 4.0  # longer than the quarantine, as by default (60 s against 30 s)
@@ -28,7 +28,7 @@ from ray_triton_shm import PoolConfig, TritonShmClient
 from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.shm.segment import Segment
 from ray_triton_shm._private.shm.slot_table import SlotTable
-from ray_triton_shm.client import fetch_layout
+from ray_triton_shm._private.core.local_pools import fetch_layout
 import tritonclient.grpc as grpcclient
 
 url, data_name, table_name, timeout_s, sleep_s, dies_after_s, quarantine_s = sys.argv[1:8]
