@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ray_triton_shm._private import kserve, kserve_http
+from ray_triton_shm._private.frontdoor import FrontDoor, FrontDoorConfig
 from ray_triton_shm._private.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.kserve_http import request_body as _request_body
 from ray_triton_shm._private.node_config import split_app_args
@@ -47,6 +48,7 @@ from ray_triton_shm.errors import RayTritonShmError
 from ray_triton_shm.node import NodeClient, NodeConfig
 
 __all__ = [
+    "FrontDoorConfig",
     "SlotRef",
     "SlotRefCaller",
     "SlotRefLease",
@@ -130,16 +132,48 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
     """
 
     def __init__(
-        self, node_config: NodeConfig, slots_per_model: int | None = None, memory: str = "system"
+        self,
+        node_config: NodeConfig,
+        slots_per_model: int | None = None,
+        memory: str = "system",
+        frontdoor: FrontDoorConfig | None = None,
     ) -> None:
         # Outputs larger than their slot go over gRPC: the app answers whatever Triton answers.
         self._client = NodeClient(
             node_config, slots_per_model=slots_per_model, memory=memory, kind="serve", grpc_fallback=True
         )
         self._versions: dict[str, tuple[float, str]] = {}  # model -> (expiry, version served)
+        self._frontdoor: FrontDoor | None = None
+        if frontdoor is not None:
+            try:
+                self._frontdoor = FrontDoor(frontdoor, self, serve.get_replica_context().app_name)
+            except BaseException:
+                self._client.close()
+                raise
+            logger.info(
+                "front door on %s: HTTP port %s, gRPC port %s",
+                frontdoor.host,
+                self._frontdoor.http.port if self._frontdoor.http else None,
+                self._frontdoor.grpc.port if self._frontdoor.grpc else None,
+            )
         logger.info(
             "replica on node %s uses Triton %s", self._client.info.node_id, self._client.info.grpc_url
         )
+
+    def __del__(self) -> None:
+        """Close the front door's listeners (Serve calls this when the replica stops)."""
+        door = self.__dict__.get("_frontdoor")
+        if door is not None:
+            self._frontdoor = None
+            door.close()
+
+    async def frontdoor_ports(self) -> dict[str, int | None]:
+        """The ports this replica's front door listens on (``None``: that protocol has none)."""
+        door = self._frontdoor
+        return {
+            "http": door.http.port if door is not None and door.http is not None else None,
+            "grpc": door.grpc.port if door is not None and door.grpc is not None else None,
+        }
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run ``model`` on numpy ``inputs`` through shared memory (handle API).
@@ -336,9 +370,11 @@ def _error_response(error: Exception) -> Response:
 
 
 def _build(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:
-    node_config, client = split_app_args(args)
+    rest = dict(args or {})
+    frontdoor = FrontDoorConfig.from_args(rest.pop("frontdoor", None))
+    node_config, client = split_app_args(rest)
     deployment = TritonDeployment.options(**dict(options)) if options else TritonDeployment
-    return deployment.bind(node_config, client["slots_per_model"], client["memory"])
+    return deployment.bind(node_config, client["slots_per_model"], client["memory"], frontdoor)
 
 
 def run_config_file(path: str, *, blocking: bool = False) -> dict[str, Any]:
@@ -394,7 +430,9 @@ def app(args: Mapping[str, Any]) -> serve.Application:
             replicas: system, cuda or auto), and the node settings
             ``idle_shutdown_s``, ``health_interval_s``, ``quarantine_s``,
             ``preload``, ``request_timeout_s``, ``cuda_pools`` (see
-            :class:`NodeConfig`; lease timeouts are pool fields).
+            :class:`NodeConfig`; lease timeouts are pool fields), and
+            ``frontdoor`` (host, http_port, grpc_port: the replicas' own
+            KServe v2 listeners, see :class:`FrontDoorConfig`).
 
     Returns:
         The bound application.

@@ -65,7 +65,16 @@ async def request_body(
         body = b"".join(chunks)
     else:
         body = await request.body()
-    encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
+    return inflate(body, request.headers.get("content-encoding"))
+
+
+def inflate(body: bytes, content_encoding: str | None) -> bytes:
+    """``body`` inflated as its ``Content-Encoding`` says (``gzip``, ``deflate``; none: as is).
+
+    Raises:
+        InputError: An unsupported encoding, or data that does not inflate.
+    """
+    encoding = (content_encoding or "identity").strip().lower()
     if encoding == "identity":
         return body
     if encoding not in ("gzip", "deflate"):
@@ -134,13 +143,17 @@ async def _read_header(stream: AsyncIterator[bytes], length: int) -> tuple[list[
     return chunks, bytes(header), rest
 
 
-def _fast_path_lengths(request: Request) -> tuple[int, int] | None:
-    """(header length, body length) when the body can go straight into a slot, else ``None``."""
-    encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
+def fast_path_lengths(headers: Any) -> tuple[int, int] | None:
+    """(header length, body length) when the body can go straight into a slot, else ``None``.
+
+    Args:
+        headers: The request's headers (``get`` by lower-case name).
+    """
+    encoding = (headers.get("content-encoding") or "identity").strip().lower()
     if encoding != "identity":  # the general path refuses a bad encoding before a bad header length
         return None
-    header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
-    content_length = request.headers.get("content-length")
+    header_length = kserve.parse_header_length(headers.get(kserve.HEADER_LENGTH))
+    content_length = headers.get("content-length")
     if header_length is None or content_length is None:
         return None
     text = content_length.strip()
@@ -158,7 +171,7 @@ def _pool_at_hand(client: Any, model: str) -> bool:
     return pool is not None and not pool.retired
 
 
-def _shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
+def shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
     """Whether ``client.ainfer`` would run ``decoded`` through one system-memory slot of ``model``.
 
     Any doubt (no layout, inputs the model refuses, several slots, a payload
@@ -197,7 +210,7 @@ async def http_infer(
         InputError, PoolTimeoutError, TritonCallError, UnavailableError: As
             :meth:`NodeClient.ainfer` (the caller turns them into KServe errors).
     """
-    lengths = _fast_path_lengths(request)
+    lengths = fast_path_lengths(request.headers)
     prefix: list[bytes] = []
     stream = None
     if lengths is not None:
@@ -214,9 +227,9 @@ async def http_infer(
             decoded, spans = planned
             # With the model's pool at hand the check is a few microseconds: no thread hop then.
             if (
-                _shm_plan(client, model, decoded)
+                shm_plan(client, model, decoded)
                 if _pool_at_hand(client, model)
-                else (await asyncio.to_thread(_shm_plan, client, model, decoded))
+                else (await asyncio.to_thread(shm_plan, client, model, decoded))
             ):
                 return await _infer_in_slot(client, model, decoded, spans, rest, stream, served_version)
     body = await request_body(request, prefix, stream)
