@@ -351,17 +351,37 @@ class Connection:
                 except HttpParseError as e:
                     self.keep_alive = False
                     self.respond(e.status, [("content-type", "application/json")], [_error_json(str(e))])
+                    self._linger()
                     return
                 if head is None:
                     return
                 self.keep_alive = head.keep_alive
                 body = Body(self, head)
                 self._handler(self, head, body)
+            self._linger()
         except (ConnectionGone, OSError):
             return
         finally:
             with contextlib.suppress(OSError):
                 self.sock.close()
+
+
+    def _linger(self, limit_s: float = 1.0, limit_bytes: int = 1 << 20) -> None:
+        """Close gently after an answer the client may not have finished sending for.
+
+        The write side is shut first and what the client still sends is read and
+        dropped (briefly): closing with unread data would reset the connection
+        and could lose the answer before the client reads it.
+        """
+        self.sock.shutdown(socket.SHUT_WR)
+        self.sock.settimeout(limit_s)
+        dropped = 0
+        with contextlib.suppress(OSError):
+            while dropped < limit_bytes:
+                got = self.sock.recv_into(self._view)
+                if not got:
+                    break
+                dropped += got
 
 
 def _error_json(message: str) -> bytes:

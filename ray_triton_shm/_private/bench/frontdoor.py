@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -128,6 +129,7 @@ class _Setup:
         self.replicas = replicas
         self.work = work
         self.urls: dict[str, list[str]] = {}
+        self._cleanup: list[Path] = []
 
     def start(self) -> None:
         import ray
@@ -155,8 +157,9 @@ class _Setup:
         if self.mode == "all":
             base = _free_range(200)
             fallback_http, fallback_grpc = _free_port(), _free_port()
-            haproxy_dir = self.work / "haproxy"
-            haproxy_dir.mkdir(exist_ok=True)
+            # HAProxy's socket path (under a directory named after the node) must stay under 97 bytes.
+            haproxy_dir = Path(tempfile.mkdtemp(prefix="hp", dir="/tmp"))
+            self._cleanup.append(haproxy_dir)
             os.environ.update(
                 {
                     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
@@ -221,6 +224,8 @@ class _Setup:
         with contextlib.suppress(Exception):
             shutdown_node_actors()
         ray.shutdown()
+        for path in self._cleanup:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def measure(

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import yaml
 
-from .conftest import free_port
+from .conftest import free_port, frontdoor_on_free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -209,7 +209,7 @@ def test_deploying_the_gpu_config_starts_a_gpu_worker_and_deleting_it_leaves_not
 
     # The shipped GPU config as it is, on this test's port, with quick idle shutdown; proxies on
     # the head only (fake nodes share this machine's ports).
-    spec = yaml.safe_load(GPU_CONFIG.read_text())
+    spec = frontdoor_on_free_ports(yaml.safe_load(GPU_CONFIG.read_text()))
     spec["proxy_location"] = "HeadOnly"
     spec["http_options"]["port"] = free_port()
     spec["grpc_options"]["port"] = free_port()

@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from .conftest import CONFIG_FILE, free_port, teardown_ray
+from .conftest import CONFIG_FILE, free_port, frontdoor_on_free_ports, teardown_ray
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def ingress(tmp_path_factory):
 
     from ray_triton_shm.serve import run_config_file
 
-    spec = yaml.safe_load(CONFIG_FILE.read_text())
+    spec = frontdoor_on_free_ports(yaml.safe_load(CONFIG_FILE.read_text()))
     assert spec["grpc_options"]["grpc_servicer_functions"], "the shipped config enables the gRPC ingress"
     port = free_port()
     spec["grpc_options"]["port"] = port
@@ -180,6 +180,7 @@ def test_the_application_header_selects_an_app(ingress, clients) -> None:
     ours, _ = clients
     spec = yaml.safe_load(CONFIG_FILE.read_text())
     args = dict(spec["applications"][0]["args"], quarantine_s=2.0)  # another node config: its own Triton
+    args.pop("frontdoor")  # Serve's proxy is the one under test here
     other = serve.run(app(args), name="other", route_prefix="/other")
     try:
         other_pid = other.whereami.remote().result()["triton_pid"]

@@ -21,7 +21,7 @@ import requests
 import tritonclient.http as httpclient
 import yaml
 
-from .conftest import CONFIG_FILE, free_port, teardown_ray
+from .conftest import CONFIG_FILE, free_port, frontdoor_on_free_ports, teardown_ray
 
 PREFIX = "/triton"
 # The sleep pool's lease timeout (how long a request waits for its one slot; 30 s by default)
@@ -37,7 +37,7 @@ def ingress(tmp_path_factory):
 
     from ray_triton_shm.serve import run_config_file
 
-    spec = yaml.safe_load(CONFIG_FILE.read_text())
+    spec = frontdoor_on_free_ports(yaml.safe_load(CONFIG_FILE.read_text()))
     port = free_port()
     spec["http_options"]["port"] = port
     spec["grpc_options"]["port"] = free_port()
