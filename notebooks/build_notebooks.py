@@ -160,6 +160,7 @@ import tempfile
 import numpy as np
 import yaml
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
