@@ -1,6 +1,8 @@
 """The Serve app's KServe v2 ingress against Triton's own HTTP endpoint, request for request.
 
-The app runs under ``route_prefix: /triton``; every answer it gives is compared
+The app runs under ``route_prefix: /triton``, and each test runs twice: through
+Serve's HTTP proxy and through the app's front door (the replica's own HTTP
+listener, no prefix there). Every answer it gives is compared
 with what a real Triton (the ``triton_server`` fixture, same model repository)
 answers to the same request: status code and JSON body. Where Triton itself
 answers a malformed request with 500, the ingress answers 400 (every bad
@@ -31,8 +33,8 @@ SLEEP_HOLD_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def ingress(tmp_path_factory):
-    """(handle, base URL of the app, base URL of the reference Triton)."""
+def deployed(tmp_path_factory):
+    """(handle, base URL of the app behind Serve's proxy, base URL of the app's front door)."""
     import ray
 
     from ray_triton_shm.serve import run_config_file
@@ -53,10 +55,18 @@ def ingress(tmp_path_factory):
     try:
         handles = run_config_file(str(path))
         base = f"http://127.0.0.1:{port}{PREFIX}"
+        front = f"http://127.0.0.1:{app['args']['frontdoor']['http_port']}"
         wait_for(lambda: requests.get(base + "/v2/health/ready", timeout=10).status_code == 200, 120)
-        yield handles["triton"], base
+        yield handles["triton"], base, front
     finally:
         teardown_ray()
+
+
+@pytest.fixture(params=["serve", "frontdoor"])
+def ingress(request, deployed):
+    """(handle, base URL): the app behind Serve's proxy (under its prefix), then its front door."""
+    handle, base, front = deployed
+    return handle, base if request.param == "serve" else front
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +169,8 @@ def test_metadata_shapes_and_config_dims_are_integers(ingress) -> None:
         client.close()
 
 
-def test_routes_live_under_the_prefix_only(ingress) -> None:
-    _, base = ingress
+def test_routes_live_under_the_prefix_only(deployed) -> None:
+    _, base, _ = deployed
     root = base.removesuffix(PREFIX)
     assert requests.get(base + "/v2/health/ready", timeout=30).status_code == 200
     assert requests.get(root + "/v2/health/ready", timeout=30).status_code == 404
