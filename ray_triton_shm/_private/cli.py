@@ -110,6 +110,17 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.frontdoor:  # the front-door table only (its own Ray, Serve app and caller processes)
+        from ray_triton_shm._private.bench import frontdoor
+
+        argv = ["--quick"] if args.quick else []
+        if args.sizes:
+            argv += ["--sizes", args.sizes]
+        if args.servers:
+            argv += ["--servers", args.servers]
+        if args.rounds:
+            argv += ["--rounds", str(args.rounds)]
+        return frontdoor.main(argv)
     from ray_triton_shm._private.bench import runner
     from ray_triton_shm._private.bench.core_methods import CORE_METHODS
     from ray_triton_shm._private.bench.options import SERVE_METHODS, BenchOptions, methods_arg, parse_sizes
@@ -183,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--native-repository", default=None, help="the native backend's models (built)")
     bench.add_argument(
         "--servers", default=None, help="servers to measure, main first (default: native,python)"
+    )
+    bench.add_argument(
+        "--frontdoor",
+        action="store_true",
+        help="only the front-door table: every external path (tritonclient processes) vs Triton's own",
     )
     bench.add_argument("--no-profile", action="store_true", help="skip the per-request profile")
     bench.add_argument("--no-progress", action="store_true")
