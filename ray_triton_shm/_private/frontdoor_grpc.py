@@ -203,24 +203,31 @@ class GrpcDoor:
                     f" {self.app_name!r}'s front door (each application has ports of its own)",
                 )
 
+    def infer_bytes(self, data: bytes) -> bytes:
+        """The serialised answer to a serialised ``ModelInferRequest``.
+
+        Raises:
+            InputError, PoolTimeoutError, TritonCallError, UnavailableError, GrpcAnswerError.
+        """
+        request, raw = split_infer_request(data)
+        inputs, outputs = decode_infer_request(request, raw)
+        if not request.model_version:
+            try:
+                result = self._client.infer(request.model_name, inputs, outputs=outputs, copy=False)
+            except LayoutError:  # tensors that cannot live in slots: Triton's own answer
+                result = None
+            if result is not None:
+                version = self._served_version(request.model_name)
+                return encode_infer_response_bytes(request.model_name, version, request.id, result)
+        # A version asked for (Triton honours it) or no slots: the ingress's own path.
+        del inputs
+        full = pb.ModelInferRequest.FromString(data)
+        return self._run(self._servicer.ModelInfer(full, None)).SerializeToString()
+
     def model_infer(self, data: bytes, context: grpc.ServicerContext) -> bytes:
         self.check_application(context)
         try:
-            request, raw = split_infer_request(data)
-            inputs, outputs = decode_infer_request(request, raw)
-            if not request.model_version:
-                try:
-                    result = self._client.infer(request.model_name, inputs, outputs=outputs, copy=False)
-                except LayoutError:  # tensors that cannot live in slots: Triton's own answer
-                    result = None
-                if result is not None:
-                    version = self._served_version(request.model_name)
-                    return encode_infer_response_bytes(request.model_name, version, request.id, result)
-            # A version asked for (Triton honours it) or no slots: the ingress's own path.
-            del inputs
-            full = pb.ModelInferRequest.FromString(data)
-            answer = self._run(self._servicer.ModelInfer(full, None))
-            return answer.SerializeToString()
+            return self.infer_bytes(data)
         except Exception as e:
             self._abort(context, e)
             raise  # not reached: abort raises

@@ -365,7 +365,6 @@ class Connection:
             with contextlib.suppress(OSError):
                 self.sock.close()
 
-
     def _linger(self, limit_s: float = 1.0, limit_bytes: int = 1 << 20) -> None:
         """Close gently after an answer the client may not have finished sending for.
 
