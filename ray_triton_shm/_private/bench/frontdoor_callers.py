@@ -29,8 +29,17 @@ class CellResult:
 
     @property
     def mb_s(self) -> float:
-        """Payload megabytes (1e6) per second over the cell's wall time, all callers together."""
-        return self.calls * self.size / self.wall_s / 1e6 if self.calls and self.wall_s > 0 else float("nan")
+        """Payload megabytes (1e6) per second, all callers together.
+
+        One caller: payload / median latency, which shrugs off stalls caused by
+        other load on the machine (as the rest of the benchmark); several: total
+        bytes / wall time, since a per-call median would hide their waiting for each other.
+        """
+        if not self.calls or self.wall_s <= 0:
+            return float("nan")
+        if self.callers == 1:
+            return self.size / (self.p50_ms / 1e3) / 1e6
+        return self.calls * self.size / self.wall_s / 1e6
 
 
 def _client(protocol: str, url: str) -> Any:
