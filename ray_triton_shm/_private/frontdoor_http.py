@@ -28,6 +28,10 @@ from ray_triton_shm.errors import FrontDoorError, InputError
 
 logger = logging.getLogger(__name__)
 
+IDLE_TIMEOUT_S = 120.0
+"""How long a kept-alive connection may wait for its next request before the server closes it."""
+BODY_TIMEOUT_S = 30.0
+"""How long a request's body may go without a byte before the server gives up on it (and its slot)."""
 MAX_HEAD_BYTES = 64 * 1024
 """Longest request line plus headers accepted (Triton's evhtp allows about as much); longer: 431."""
 _RECV_BYTES = 64 * 1024
@@ -170,6 +174,7 @@ class Body:
 
     def __init__(self, conn: Connection, head: RequestHead) -> None:
         self._conn = conn
+        conn.sock.settimeout(conn.body_timeout_s)
         self._chunked = head.chunked
         self.remaining = 0 if self._chunked else head.content_length
         self._continue = (
@@ -247,9 +252,18 @@ Handler = Callable[["Connection", RequestHead, Body], None]
 class Connection:
     """One client connection: reads requests one after another and hands each to the handler."""
 
-    def __init__(self, sock: socket.socket, handler: Handler) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        handler: Handler,
+        *,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ) -> None:
         self.sock = sock
         self._handler = handler
+        self.idle_timeout_s = idle_timeout_s
+        self.body_timeout_s = body_timeout_s
         self._buf = bytearray(_RECV_BYTES)
         self._view = memoryview(self._buf)
         self._start = 0  # unread bytes lie in _buf[_start:_end]
@@ -265,7 +279,10 @@ class Connection:
             self._start, self._end = 0, n
         if self._end == len(self._buf):
             raise HttpParseError("request header fields too large", 431)
-        got = self.sock.recv_into(self._view[self._end :])
+        try:
+            got = self.sock.recv_into(self._view[self._end :])
+        except TimeoutError as e:
+            raise ConnectionGone() from e
         if not got:
             raise ConnectionGone()
         self._end += got
@@ -281,7 +298,10 @@ class Connection:
             target[:have] = self._view[self._start : self._start + have]
             self._start += have
         while have < len(target):
-            got = self.sock.recv_into(target[have:])
+            try:
+                got = self.sock.recv_into(target[have:])
+            except TimeoutError as e:  # a stalled client: drop it (and whatever slot it holds)
+                raise ConnectionGone() from e
             if not got:
                 raise ConnectionGone()
             have += got
@@ -302,6 +322,7 @@ class Connection:
         Raises:
             HttpParseError: Not a valid request head.
         """
+        self.sock.settimeout(self.idle_timeout_s)
         while True:
             at = self._buf.find(b"\r\n\r\n", self._start, self._end)
             if at >= 0:
@@ -397,13 +418,25 @@ class HttpListener:
         port: Port to bind (``0``: one the OS picks; see :attr:`port`).
         handler: Called for every request, in the connection's thread.
         max_connections: Connections served at once; more wait in the backlog.
+        idle_timeout_s: A kept-alive connection with no request for this long is closed.
+        body_timeout_s: A request body that stalls this long ends its connection.
 
     Raises:
         FrontDoorError: The address cannot be bound.
     """
 
-    def __init__(self, host: str, port: int, handler: Handler, *, max_connections: int = 256) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        *,
+        max_connections: int = 256,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ) -> None:
         self._handler = handler
+        self._timeouts = {"idle_timeout_s": idle_timeout_s, "body_timeout_s": body_timeout_s}
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
@@ -445,7 +478,7 @@ class HttpListener:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            Connection(conn, self._handler).serve()
+            Connection(conn, self._handler, **self._timeouts).serve()
         except Exception:
             logger.exception("front door: HTTP connection failed")
         finally:

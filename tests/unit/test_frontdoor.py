@@ -324,3 +324,30 @@ def test_threads_end_with_the_listener() -> None:
     while time.monotonic() < deadline and {t.name for t in threading.enumerate()} - before:
         time.sleep(0.05)
     assert not {t.name for t in threading.enumerate()} - before
+
+
+def test_a_stalled_body_or_an_idle_connection_is_closed() -> None:
+    seen: list[str] = []
+
+    def handler(conn, head, body) -> None:
+        try:
+            body.readinto(memoryview(bytearray(body.remaining)))
+        except BaseException as e:
+            seen.append(type(e).__name__)
+            raise
+        conn.respond(200, [], [b"ok"])
+
+    door = HttpListener("127.0.0.1", 0, handler, idle_timeout_s=0.5, body_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", door.port), timeout=10) as s:
+            s.sendall(b"POST /x HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")  # 7 bytes never come
+            assert s.recv(100) == b""
+        assert seen == ["ConnectionGone"]
+        with socket.create_connection(("127.0.0.1", door.port), timeout=10) as s:
+            s.sendall(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\nab")
+            assert s.recv(100).endswith(b"\r\n\r\nok")
+            began = time.monotonic()
+            assert s.recv(100) == b""  # idle: closed by the server
+            assert time.monotonic() - began < 5
+    finally:
+        door.close()
