@@ -160,11 +160,20 @@ import tempfile
 import numpy as np
 import yaml
 
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 spec = yaml.safe_load((REPO / "deployments" / "triton_shm.yaml").read_text())
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+port = free_port()
 spec["http_options"]["port"] = port
+spec["grpc_options"]["port"] = free_port()
+# The front door (the replicas' own KServe v2 listeners; the fast path for clients outside Ray).
+door = spec["applications"][0]["args"]["frontdoor"]
+door["http_port"], door["grpc_port"] = free_port(), free_port()
 spec["applications"][0]["deployments"][0]["num_replicas"] = 1  # small for a laptop
 config_file = Path(tempfile.mkdtemp()) / "triton_shm.yaml"
 config_file.write_text(yaml.safe_dump(spec))
@@ -179,6 +188,28 @@ from ray_triton_shm.serve import run_config_file
 ray.init(address="local", include_dashboard=False, log_to_driver=False)
 handles = run_config_file(str(config_file))
 print("Serve app 'triton' at", f"http://127.0.0.1:{port}/")'''
+    ),
+    new_markdown_cell(
+        """## Through the front door
+
+Each replica also listens itself on the app's `frontdoor` ports (`8100` HTTP and `8101`
+gRPC in the shipped file): the fast path for clients outside Ray, with no proxy in
+between. Any KServe v2 client works there unchanged."""
+    ),
+    new_code_cell(
+        '''import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+x = np.arange(16, dtype=np.float32).reshape(1, 16)
+front_http = httpclient.InferenceServerClient(f"127.0.0.1:{door['http_port']}")
+tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+tensor.set_data_from_numpy(x, binary_data=True)
+assert (front_http.infer("identity", [tensor]).as_numpy("OUTPUT0") == x).all()
+front_grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{door['grpc_port']}")
+tensor = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+tensor.set_data_from_numpy(x)
+assert (front_grpc.infer("identity", [tensor]).as_numpy("OUTPUT0") == x).all()
+print("front door: HTTP", door["http_port"], "and gRPC", door["grpc_port"], "answer identity")'''
     ),
     new_markdown_cell("## Over HTTP, exactly as against Triton itself"),
     new_code_cell(

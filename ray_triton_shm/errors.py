@@ -20,6 +20,7 @@ __all__ = [
     "CudaError",
     "CudaUnavailableError",
     "DeviceMappingError",
+    "FrontDoorError",
     "InputError",
     "LayoutError",
     "LayoutMismatchError",
@@ -52,6 +53,10 @@ class RayTritonShmError(Exception):
 
 class ConfigError(RayTritonShmError, ValueError):
     """A configuration value is invalid."""
+
+
+class FrontDoorError(RayTritonShmError, OSError):
+    """The front door (the replica's own HTTP and gRPC listeners) cannot listen where it is told to."""
 
 
 class ServerError(RayTritonShmError):

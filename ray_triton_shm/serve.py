@@ -36,15 +36,16 @@ from starlette.responses import Response
 
 from ray_triton_shm._private.node.node_config import split_app_args
 from ray_triton_shm._private.serve import kserve, kserve_errors, kserve_http, kserve_limits, kserve_routes
+from ray_triton_shm._private.serve.frontdoor import FrontDoor, FrontDoorConfig
 from ray_triton_shm._private.serve.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.serve.slot_ref import SlotRef
 from ray_triton_shm._private.serve.slot_ref_serve import SlotRefCaller, SlotRefLease, SlotRefMixin
-from ray_triton_shm._private.shm.segment import redact
 from ray_triton_shm._private.triton.repository import resolve_repositories
 from ray_triton_shm.errors import RayTritonShmError
 from ray_triton_shm.node import NodeClient, NodeConfig
 
 __all__ = [
+    "FrontDoorConfig",
     "SlotRef",
     "SlotRefCaller",
     "SlotRefLease",
@@ -125,7 +126,11 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
     """
 
     def __init__(
-        self, node_config: NodeConfig, slots_per_model: int | None = None, memory: str = "system"
+        self,
+        node_config: NodeConfig,
+        slots_per_model: int | None = None,
+        memory: str = "system",
+        frontdoor: FrontDoorConfig | None = None,
     ) -> None:
         # Outputs larger than their slot go over gRPC: the app answers whatever Triton answers.
         self._client = NodeClient(
@@ -137,9 +142,37 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         self._node = kserve_routes.IngressNode(
             self._client, node_config.server.explicit_model_control, node_config.max_request_bytes
         )
+        self._frontdoor: FrontDoor | None = None
+        if frontdoor is not None:
+            try:
+                self._frontdoor = FrontDoor(frontdoor, self, serve.get_replica_context().app_name)
+            except BaseException:
+                self._client.close()
+                raise
+            logger.info(
+                "front door on %s: HTTP port %s, gRPC port %s",
+                frontdoor.host,
+                self._frontdoor.http.port if self._frontdoor.http else None,
+                self._frontdoor.grpc.port if self._frontdoor.grpc else None,
+            )
         logger.info(
             "replica on node %s uses Triton %s", self._client.info.node_id, self._client.info.grpc_url
         )
+
+    def __del__(self) -> None:
+        """Close the front door's listeners (Serve calls this when the replica stops)."""
+        door = self.__dict__.get("_frontdoor")
+        if door is not None:
+            self._frontdoor = None
+            door.close()
+
+    async def frontdoor_ports(self) -> dict[str, int | None]:
+        """The ports this replica's front door listens on (``None``: that protocol has none)."""
+        door = self._frontdoor
+        return {
+            "http": door.http.port if door is not None and door.http is not None else None,
+            "grpc": door.grpc.port if door is not None and door.grpc is not None else None,
+        }
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run ``model`` on numpy ``inputs`` through shared memory (handle API).
@@ -250,23 +283,10 @@ PROBE_TIMEOUT_S = kserve_routes.PROBE_TIMEOUT_S
 _VERSION_TTL_S = 10.0
 
 
-def _error(code: int, message: str) -> Response:
-    body = kserve_errors.error_body(redact(message))
-    return Response(body, status_code=code, media_type="application/json")
-
-
 def _error_response(error: Exception) -> Response:
     """The KServe error answer for ``error``; never Ray's task header or a traceback."""
-    cause = error
-    while isinstance(cause, ray.exceptions.RayTaskError) and isinstance(cause.cause, Exception):
-        cause = cause.cause
-    if isinstance(cause, RayTritonShmError):
-        return _error(kserve_errors.http_status(cause), kserve_errors.error_message(cause))
-    if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
-        logger.warning("node actor unavailable: %s", type(cause).__name__)
-        return _error(503, "the Triton node actor on this node is unavailable")
-    logger.exception("unexpected error in the KServe ingress")
-    return _error(500, f"internal error ({type(cause).__name__})")
+    status, body = kserve_errors.error_answer(error)
+    return Response(body, status_code=status, media_type="application/json")
 
 
 def build_app(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:
@@ -275,9 +295,11 @@ def build_app(args: Mapping[str, Any], options: Mapping[str, Any] | None = None)
     Raises:
         ConfigError: Invalid ``args``.
     """
-    node_config, client = split_app_args(args)
+    rest = dict(args or {})
+    frontdoor = FrontDoorConfig.from_args(rest.pop("frontdoor", None))
+    node_config, client = split_app_args(rest)
     deployment = TritonDeployment.options(**dict(options)) if options else TritonDeployment
-    return deployment.bind(node_config, client["slots_per_model"], client["memory"])
+    return deployment.bind(node_config, client["slots_per_model"], client["memory"], frontdoor)
 
 
 def run_config_file(path: str, *, blocking: bool = False) -> dict[str, Any]:
@@ -331,7 +353,9 @@ def app(args: Mapping[str, Any]) -> serve.Application:
             replicas: system, cuda or auto), and the node settings
             ``idle_shutdown_s``, ``health_interval_s``, ``quarantine_s``,
             ``preload``, ``request_timeout_s``, ``cuda_pools`` (see
-            :class:`NodeConfig`; lease timeouts are pool fields).
+            :class:`NodeConfig`; lease timeouts are pool fields), and
+            ``frontdoor`` (host, http_port, grpc_port: the replicas' own
+            KServe v2 listeners, see :class:`FrontDoorConfig`).
 
     Returns:
         The bound application.

@@ -10,9 +10,9 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from ray_triton_shm import PoolConfig, TritonServer
+from ray_triton_shm._private.core.local_pools import fetch_layout
 from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 from ray_triton_shm._private.shm.slot_table import SlotTable
-from ray_triton_shm._private.core.local_pools import fetch_layout
 
 QUARANTINE_S = 0.5
 REQUEST_TIMEOUT_S = 4.0  # longer than the quarantine, as by default (60 s against 30 s)

@@ -54,6 +54,22 @@ def test_shared_memory_image_setup_and_serve(cluster: dict) -> None:
     assert (REPO / "deployments" / "triton_shm_gpu.yaml").is_file()
 
 
+def test_the_deployed_app_listens_on_every_interface(cluster: dict) -> None:
+    """The head's sed turns every 127.0.0.1 host of the app into 0.0.0.0: Serve's proxy and the front door."""
+    import re
+
+    head = " ".join(cluster["head_start_ray_commands"])
+    match = re.search(r"sed 's/([^/]+)/([^/]+)/'", head)
+    assert match, "the head rewrites the hosts of the config it deploys"
+    old, new = match.groups()
+    text = (REPO / "deployments" / "triton_shm_gpu.yaml").read_text()
+    spec = yaml.safe_load("\n".join(line.replace(old, new, 1) for line in text.splitlines()))
+    assert spec["http_options"]["host"] == "0.0.0.0"
+    (app,) = spec["applications"]
+    door = app["args"]["frontdoor"]
+    assert door["host"] == "0.0.0.0" and door["http_port"] and door["grpc_port"]
+
+
 def test_the_deployed_app_asks_for_what_only_gpu_workers_have(cluster: dict) -> None:
     """Replicas (and so the node actors and Tritons) land on GPU workers, never on the head."""
     spec = yaml.safe_load((REPO / "deployments" / "triton_shm_gpu.yaml").read_text())

@@ -15,6 +15,7 @@ ARGS: dict[str, tuple] = {
     "CudaUnavailableError": ("CUDA shared memory needs cupy; pip install 'ray-triton-shm[cuda]'",),
     "DeviceMappingError": ("the client's GPU '3' is not visible to the server",),
     "NoGpuError": ("this process sees no GPU",),
+    "FrontDoorError": ("cannot listen for HTTP on 127.0.0.1:8000: address in use",),
     "InputError": ("INPUT0: expected dtype FP32 (float32), got INT64 (int64)",),
     "RequestTooLargeError": ("request body of 99 bytes exceeds the maximum allowed size of 64 bytes",),
     "LayoutError": ("model 'strings' tensor 'TEXT' is BYTES/STRING",),

@@ -128,7 +128,7 @@ RAYSERVICE_SCHEMA = {
 
 @pytest.fixture(scope="module")
 def manifest() -> dict:
-    return yaml.safe_load(MANIFEST.read_text())
+    return next(doc for doc in yaml.safe_load_all(MANIFEST.read_text()) if doc["kind"] == "RayService")
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +239,7 @@ def test_serve_config_parses_and_builds(serve_config: dict) -> None:
         args = application["args"]
         built = builder(args)
         assert type(built).__name__ == "Application"
-        node_args = {k: v for k, v in args.items() if k not in ("model", "transport")}
+        node_args = {k: v for k, v in args.items() if k not in ("model", "transport", "frontdoor")}
         fingerprints.add(split_app_args(node_args)[0].fingerprint())
         names = {d["name"] for d in application.get("deployments", [])}
         assert names <= {"TritonDeployment", "ImageEmbedder"}
@@ -250,3 +250,23 @@ def test_serve_config_is_served_on_all_interfaces(serve_config: dict) -> None:
     assert serve_config["http_options"]["host"] == "0.0.0.0"  # the pod IP, for KubeRay's serve service
     routes = [a["route_prefix"] for a in serve_config["applications"]]
     assert len(set(routes)) == len(routes)
+
+
+def test_the_front_door_listens_on_the_pods_and_a_service_reaches_it(
+    manifest: dict, serve_config: dict
+) -> None:
+    from ray_triton_shm._private.serve.frontdoor import FrontDoorConfig
+
+    docs = list(yaml.safe_load_all(MANIFEST.read_text()))
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    (triton,) = [a for a in serve_config["applications"] if a["import_path"] == "ray_triton_shm.serve:app"]
+    door = FrontDoorConfig.from_args(triton["args"]["frontdoor"])
+    assert door is not None and door.host == "0.0.0.0"  # the pod's IP, for the Service
+    groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    for group in groups:  # the replicas run on the workers (the head has no CPUs for them)
+        template = group["template"]
+        labels = template["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+        ports = {p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        assert {door.http_port, door.grpc_port} <= ports
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {door.http_port, door.grpc_port}

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from ray_triton_shm._private.serve.frontdoor import FrontDoorConfig
 from ray_triton_shm.config import ClientConfig, PoolConfig, ServerConfig
 from ray_triton_shm.node import NodeConfig
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-CLASSES = (ServerConfig, PoolConfig, ClientConfig, NodeConfig)
+CLASSES = (ServerConfig, PoolConfig, ClientConfig, NodeConfig, FrontDoorConfig)
 _ROW = re.compile(r"^\|\s*`(\w+)\.(\w+)`\s*\|([^|]*)\|([^|]*)\|([^|]*)\|\s*$")
 
 
@@ -35,10 +36,19 @@ def _defaults(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
         if name.startswith("RAY_TRITON_SHM_"):
             monkeypatch.delenv(name)
     server = ServerConfig(model_repository="unused")
-    instances = (server, PoolConfig(), ClientConfig(), NodeConfig(server=server))
-    return {
+    instances = (
+        server,
+        PoolConfig(),
+        ClientConfig(),
+        NodeConfig(server=server),
+        FrontDoorConfig(http_port=0),
+    )
+    defaults = {
         f"{type(o).__name__}.{f.name}": getattr(o, f.name) for o in instances for f in dataclasses.fields(o)
     }
+    # A front door needs a port: the one given above is not the field's default.
+    defaults["FrontDoorConfig.http_port"] = dataclasses.fields(FrontDoorConfig)[1].default_factory()
+    return defaults
 
 
 def _canonical(value: object) -> str | None:
@@ -97,5 +107,6 @@ def test_serve_args_table_names_every_key_the_app_reads() -> None:
             named.update(re.findall(r"`(\w+)`", line.split("|")[1]))
     node_fields = {f.name for f in dataclasses.fields(NodeConfig)} - {"server", "pools", "default_pool"}
     app_keys = {"model_repository", "server", "pools", "default_pool", "slots_per_model", "memory"}
+    app_keys |= {"frontdoor"}
     differ = sorted(named ^ (node_fields | app_keys))
     assert not differ, f"README's Serve args table is wrong about: {differ}"

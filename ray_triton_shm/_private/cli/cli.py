@@ -109,6 +109,17 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.frontdoor:  # the front-door table only (its own Ray, Serve app and caller processes)
+        from ray_triton_shm._private.bench import frontdoor  # lazy: the benchmark loads only for bench
+
+        argv = ["--quick"] if args.quick else []
+        if args.sizes:
+            argv += ["--sizes", args.sizes]
+        if args.servers:
+            argv += ["--servers", args.servers]
+        if args.rounds:
+            argv += ["--rounds", str(args.rounds)]
+        return frontdoor.main(argv)
     # lazy: the benchmark loads only for the bench commands
     from ray_triton_shm._private.bench import runner
     from ray_triton_shm._private.bench.core_methods import CORE_METHODS
@@ -206,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--native-repository", default=None, help="the native backend's models (built)")
     bench.add_argument(
         "--servers", default=None, help="servers to measure, main first (default: native,python)"
+    )
+    bench.add_argument(
+        "--frontdoor",
+        action="store_true",
+        help="only the front-door table: every external path (tritonclient processes) vs Triton's own",
     )
     bench.add_argument("--no-profile", action="store_true", help="skip the per-request profile")
     bench.add_argument("--no-progress", action="store_true")

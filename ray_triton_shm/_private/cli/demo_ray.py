@@ -15,6 +15,7 @@ from ray import serve
 
 from ray_triton_shm._private.bench import ray_methods
 from ray_triton_shm._private.bench.core_methods import OutputMismatch
+from ray_triton_shm._private.bench.frontdoor_callers import CallerPool
 from ray_triton_shm._private.bench.measure import time_call
 from ray_triton_shm._private.cli.demo_log import capture_ray_loggers
 from ray_triton_shm._private.triton.repository import examples_serve_config
@@ -82,6 +83,13 @@ def run_ray_demo(
         direct = time_call(lambda: http_call(triton_http), x.nbytes, repeats=3)
         rows.append(_row("HTTP (tritonclient.http) 16 MB", via_serve.mb_per_s, direct.mb_per_s, "http"))
 
+        # The front door: tritonclient processes (outside Ray) at 1 MB, ours vs Triton's own endpoints.
+        door = _frontdoor(path)
+        if door is not None:
+            front = _frontdoor_rows(door, info, seconds=1.5 if quick else 3.0)
+            failures.extend(f"front door {r['path']}: {r['error']}" for r in front if r.get("error"))
+            rows.extend(front)
+
         # Ray Data: image rows through multi_io, our predictor vs a plain tritonclient.grpc one,
         # in steady state (from the first output batch on), as the benchmark times them.
         count = 256 if quick else 1024
@@ -97,7 +105,8 @@ def run_ray_demo(
                 speeds[method] = timing.rows_per_s * ray_methods.ROW_BYTES / 1e6
         del source
         rows.append(_row(f"Ray Data multi_io {count} rows", speeds["data-ours"], speeds["data-grpc"], "data"))
-        _print(rows)
+        _print([r for r in rows if not str(r["path"]).startswith("frontdoor")])
+        _print_frontdoor([r for r in rows if str(r["path"]).startswith("frontdoor")])
         if hold:
             _hold(ray.get_runtime_context().gcs_address)
     finally:
@@ -107,6 +116,59 @@ def run_ray_demo(
     if failures:
         raise RuntimeError(f"outputs did not match for: {failures}")
     return rows
+
+
+FRONTDOOR_CALLERS = 8
+
+
+def _frontdoor(path: str) -> dict[str, object] | None:
+    """The ``frontdoor`` args of the config's ``triton`` app (``None``: it has none)."""
+    for application in yaml.safe_load(Path(path).read_text()).get("applications", []):
+        if application.get("name") == "triton":
+            return (application.get("args") or {}).get("frontdoor")
+    return None
+
+
+def _frontdoor_rows(door: dict[str, object], info: object, seconds: float) -> list[dict[str, object]]:
+    """1 MB identity from caller processes: the front door's HTTP and gRPC vs Triton's own."""
+    host = str(door.get("host") or "127.0.0.1").replace("0.0.0.0", "127.0.0.1")
+    rows = []
+    pool = CallerPool(FRONTDOOR_CALLERS)
+    try:
+        for protocol, port, triton_url in (
+            ("http", door.get("http_port"), info.http_url),  # type: ignore[attr-defined]
+            ("grpc", door.get("grpc_port"), info.grpc_url),  # type: ignore[attr-defined]
+        ):
+            if port is None:
+                continue
+            ours = pool.run(protocol, [f"{host}:{port}"], "identity", MB, FRONTDOOR_CALLERS, seconds)
+            theirs = pool.run(protocol, [triton_url], "identity", MB, FRONTDOOR_CALLERS, seconds)
+            rows.append(
+                {
+                    "case": f"{protocol.upper()} front door :{port} vs Triton's own",
+                    "path": f"frontdoor-{protocol}",
+                    "shm_mb_s": ours.mb_s,
+                    "grpc_mb_s": theirs.mb_s,
+                    "error": ours.error or theirs.error,
+                }
+            )
+    finally:
+        pool.close()
+    return rows
+
+
+def _print_frontdoor(rows: list[dict[str, object]]) -> None:
+    if not rows:
+        return
+    header = f"{'Front door, identity 1 MB':<40} {'ours MB/s':>10} {'Triton MB/s':>12} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ours, theirs = float(r["shm_mb_s"]), float(r["grpc_mb_s"])
+        print(f"{r['case']:<40} {ours:>10.1f} {theirs:>12.1f} {ours / theirs:>6.2f}x")
+    print(f"({FRONTDOOR_CALLERS} caller processes, unmodified tritonclient, every output checked;")
+    print(" the full table: python -m ray_triton_shm bench --frontdoor)")
+    print()
 
 
 def _hold(address: str) -> None:

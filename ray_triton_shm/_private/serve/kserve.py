@@ -370,6 +370,21 @@ def encode_response(
     Returns:
         The body and the headers to send (content type, header length if binary).
     """
+    parts, headers = encode_response_parts(model, request, outputs, version)
+    return parts[0] if len(parts) == 1 else b"".join(parts), headers
+
+
+def encode_response_parts(
+    model: str, request: DecodedRequest, outputs: dict[str, np.ndarray], version: str = "1"
+) -> tuple[list[bytes | np.ndarray], dict[str, str]]:
+    """:func:`encode_response` without the join: the JSON header, then each binary output's bytes.
+
+    The binary parts are byte views of ``outputs`` (no copy): they must stay
+    valid until the parts are written (a server writes them to its socket as they are).
+
+    Returns:
+        The body's parts, in order, and the headers to send.
+    """
     entries = []
     blobs: list[bytes | np.ndarray] = []
     for name, array in outputs.items():
@@ -398,8 +413,8 @@ def encode_response(
         reply["id"] = request.request_id
     head = json.dumps(reply).encode()
     if not blobs:
-        return head, {"content-type": "application/json"}
-    return b"".join([head, *blobs]), {
+        return [head], {"content-type": "application/json"}
+    return [head, *blobs], {
         "content-type": "application/octet-stream",
         HEADER_LENGTH: str(len(head)),
     }

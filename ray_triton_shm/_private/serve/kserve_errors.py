@@ -6,11 +6,14 @@ import json
 import logging
 import re
 
+import ray
+
 from ray_triton_shm._private.shm.segment import redact
 from ray_triton_shm.errors import (
     InputError,
     LayoutError,
     PoolTimeoutError,
+    RayTritonShmError,
     RefusedError,
     RequestTooLargeError,
     TritonCallError,
@@ -109,3 +112,21 @@ def error_message(error: BaseException) -> str:
 def error_body(message: str) -> bytes:
     """The v2 error object."""
     return json.dumps({"error": message}).encode()
+
+
+def error_answer(error: BaseException) -> tuple[int, bytes]:
+    """The KServe error answer (status, body) for ``error``; never Ray's task header or a traceback.
+
+    A Ray task error is answered as its cause; the node actor gone (or not
+    answering) is 503; an error that is neither ours nor the client's is 500.
+    """
+    cause = error
+    while isinstance(cause, ray.exceptions.RayTaskError) and isinstance(cause.cause, Exception):
+        cause = cause.cause
+    if isinstance(cause, RayTritonShmError):
+        return http_status(cause), error_body(redact(error_message(cause)))
+    if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
+        logger.warning("node actor unavailable: %s", type(cause).__name__)
+        return 503, error_body("the Triton node actor on this node is unavailable")
+    logger.exception("unexpected error in the KServe ingress")
+    return 500, error_body(f"internal error ({type(cause).__name__})")

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -105,15 +105,23 @@ _CONTENTS_FIELD = {
 }
 
 
-def decode_infer_request(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], list[str] | None]:
+def decode_infer_request(
+    request: pb.ModelInferRequest, raw: Sequence[bytes | memoryview] | None = None
+) -> tuple[dict[str, np.ndarray], list[str] | None]:
     """The inputs (as arrays over the request's bytes where possible) and the outputs asked for.
+
+    Args:
+        request: The request.
+        raw: The raw input contents when they were kept out of ``request``
+            (views of the message's bytes); default: ``request.raw_input_contents``.
 
     Raises:
         InputError: A datatype Triton does not know, shared-memory parameters,
             a shape no tensor can have (see :func:`~ray_triton_shm._private.serve.kserve_limits.check_shape`),
             data that does not match its shape, raw and typed contents mixed.
     """
-    raw = request.raw_input_contents
+    if raw is None:
+        raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InputError(f"expected {len(request.inputs)} raw input contents (one per input), got {len(raw)}")
     inputs: dict[str, np.ndarray] = {}
@@ -154,7 +162,9 @@ def decode_infer_request(request: pb.ModelInferRequest) -> tuple[dict[str, np.nd
     return inputs, outputs
 
 
-def _from_raw(name: str, data: bytes, datatype: str, dtype: np.dtype | None, count: int) -> np.ndarray:
+def _from_raw(
+    name: str, data: bytes | memoryview, datatype: str, dtype: np.dtype | None, count: int
+) -> np.ndarray:
     if dtype is None:
         return deserialize_bytes(data, count)
     if len(data) != count * dtype.itemsize:

@@ -211,13 +211,17 @@ async def _read_header(stream: AsyncIterator[bytes], length: int) -> tuple[list[
     return chunks, bytes(header), rest
 
 
-def _fast_path_lengths(request: Request) -> tuple[int, int] | None:
-    """(header length, body length) when the body can go straight into a slot, else ``None``."""
-    # The general path refuses a bad encoding before a bad header length.
-    if content_encoding(request) != "identity":
+def fast_path_lengths(headers: Any) -> tuple[int, int] | None:
+    """(header length, body length) when the body can go straight into a slot, else ``None``.
+
+    Args:
+        headers: The request's headers (``get`` by lower-case name).
+    """
+    encoding = (headers.get("content-encoding") or "identity").strip().lower()
+    if encoding != "identity":  # the general path refuses a bad encoding before a bad header length
         return None
-    header_length = kserve.parse_header_length(request.headers.get(kserve.HEADER_LENGTH))
-    content_length = request.headers.get("content-length")
+    header_length = kserve.parse_header_length(headers.get(kserve.HEADER_LENGTH))
+    content_length = headers.get("content-length")
     if header_length is None or content_length is None:
         return None
     text = content_length.strip()
@@ -235,7 +239,7 @@ def _pool_at_hand(client: Any, model: str) -> bool:
     return pool is not None and not pool.retired
 
 
-def _shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
+def shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
     """Whether ``client.ainfer`` would run ``decoded`` through one system-memory slot of ``model``.
 
     Any doubt (no layout, inputs the model refuses, several slots, a payload
@@ -286,7 +290,7 @@ async def http_infer(
             :meth:`NodeClient.ainfer` (the caller turns them into KServe errors).
     """
     check_content_length(request, max_bytes)
-    lengths = _fast_path_lengths(request)
+    lengths = fast_path_lengths(request.headers)
     prefix: list[bytes] = []
     stream = None
     if lengths is not None:
@@ -303,9 +307,9 @@ async def http_infer(
             decoded, spans = planned
             # With the model's pool at hand the check is a few microseconds: no thread hop then.
             if (
-                _shm_plan(client, model, decoded)
+                shm_plan(client, model, decoded)
                 if _pool_at_hand(client, model)
-                else (await asyncio.to_thread(_shm_plan, client, model, decoded))
+                else (await asyncio.to_thread(shm_plan, client, model, decoded))
             ):
                 # The rest of the body arrives before a slot is leased: a slow upload holds no slot.
                 chunks = await _read_stream(stream, max_bytes - len(header), [rest])

@@ -17,9 +17,18 @@ CONFIG_FILE = REPO / "deployments" / "triton_shm.yaml"
 
 
 
+def frontdoor_on_free_ports(spec: dict) -> dict:
+    """``spec`` (a Serve config) with every app's front door moved to free ports; returns ``spec``."""
+    for application in spec["applications"]:
+        door = (application.get("args") or {}).get("frontdoor")
+        if door:
+            door.update({k: free_port() for k in ("http_port", "grpc_port") if door.get(k) is not None})
+    return spec
+
+
 def config_copy(tmp_dir: Path, **app_args) -> tuple[Path, int]:
-    """deployments/triton_shm.yaml with a free HTTP port and extra app args."""
-    spec = yaml.safe_load(CONFIG_FILE.read_text())
+    """deployments/triton_shm.yaml with a free HTTP port (and front-door ports) and extra app args."""
+    spec = frontdoor_on_free_ports(yaml.safe_load(CONFIG_FILE.read_text()))
     port = free_port()
     spec["http_options"]["port"] = port
     if "grpc_options" in spec:  # not Serve's fixed 9000: other Ray runs may share the machine

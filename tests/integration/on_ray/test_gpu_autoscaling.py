@@ -30,6 +30,8 @@ import yaml
 
 from tests.helpers import free_port, pid_alive
 
+from .conftest import frontdoor_on_free_ports
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[3]
@@ -201,7 +203,7 @@ def test_deploying_the_gpu_config_starts_a_gpu_worker_and_deleting_it_leaves_not
 
     # The shipped GPU config as it is, on this test's port, with quick idle shutdown; proxies on
     # the head only (fake nodes share this machine's ports).
-    spec = yaml.safe_load(GPU_CONFIG.read_text())
+    spec = frontdoor_on_free_ports(yaml.safe_load(GPU_CONFIG.read_text()))
     spec["proxy_location"] = "HeadOnly"
     spec["http_options"]["port"] = free_port()
     spec["grpc_options"]["port"] = free_port()

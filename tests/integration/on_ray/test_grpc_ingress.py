@@ -12,7 +12,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.helpers import free_port
 
-from .conftest import CONFIG_FILE, local_ray
+from .conftest import CONFIG_FILE, frontdoor_on_free_ports, local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def ingress(tmp_path_factory):
     """(handle, gRPC address of the Serve app) from deployments/triton_shm.yaml (its grpc_options)."""
     from ray_triton_shm.serve import run_config_file
 
-    spec = yaml.safe_load(CONFIG_FILE.read_text())
+    spec = frontdoor_on_free_ports(yaml.safe_load(CONFIG_FILE.read_text()))
     assert spec["grpc_options"]["grpc_servicer_functions"], "the shipped config enables the gRPC ingress"
     port = free_port()
     spec["grpc_options"]["port"] = port
@@ -196,6 +196,7 @@ def test_the_application_header_selects_an_app(ingress, clients) -> None:
     ours, _ = clients
     spec = yaml.safe_load(CONFIG_FILE.read_text())
     args = dict(spec["applications"][0]["args"], quarantine_s=2.0)  # another node config: its own Triton
+    args.pop("frontdoor")  # Serve's proxy is the one under test here
     other = serve.run(app(args), name="other", route_prefix="/other")
     try:
         other_pid = other.whereami.remote().result()["triton_pid"]

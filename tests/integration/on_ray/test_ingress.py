@@ -1,6 +1,8 @@
 """The Serve app's KServe v2 ingress against Triton's own HTTP endpoint, request for request.
 
-The app runs under ``route_prefix: /triton``; every answer it gives is compared
+The app runs under ``route_prefix: /triton``, and each test runs twice: through
+Serve's HTTP proxy and through the app's front door (the replica's own HTTP
+listener, no prefix there). Every answer it gives is compared
 with what a real Triton (the ``triton_server`` fixture, same model repository)
 answers to the same request: status code and JSON body. Where Triton itself
 answers a malformed request with 500, the ingress answers 400 (every bad
@@ -23,7 +25,7 @@ import yaml
 
 from tests.helpers import free_port
 
-from .conftest import CONFIG_FILE, local_ray
+from .conftest import CONFIG_FILE, frontdoor_on_free_ports, local_ray
 
 PREFIX = "/triton"
 # The sleep pool's lease timeout (how long a request waits for its one slot; 30 s by default)
@@ -33,11 +35,11 @@ SLEEP_HOLD_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def ingress(tmp_path_factory):
-    """(handle, base URL of the app, base URL of the reference Triton)."""
+def deployed(tmp_path_factory):
+    """(handle, base URL of the app behind Serve's proxy, base URL of the app's front door)."""
     from ray_triton_shm.serve import run_config_file
 
-    spec = yaml.safe_load(CONFIG_FILE.read_text())
+    spec = frontdoor_on_free_ports(yaml.safe_load(CONFIG_FILE.read_text()))
     port = free_port()
     spec["http_options"]["port"] = port
     spec["grpc_options"]["port"] = free_port()
@@ -52,8 +54,16 @@ def ingress(tmp_path_factory):
     with local_ray():
         handles = run_config_file(str(path))
         base = f"http://127.0.0.1:{port}{PREFIX}"
+        front = f"http://127.0.0.1:{app['args']['frontdoor']['http_port']}"
         wait_for(lambda: requests.get(base + "/v2/health/ready", timeout=10).status_code == 200, 120)
-        yield handles["triton"], base
+        yield handles["triton"], base, front
+
+
+@pytest.fixture(params=["serve", "frontdoor"])
+def ingress(request, deployed):
+    """(handle, base URL): the app behind Serve's proxy (under its prefix), then its front door."""
+    handle, base, front = deployed
+    return handle, base if request.param == "serve" else front
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +166,8 @@ def test_metadata_shapes_and_config_dims_are_integers(ingress) -> None:
         client.close()
 
 
-def test_routes_live_under_the_prefix_only(ingress) -> None:
-    _, base = ingress
+def test_routes_live_under_the_prefix_only(deployed) -> None:
+    _, base, _ = deployed
     root = base.removesuffix(PREFIX)
     assert requests.get(base + "/v2/health/ready", timeout=30).status_code == 200
     assert requests.get(root + "/v2/health/ready", timeout=30).status_code == 404

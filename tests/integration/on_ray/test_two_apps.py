@@ -15,7 +15,7 @@ import requests
 import tritonclient.http as httpclient
 import yaml
 
-from .conftest import REPO, free_port, teardown_ray
+from .conftest import REPO, free_port, frontdoor_on_free_ports, teardown_ray
 
 TWO_APPS = REPO / "deployments" / "two_apps.yaml"
 SERVE = str(Path(sys.executable).with_name("serve"))
@@ -27,7 +27,7 @@ def cluster(tmp_path_factory):
     """A local Ray with its dashboard (``serve deploy`` talks to it); a copy of the file on a free port."""
     import ray
 
-    spec = yaml.safe_load(TWO_APPS.read_text())
+    spec = frontdoor_on_free_ports(yaml.safe_load(TWO_APPS.read_text()))
     port = free_port()
     spec["http_options"]["port"] = port
     path = tmp_path_factory.mktemp("two_apps") / "two_apps.yaml"

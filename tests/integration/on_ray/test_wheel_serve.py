@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from ..test_wheel import build, install
-from .conftest import free_port
+from .conftest import free_port, frontdoor_on_free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +86,9 @@ def test_serve_run_of_the_examples_config_from_the_wheel(tmp_path: Path) -> None
     assert setup.returncode == 0, setup.stdout[-2000:] + setup.stderr[-2000:]
 
     # The Serve config shipped in the package, as a user copies it: another port, one replica.
-    spec = yaml.safe_load((installed.site / "ray_triton_shm" / "examples" / "triton_shm.yaml").read_text())
+    spec = frontdoor_on_free_ports(
+        yaml.safe_load((installed.site / "ray_triton_shm" / "examples" / "triton_shm.yaml").read_text())
+    )
     port = free_port()
     spec["http_options"]["port"] = port
     app = spec["applications"][0]

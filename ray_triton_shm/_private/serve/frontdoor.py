@@ -1,0 +1,350 @@
+"""The front door: each replica's own KServe v2 listeners (HTTP and gRPC) on the app's stable ports.
+
+Clients outside Ray (``tritonclient.http``, ``tritonclient.grpc``) reach the
+replica without Serve's proxy in between. Every replica of the app on a node
+binds the same ports (``SO_REUSEPORT``): the kernel spreads the connections
+among them, and any node's address works on a multi-node cluster (bind
+``0.0.0.0`` there). The listeners run in the replica's process, in threads of
+their own (blocking sockets, one thread per HTTP connection; a gRPC thread
+pool), and close with the replica.
+
+HTTP inference (no version asked) is read from the socket straight into a
+leased slot (:class:`~ray_triton_shm._private.serve.frontdoor_http.Body`) and
+answered from the slot (``sendmsg`` of the output views): one copy of each
+tensor each way, as in Triton's own endpoint. Every other HTTP route goes to
+the Serve ingress's own handler (the deployment's ``__call__``), so both
+answer alike. gRPC: see :mod:`ray_triton_shm._private.serve.frontdoor_grpc`.
+
+Configured in the app's args::
+
+    args:
+      frontdoor: {host: 127.0.0.1, http_port: 8080, grpc_port: 8081}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+
+from ray_triton_shm._private.serve import kserve, kserve_errors, kserve_limits
+from ray_triton_shm._private.serve.frontdoor_grpc import GrpcDoor, run_on
+from ray_triton_shm._private.serve.frontdoor_http import (
+    Body,
+    Connection,
+    ConnectionGone,
+    HttpListener,
+    RequestHead,
+)
+from ray_triton_shm._private.serve.kserve_http import fast_path_lengths, shm_plan
+from ray_triton_shm._private.shm.cuda import to_host
+from ray_triton_shm.config import env_field
+from ray_triton_shm.errors import (
+    ConfigError,
+    InputError,
+    LayoutMismatchError,
+    OutputTooLargeError,
+    RequestTooLargeError,
+)
+
+logger = logging.getLogger(__name__)
+
+_INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+_CALL_TIMEOUT_S = 120.0
+
+
+def _optional_port(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none", "off") else int(text)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontDoorConfig:
+    """Where a replica's own KServe v2 listeners listen (explicit > ``RAY_TRITON_SHM_FRONTDOOR_*`` > default).
+
+    Attributes:
+        host: Address the listeners bind: ``127.0.0.1`` (this machine only) or
+            ``0.0.0.0`` (every interface: what a multi-node cluster needs).
+        http_port: KServe v2 over HTTP (``tritonclient.http``); ``None``: none.
+        grpc_port: KServe v2 over gRPC (``tritonclient.grpc``); ``None``: none.
+        max_connections: HTTP connections served at once per replica (a thread each).
+        grpc_threads: gRPC requests served at once per replica.
+    """
+
+    host: str = env_field("FRONTDOOR_HOST", "127.0.0.1")
+    http_port: int | None = env_field("FRONTDOOR_HTTP_PORT", None, _optional_port)
+    grpc_port: int | None = env_field("FRONTDOOR_GRPC_PORT", None, _optional_port)
+    max_connections: int = env_field("FRONTDOOR_MAX_CONNECTIONS", 256)
+    grpc_threads: int = env_field("FRONTDOOR_GRPC_THREADS", 16)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ConfigError(f"frontdoor.host must be an address such as 127.0.0.1, got {self.host!r}")
+        for name in ("http_port", "grpc_port"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535
+            ):
+                raise ConfigError(f"frontdoor.{name} must be a port (0-65535) or null, got {value!r}")
+        if self.http_port is None and self.grpc_port is None:
+            raise ConfigError("frontdoor needs http_port, grpc_port or both")
+        if self.http_port is not None and self.http_port == self.grpc_port and self.http_port != 0:
+            raise ConfigError(f"frontdoor.http_port and grpc_port are both {self.http_port}")
+        for name in ("max_connections", "grpc_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"frontdoor.{name} must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def from_args(cls, value: Mapping[str, Any] | None) -> FrontDoorConfig | None:
+        """The config of an app's ``frontdoor`` arg (``None``: no front door).
+
+        Raises:
+            ConfigError: Not a mapping, an unknown key, or an invalid value.
+        """
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"frontdoor must be a mapping (host, http_port, grpc_port), got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"frontdoor: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**dict(value))
+
+
+class KServeHttpHandler:
+    """The front door's HTTP requests: inference read into slots; every other route to ``delegate``.
+
+    Args:
+        client: The replica's :class:`NodeClient`.
+        served_version: The version Triton runs for a request without one.
+        delegate: Answers any other request: ``(head, body) -> (status, headers, body)``.
+        error_answer: The KServe error answer of an exception: ``(status, body)``.
+        max_bytes: Largest request body (and inflated body) accepted; larger ones are 413.
+    """
+
+    def __init__(
+        self, client: Any, served_version: Any, delegate: Any, error_answer: Any, max_bytes: int
+    ) -> None:
+        self._max_bytes = max_bytes
+        self._client = client
+        self._served_version = served_version
+        self._delegate = delegate
+        self._error_answer = error_answer
+
+    def __call__(self, conn: Connection, head: RequestHead, body: Body) -> None:
+        try:
+            if not body.chunked and body.remaining > self._max_bytes:  # refused before it is read
+                raise kserve_limits.too_large("request body", self._max_bytes)
+            if head.method == "POST":
+                match = _INFER.match(head.path)
+                if match and match.group(2) is None:
+                    self._infer(conn, match.group(1), head, body)
+                    return
+            data = body.read_all(self._max_bytes)
+            status, headers, payload = self._delegate(head, data)
+            conn.respond(status, headers, [payload])
+        except ConnectionGone:
+            raise
+        except Exception as e:
+            if isinstance(e, RequestTooLargeError):
+                conn.keep_alive = False  # the rest of the body is not read
+            else:
+                try:
+                    body.drain()  # the client may still be sending: let it finish, then read the answer
+                except Exception:
+                    conn.keep_alive = False
+            status, payload = self._error_answer(e)
+            conn.respond(status, [("content-type", "application/json")], [payload])
+
+    def _infer(self, conn: Connection, model: str, head: RequestHead, body: Body) -> None:
+        client = self._client
+        lengths = None if body.chunked else fast_path_lengths(head.headers)
+        prefix = b""
+        if lengths is not None:
+            header_length, body_length = lengths
+            prefix = body.read(min(header_length, body_length))
+            planned = None
+            if len(prefix) == min(header_length, body_length):
+                try:
+                    planned = kserve.plan_request(prefix, header_length, body_length)
+                except InputError:
+                    planned = None  # the general path raises the same error
+            if planned is not None and planned[1] and shm_plan(client, model, planned[0]):
+                self._infer_in_slot(conn, model, planned[0], planned[1], body)
+                return
+        data = prefix + body.read_all(self._max_bytes - len(prefix))
+        encoding = (head.headers.get("content-encoding") or "identity").strip().lower()
+        if encoding != "identity":
+            data = kserve_limits.inflate(data, encoding, self._max_bytes)
+        decoded = kserve.decode_request(
+            data, kserve.parse_header_length(head.headers.get(kserve.HEADER_LENGTH))
+        )
+        version = self._served_version(model)
+        outputs = client.infer(model, decoded.inputs, outputs=decoded.outputs, copy=False)
+        host = {name: to_host(value) for name, value in outputs.items()}
+        parts, headers = kserve.encode_response_parts(model, decoded, host, version)
+        conn.respond(200, list(headers.items()), parts)
+
+    def _infer_in_slot(
+        self,
+        conn: Connection,
+        model: str,
+        decoded: kserve.DecodedRequest,
+        spans: list[kserve.BinarySpan],
+        body: Body,
+    ) -> None:
+        """Lease a slot, read the tensor bytes from the socket into it, run, answer from the slot."""
+        client = self._client
+        version = self._served_version(model)
+        with client.lease(model) as lease:
+            for name, array in decoded.inputs.items():  # JSON inputs of the same request
+                if all(span.name != name for span in spans):
+                    lease.input(name, array.shape)[...] = array
+            for span in spans:
+                view = lease.input(span.name, decoded.inputs[span.name].shape)
+                body.readinto(memoryview(view.reshape(-1).view(np.uint8)))
+            if body.remaining:
+                raise InputError("the request body is longer than its tensors")
+            try:
+                outputs = client.run(lease, decoded.outputs)
+            except (LayoutMismatchError, OutputTooLargeError) as e:
+                # What infer handles itself (a reloaded model, an output over its slot).
+                inputs = {name: np.array(lease.input(name, a.shape)) for name, a in decoded.inputs.items()}
+                lease.release()
+                if isinstance(e, LayoutMismatchError):
+                    client._layout_changed(e)
+                outputs = client.infer(model, inputs, outputs=decoded.outputs)
+            parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
+            del outputs
+            conn.respond(200, list(headers.items()), parts)  # written from the slot, then it goes back
+            del parts
+
+
+class FrontDoor:
+    """A replica's front door: its HTTP and gRPC listeners and the event loop they delegate to.
+
+    Args:
+        config: Where to listen.
+        deployment: The :class:`~ray_triton_shm.serve.TritonDeployment` instance
+            (its client, its ``__call__`` for other HTTP routes, its gRPC methods).
+        app_name: The Serve app's name (the gRPC ``application`` metadata must match it).
+
+    Raises:
+        FrontDoorError: A port cannot be bound (nothing is left listening then).
+    """
+
+    def __init__(self, config: FrontDoorConfig, deployment: Any, app_name: str) -> None:
+        self.config = config
+        self._deployment = deployment
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="frontdoor-loop", daemon=True)
+        self._thread.start()
+        self._run = run_on(self._loop)
+        self.http: HttpListener | None = None
+        self.grpc: Any = None
+        try:
+            if config.http_port is not None:
+                handler = KServeHttpHandler(
+                    deployment._client,
+                    self.served_version,
+                    self._delegate_http,
+                    _error_answer,
+                    deployment._max_request_bytes,
+                )
+                self.http = HttpListener(
+                    config.host, config.http_port, handler, max_connections=config.max_connections
+                )
+            if config.grpc_port is not None:
+                self.grpc = GrpcDoor(
+                    config.host,
+                    config.grpc_port,
+                    client=deployment._client,
+                    servicer=_Servicer(deployment),
+                    served_version=self.served_version,
+                    run=self._run,
+                    app_name=app_name,
+                    threads=config.grpc_threads,
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def served_version(self, model: str) -> str:
+        """The deployment's cached answer, or its lookup run on the front door's loop."""
+        cached = self._deployment._versions.get(model, time.monotonic())
+        if cached is not None:
+            return cached
+        return self._run(self._deployment._served_version(model))
+
+    def _delegate_http(self, head: RequestHead, data: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+        """``head`` and its body answered by the Serve ingress's own handler (``deployment.__call__``)."""
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": head.version[5:],
+            "method": head.method,
+            "scheme": "http",
+            "path": head.path,
+            "raw_path": head.path.encode(),
+            "root_path": "",
+            "query_string": head.query.encode("latin-1"),
+            "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in head.headers.items()],
+        }
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+
+        response = self._run(self._deployment(Request(scope, receive)))
+        headers = [(k, v) for k, v in response.headers.items() if k.lower() != "content-length"]
+        return response.status_code, headers, bytes(response.body)
+
+    def close(self) -> None:
+        """Stop both listeners and the loop; returns when nothing listens any more."""
+        if self.http is not None:
+            self.http.close()
+        if self.grpc is not None:
+            self.grpc.close()
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        if not self._loop.is_running():
+            with contextlib.suppress(RuntimeError):
+                self._loop.close()
+
+
+class _Servicer:
+    """The deployment's gRPC methods, with gRPC channels of the front door's own event loop.
+
+    The ingress keeps its channels to Triton per event loop (in ``_channels``):
+    this object has its own and takes everything else from the deployment.
+    """
+
+    def __init__(self, deployment: Any) -> None:
+        self._deployment = deployment
+        self._channels: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(type(self._deployment), name, None)
+        if callable(value) and not name.startswith("__"):
+            return value.__get__(self)  # the method, bound to this object
+        return getattr(self._deployment, name)
+
+
+def _error_answer(error: Exception) -> tuple[int, bytes]:
+    """The KServe error answer of ``error`` (as the Serve ingress answers it)."""
+    return kserve_errors.error_answer(error)

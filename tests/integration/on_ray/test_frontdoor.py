@@ -1,0 +1,225 @@
+"""The front door: each app's replicas listening themselves, reached by unmodified tritonclient.
+
+deployments/two_apps.yaml (two apps, their front doors on free ports), a local
+Ray and the node's real Triton. Every answer is compared with the node's
+Triton's own; the listeners bind only the configured host and are gone with
+the apps, and nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from .conftest import REPO, free_port, frontdoor_on_free_ports, teardown_ray
+
+TWO_APPS = REPO / "deployments" / "two_apps.yaml"
+
+
+@pytest.fixture(scope="module")
+def apps(tmp_path_factory):
+    """{app name: (handle, HTTP address, gRPC address)} and the node's Triton (HTTP, gRPC)."""
+    import ray
+
+    from ray_triton_shm.serve import run_config_file
+
+    spec = frontdoor_on_free_ports(yaml.safe_load(TWO_APPS.read_text()))
+    spec["http_options"]["port"] = free_port()
+    doors = {a["name"]: a["args"]["frontdoor"] for a in spec["applications"]}
+    for application in spec["applications"]:
+        application["args"]["pools"]["identity"]["max_shapes"] = {"INPUT0": [262144], "OUTPUT0": [262144]}
+    path = tmp_path_factory.mktemp("frontdoor") / "two_apps.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        handles = run_config_file(str(path))
+        where = handles["triton-a"].whereami.remote().result()
+        from ray_triton_shm.node import get_node_actor
+
+        info = ray.get(get_node_actor().info.remote())
+        yield {
+            "apps": {
+                name: (handles[name], f"127.0.0.1:{door['http_port']}", f"127.0.0.1:{door['grpc_port']}")
+                for name, door in doors.items()
+            },
+            "triton": (info.http_url, info.grpc_url),
+            "where": where,
+        }
+    finally:
+        teardown_ray()
+
+
+def _http_identity(url: str, x: np.ndarray, binary: bool = True) -> np.ndarray:
+    client = httpclient.InferenceServerClient(url, network_timeout=120)
+    try:
+        tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=binary)
+        wanted = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)]
+        return client.infer("identity", [tensor], outputs=wanted).as_numpy("OUTPUT0")
+    finally:
+        client.close()
+
+
+def _grpc_identity(url: str, x: np.ndarray, headers: dict[str, str] | None = None) -> np.ndarray:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        tensor = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        return client.infer("identity", [tensor], headers=headers).as_numpy("OUTPUT0")
+    finally:
+        client.close()
+
+
+def test_unmodified_tritonclients_get_correct_outputs(apps) -> None:
+    rng = np.random.default_rng(27)
+    for _, http_url, grpc_url in apps["apps"].values():
+        for n in (16, 262144):  # small, and 1 MB (through a slot)
+            x = rng.random((1, n), dtype=np.float32)
+            assert np.array_equal(_http_identity(http_url, x), x)
+            assert np.array_equal(_grpc_identity(grpc_url, x), x)
+        x = rng.random((1, 64), dtype=np.float32)
+        assert np.array_equal(_http_identity(http_url, x, binary=False), x)
+        a = np.arange(32, dtype=np.int32).reshape(2, 16)
+        for module, url in ((httpclient, http_url), (grpcclient, grpc_url)):
+            client = module.InferenceServerClient(url)
+            inputs = []
+            for name in ("INPUT0", "INPUT1"):
+                tensor = module.InferInput(name, [2, 16], "INT32")
+                tensor.set_data_from_numpy(a)
+                inputs.append(tensor)
+            result = client.infer("add_sub", inputs)
+            assert np.array_equal(result.as_numpy("OUTPUT0"), 2 * a)
+            assert np.array_equal(result.as_numpy("OUTPUT1"), 0 * a)
+            assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("add_sub")
+            client.close()
+
+
+def _http_error(url: str, model: str, x: np.ndarray, datatype: str = "FP32") -> tuple[str | None, str]:
+    client = httpclient.InferenceServerClient(url)
+    tensor = httpclient.InferInput("INPUT0", list(x.shape), datatype)
+    tensor.set_data_from_numpy(x)
+    try:
+        client.infer(model, [tensor])
+    except InferenceServerException as e:
+        return e.status(), e.message()
+    finally:
+        client.close()
+    raise AssertionError("no error")
+
+
+def _grpc_error(url: str, model: str, x: np.ndarray, datatype: str = "FP32") -> tuple[str | None, str]:
+    client = grpcclient.InferenceServerClient(url)
+    tensor = grpcclient.InferInput("INPUT0", list(x.shape), datatype)
+    tensor.set_data_from_numpy(x)
+    try:
+        client.infer(model, [tensor])
+    except InferenceServerException as e:
+        return e.status(), e.message()
+    finally:
+        client.close()
+    raise AssertionError("no error")
+
+
+def test_bad_requests_get_tritons_error_shape(apps) -> None:
+    _, http_url, grpc_url = apps["apps"]["triton-a"]
+    triton_http, triton_grpc = apps["triton"]
+    x = np.ones((1, 16), np.float32)
+    # An unknown model: Triton's own status and message, over both protocols.
+    assert _http_error(http_url, "nope", x) == _http_error(triton_http, "nope", x)
+    assert _grpc_error(grpc_url, "nope", x) == _grpc_error(triton_grpc, "nope", x)
+    # A wrong datatype: a 400 / INVALID_ARGUMENT with a message, as Triton.
+    wrong = np.ones((1, 16), np.int32)
+    ours, theirs = (
+        _http_error(http_url, "identity", wrong, "INT32"),
+        _http_error(triton_http, "identity", wrong, "INT32"),
+    )
+    assert ours[0] == theirs[0] == "400" and ours[1]
+    ours, theirs = (
+        _grpc_error(grpc_url, "identity", wrong, "INT32"),
+        _grpc_error(triton_grpc, "identity", wrong, "INT32"),
+    )
+    assert ours[0] == theirs[0] == "StatusCode.INVALID_ARGUMENT" and ours[1]
+
+
+def test_each_app_has_its_own_ports_and_the_application_header_is_checked(apps) -> None:
+    (handle_a, http_a, grpc_a), (handle_b, http_b, grpc_b) = (
+        apps["apps"]["triton-a"],
+        apps["apps"]["triton-b"],
+    )
+    assert len({http_a, grpc_a, http_b, grpc_b}) == 4
+    assert handle_a.frontdoor_ports.remote().result()["http"] == int(http_a.rsplit(":", 1)[1])
+    assert handle_b.frontdoor_ports.remote().result()["grpc"] == int(grpc_b.rsplit(":", 1)[1])
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    assert np.array_equal(_grpc_identity(grpc_a, x, headers={"application": "triton-a"}), x)
+    with pytest.raises(InferenceServerException) as info:
+        _grpc_identity(grpc_a, x, headers={"application": "triton-b"})
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    assert "'triton-b' is not served on this port" in info.value.message()
+    client = grpcclient.InferenceServerClient(grpc_b)
+    with pytest.raises(InferenceServerException, match="'triton-a' is not served on this port"):
+        client.is_server_live(headers={"application": "triton-a"})
+    client.close()
+
+
+def _listeners(ports: set[int]) -> list:
+    return [
+        c
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port in ports
+    ]
+
+
+def _ports(apps) -> set[int]:
+    return {int(url.rsplit(":", 1)[1]) for _, http, grpc in apps["apps"].values() for url in (http, grpc)}
+
+
+def test_the_listeners_bind_only_the_configured_host(apps) -> None:
+    listening = _listeners(_ports(apps))
+    assert {c.laddr.port for c in listening} == _ports(apps)
+    # gRPC binds an IPv6 socket with the v4-mapped address: still 127.0.0.1 only.
+    assert {c.laddr.ip.removeprefix("::ffff:") for c in listening} == {"127.0.0.1"}
+    others = [
+        a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET
+    ]
+    for address in others:
+        if address.startswith("127."):
+            continue
+        with socket.socket() as s:  # not reachable on the machine's other addresses
+            s.settimeout(2)
+            assert s.connect_ex((address, min(_ports(apps)))) != 0
+
+
+def test_after_shutdown_nothing_listens_and_nothing_is_left(apps) -> None:
+    """Last in this module: it shuts the apps down."""
+    import ray
+    from ray import serve
+
+    from ray_triton_shm.node import shutdown_node_actors
+
+    where = apps["where"]
+    replicas = {h.whereami.remote().result()["pid"] for h, _, _ in apps["apps"].values()}
+    serve.shutdown()
+    shutdown_node_actors()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (
+        _listeners(_ports(apps)) or any(psutil.pid_exists(p) for p in replicas)
+    ):
+        time.sleep(0.5)
+    assert not _listeners(_ports(apps))
+    for port in _ports(apps):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert not [p for p in replicas if psutil.pid_exists(p)], "a replica process outlived serve.shutdown()"
+    owners = {where["actor_pid"], where["triton_pid"], *replicas}
+    left = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"rtshm_{p}_") for p in owners)]
+    assert not left, left
+    assert ray.is_initialized()
