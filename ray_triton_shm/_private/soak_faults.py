@@ -105,6 +105,7 @@ def _node_view(timeout_s: float = 10.0) -> dict[str, Any] | None:
         "replicas": sorted(u["pid"] for u in status["users"] if u["kind"] == "serve"),
         "pools": status["pools"],
         "healthy": status["health"]["state"] == "ok",
+        "health": status["health"],
     }
 
 
@@ -180,6 +181,8 @@ def _await_recovery(fault: Fault, before: dict[str, Any], probe: _Probe, timeout
 
     fault.replaced_by = _wait(replaced, timeout_s)
     if fault.replaced_by is None or fault.injected_at is None:
+        view = _node_view()
+        fault.note = f"not replaced; node health: {view['health'] if view else 'node actor unreachable'}"
         return
     left = timeout_s - (time.time() - fault.injected_at)
     if _wait(probe.answers, max(left, 1.0)):
