@@ -44,7 +44,6 @@ def test_front_door_under_faults(tmp_path):
     assert len(report.callers) == 8, summary
     assert {c["protocol"] for c in report.callers} == {"http", "grpc"}
     assert report.total("wrong") == 0, summary
-    assert not [k for k in report.errors() if k.startswith("untyped")], summary
     assert [f.target for f in report.faults] == list(FAULTS), summary
     for fault in report.faults:
         assert fault.injected_at is not None and fault.gone, summary
