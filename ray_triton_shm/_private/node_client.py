@@ -372,6 +372,10 @@ class NodeClient:
             if region_unknown(e):
                 raise _registering_again(e, self.info) from e
             raise
+        except PoolClosedError as e:
+            if self._closed:
+                raise
+            raise _replaced_meanwhile(e, self.info) from e
 
     async def ainfer(
         self,
@@ -398,6 +402,10 @@ class NodeClient:
             if region_unknown(e):
                 raise _registering_again(e, self.info) from e
             raise
+        except PoolClosedError as e:
+            if self._closed:
+                raise
+            raise _replaced_meanwhile(e, self.info) from e
 
     def _layout_changed(self, error: LayoutMismatchError) -> None:
         """After a :class:`LayoutMismatchError`: make sure the node retired the stale pool.
@@ -462,6 +470,10 @@ class NodeClient:
             if region_unknown(e):
                 raise _registering_again(e, self.info) from e
             raise
+        except PoolClosedError as e:
+            if self._closed:
+                raise
+            raise _replaced_meanwhile(e, self.info) from e
 
     async def arun(self, lease: Lease, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """:meth:`run` for asyncio code (in a worker thread)."""
@@ -526,6 +538,20 @@ def _registering_again(error: TritonCallError, info: NodeInfo | None) -> Unavail
         f"again; try again ({error.message})",
         "UNAVAILABLE",
         error.model,
+    )
+
+
+def _replaced_meanwhile(error: PoolClosedError, info: NodeInfo | None) -> UnavailableError:
+    """The error for a request whose client was replaced while it ran (this NodeClient is open).
+
+    After a failure that showed a new Triton or node actor, the NodeClient connects
+    anew and closes the old connection, under requests of other threads still on it.
+    """
+    node = info.node_id if info is not None else "this node"
+    return UnavailableError(
+        f"the connection to the Triton of node {node} was replaced while this request ran "
+        f"(Triton or its node actor restarted); try again ({error})",
+        "UNAVAILABLE",
     )
 
 
