@@ -4,6 +4,7 @@ runs it for 10 minutes).
 
 Every answer must be correct or an error in Triton's shape, the app must recover from each
 fault on both protocols, every slot must come back, and nothing of the run may outlive it.
+``RAY_TRITON_SHM_SOAK_FAULTS_S`` sets the least run time (default 60 s).
 """
 
 from __future__ import annotations
