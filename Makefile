@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: bench-sharing native setup demo test unit integration lint dist bench bench-quick bench-env bench-docs soak cleanup clean
+.PHONY: bench-sharing native setup demo test unit integration lint dist bench bench-quick bench-env bench-docs soak soak-faults cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,14 @@ soak: setup native
 	$(PY) -m ray_triton_shm soak --duration 120 --callers 16 --slots 4
 	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/test_reliability.py -k cycles
 	RAY_TRITON_SHM_LEAK_CYCLES=100000 $(PY) -m pytest tests/integration/on_ray/test_leak_ray.py
+
+# Faults under load (10 minutes): 8 tritonclient processes (half HTTP, half gRPC) through the
+# ports the config tells clients to use, while a Serve replica, the node actor and the node's
+# Triton are SIGKILLed once each; every output value is checked, nothing may be left behind.
+# `make test` runs a one-minute form (tests/integration/on_ray/test_soak_faults.py).
+SOAK_CONFIG ?= deployments/triton_shm.yaml
+soak-faults: setup
+	$(PY) -m ray_triton_shm soak-faults --config $(SOAK_CONFIG) --duration 600 --callers 8
 
 cleanup: $(STAMP)
 	$(PY) -m ray_triton_shm cleanup --yes

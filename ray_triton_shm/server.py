@@ -137,6 +137,45 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+def _kill_group_leftovers(pgid: int) -> list[int]:
+    """SIGKILL what is left of an exited server's process group: its Triton processes only.
+
+    The server led the group; once it is gone its stubs may live on in it. Only
+    processes of that group whose command line names Triton are killed, so a pid
+    reused after the group emptied is never hit.
+
+    Returns:
+        The pids killed.
+    """
+    killed = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return killed
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and b"triton" in cmdline:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+            except OSError:
+                pass
+    if killed:
+        logger.info(
+            "killed %d process(es) left in the group of tritonserver %d: %s", len(killed), pgid, killed
+        )
+    return killed
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -528,9 +567,17 @@ class TritonServer:
                     logger.warning("tritonserver ignored SIGINT for %gs; killing", self.config.stop_timeout_s)
             # Always the whole group: a server that crashed leaves its backend stubs running.
             _kill_group(proc)
+            # A leader reaped before (a crash noticed by a poll) leaves no group to signal: its
+            # stubs, still holding the log pipe open, are found by their group id instead.
+            _kill_group_leftovers(proc.pid)
             self._join_reader()
             if proc.stdout is not None:
-                proc.stdout.close()
+                if self._reader is not None and self._reader.is_alive():
+                    logger.warning(
+                        "tritonserver's log pipe is still open after it exited; left to its reader"
+                    )
+                else:
+                    proc.stdout.close()
         self._proc = None
         self._release_backend_segments()
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 from ray_triton_shm import ServerConfig, TritonServer
+from ray_triton_shm._private.shm.segment import process_start_time
 
 REPO_MODELS = str(Path(__file__).resolve().parents[2] / "deployments" / "models")
 # One Python-backend model (its stub is a child of the server to stop or kill too): a server with
@@ -53,4 +55,53 @@ def test_kill_of_a_stopped_server_reaps_it_at_once():
         server.start()  # and it comes back
         assert server.probe(timeout=2.0)
     finally:
+        server.stop()
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes() if entry.isdigit() else b""
+        except OSError:
+            continue
+        if stat and int(stat[stat.rfind(b")") + 2 :].split()[2]) == pgid and int(entry) != pgid:
+            members.append(int(entry))
+    return members
+
+
+def test_restart_of_a_server_killed_alone_kills_its_stubs_and_comes_back():
+    """SIGKILL to the server's pid alone (not its group) leaves its Python-backend stubs running and
+    holding its log pipe. A restart must kill them and start again, not wait on the pipe forever
+    (a node's health check restarting such a Triton would hang in 'restarting' for good)."""
+    server = TritonServer(ServerConfig(model_repository=REPO_MODELS, load_models=MODELS))
+    server.start()
+    stubs: list[int] = []
+    restarted = threading.Event()
+    restart = threading.Thread(target=lambda: (server.restart(kill=True), restarted.set()), daemon=True)
+    try:
+        pid = server.pid
+        stubs = _group_members(pid)
+        assert stubs, "the Python-backend model should run in a stub of the server's group"
+        for stub in stubs:  # a stub that has not noticed its server died (as seen under load)
+            os.kill(stub, signal.SIGSTOP)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while server.is_alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        restart.start()
+        restart.join(timeout=60)
+        assert restarted.is_set(), "restart hung on the dead server's log pipe, held by its stubs"
+        # Killed (a zombie until init reaps it: the server that was its parent is gone).
+        assert all(process_start_time(stub) is None for stub in stubs)
+        assert server.pid != pid and server.probe(timeout=5.0)
+    finally:
+        for stub in stubs:  # lets a hung restart go on (and end)
+            try:
+                os.kill(stub, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if restart.is_alive():
+            restart.join(timeout=60)
         server.stop()

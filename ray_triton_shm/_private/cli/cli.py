@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from ray_triton_shm._private.cli import soak
 from ray_triton_shm._private.cli.demo import run_demo
 from ray_triton_shm._private.cli.demo_log import quiet_logs
+from ray_triton_shm._private.cli.soak_faults import run_fault_soak
 from ray_triton_shm._private.cli.status import run as run_status
 from ray_triton_shm._private.shm import segment
 from ray_triton_shm._private.triton import server_env
@@ -174,6 +175,22 @@ def _soak(args: argparse.Namespace) -> int:
     return soak.command(args.duration, args.callers, args.slots, args.target)
 
 
+def _soak_faults(args: argparse.Namespace) -> int:
+    report = run_fault_soak(
+        args.config,
+        duration_s=args.duration,
+        callers=args.callers,
+        faults=[f for f in args.faults.split(",") if f],
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        app=args.app,
+        write=lambda line: print(line, flush=True),
+    )
+    print(report.summary(), flush=True)
+    return 0 if not report.problems else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-triton-shm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -253,6 +270,22 @@ def build_parser() -> argparse.ArgumentParser:
     soak_cmd.add_argument("--slots", type=int, default=4, help="slots shared by the callers")
     soak_cmd.add_argument("--target", choices=("client", "serve", "all"), default="all")
     soak_cmd.set_defaults(func=_soak)
+    faults = sub.add_parser(
+        "soak-faults",
+        help="external tritonclient callers through the front door while a replica, "
+        "the node actor and Triton are killed; every answer checked, leftovers looked for",
+    )
+    faults.add_argument("--config", default=None, help="Serve config file (default: the example config)")
+    faults.add_argument("--duration", type=float, default=600.0, help="least seconds to run")
+    faults.add_argument("--callers", type=int, default=8, help="caller processes, half HTTP, half gRPC")
+    faults.add_argument(
+        "--faults", default="replica,node-actor,triton", help="what to SIGKILL, in order (comma-separated)"
+    )
+    faults.add_argument("--host", default=None, help="address callers connect to (default: the config's)")
+    faults.add_argument("--http-port", type=int, default=None, help="default: http_options.port")
+    faults.add_argument("--grpc-port", type=int, default=None, help="default: grpc_options.port")
+    faults.add_argument("--app", default=None, help="application called (default: the config's first)")
+    faults.set_defaults(func=_soak_faults)
     shutdown = sub.add_parser("shutdown", help="stop every node actor now: Tritons, pools, segments")
     shutdown.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     shutdown.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each actor")

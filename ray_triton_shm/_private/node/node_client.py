@@ -358,6 +358,8 @@ class NodeClient:
 
         ``timeout`` is how long to wait for a free slot (default: the pool's
         ``lease_timeout_s``); the call's own deadline is ``request_timeout_s``.
+        A request that reaches a restarted Triton before the node registered its
+        regions there again raises :class:`UnavailableError` (try again).
 
         Raises:
             InputError, PoolTimeoutError, TritonCallError, UnavailableError.
@@ -371,7 +373,13 @@ class NodeClient:
                 return self.client.infer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
         except (UnavailableError, TritonCallError) as e:
             self._after_failure(e)
+            if region_unknown(e):
+                raise _registering_again(e, self.info) from e
             raise
+        except PoolClosedError as e:
+            if self._closed:
+                raise
+            raise _replaced_meanwhile(e, self.info) from e
 
     async def ainfer(
         self,
@@ -393,7 +401,13 @@ class NodeClient:
                 return await self.client.ainfer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
         except (UnavailableError, TritonCallError) as e:
             await asyncio.to_thread(self._after_failure, e)
+            if region_unknown(e):
+                raise _registering_again(e, self.info) from e
             raise
+        except PoolClosedError as e:
+            if self._closed:
+                raise
+            raise _replaced_meanwhile(e, self.info) from e
 
     def _layout_changed(self, error: LayoutMismatchError) -> None:
         """After a :class:`LayoutMismatchError`: make sure the node retired the stale pool.
@@ -467,7 +481,13 @@ class NodeClient:
             return self.client.run(lease, outputs)
         except (UnavailableError, TritonCallError) as e:
             self._after_failure(e)
+            if region_unknown(e):
+                raise _registering_again(e, self.info) from e
             raise
+        except PoolClosedError as e:
+            if self._closed:
+                raise
+            raise _replaced_meanwhile(e, self.info) from e
 
     async def arun(self, lease: Lease, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """:meth:`run` for asyncio code (in a worker thread)."""
@@ -514,6 +534,38 @@ class NodeClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _registering_again(error: TritonCallError, info: NodeInfo | None) -> UnavailableError:
+    """The error for a request whose slot's region the node's Triton does not know.
+
+    The node actor owns every region of its pools and registers all of them on each
+    Triton it starts: a region unknown to Triton means the request reached a restarted
+    Triton before the node had registered them there again. The request did not run;
+    it is one to try again (UNAVAILABLE, 503 at the ingress), not a missing thing (NOT_FOUND,
+    which a KServe caller reads as an unknown model).
+    """
+    node = info.node_id if info is not None else "this node"
+    return UnavailableError(
+        f"Triton on node {node} restarted and its shared-memory regions are being registered "
+        f"again; try again ({error.message})",
+        "UNAVAILABLE",
+        error.model,
+    )
+
+
+def _replaced_meanwhile(error: PoolClosedError, info: NodeInfo | None) -> UnavailableError:
+    """The error for a request whose client was replaced while it ran (this NodeClient is open).
+
+    After a failure that showed a new Triton or node actor, the NodeClient connects
+    anew and closes the old connection, under requests of other threads still on it.
+    """
+    node = info.node_id if info is not None else "this node"
+    return UnavailableError(
+        f"the connection to the Triton of node {node} was replaced while this request ran "
+        f"(Triton or its node actor restarted); try again ({error})",
+        "UNAVAILABLE",
+    )
 
 
 def _looks_down(error: TritonCallError) -> bool:

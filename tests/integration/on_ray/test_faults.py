@@ -150,3 +150,52 @@ def test_killed_node_actor_comes_back_and_clients_reconnect(node):
     from ray_triton_shm._private.shm.segment import stale_segments
 
     assert not [s for s in stale_segments() if "_node_" in s]
+
+
+def test_requests_racing_a_triton_restart_are_unavailable_never_not_found(node):
+    """A request that reaches the restarted Triton before the node actor registered its regions
+    there again is told to try again (UNAVAILABLE: the ingress answers 503), not NOT_FOUND
+    "Unable to find shared memory region" (a 404 to a KServe caller that sent no shm at all)."""
+    import threading
+
+    import ray
+
+    from ray_triton_shm.node import NodeClient
+
+    config, actor = node
+    errors: list[Exception] = []
+    with NodeClient(config, request_timeout_s=20) as client:
+        _add_sub(client, 1)
+        for _ in range(3):
+            before = ray.get(actor.info.remote()).epoch
+            stop = threading.Event()
+
+            def hammer(client=client, stop=stop):
+                while not stop.is_set():
+                    try:
+                        _add_sub(client, 3)
+                    except RayTritonShmError as e:
+                        errors.append(e)
+                        time.sleep(0.05)
+
+            threads = [threading.Thread(target=hammer) for _ in range(4)]
+            for t in threads:
+                t.start()
+            try:
+                time.sleep(0.5)
+                ray.get(actor.kill_triton.remote())
+                try:
+                    _wait_for(lambda before=before: ray.get(actor.info.remote()).epoch > before, timeout=120)
+                except AssertionError:
+                    health = ray.get(actor.status.remote(), timeout=30)["health"]
+                    raise AssertionError(f"Triton not restarted in 120 s: {health}") from None
+                time.sleep(1.0)  # requests on the new Triton
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join()
+            _add_sub(client, 4)
+    assert errors, "killing Triton under load should have failed some requests"
+    not_found = [e for e in errors if isinstance(e, TritonCallError) and e.status == "NOT_FOUND"]
+    assert not not_found, f"{len(not_found)} of {len(errors)} failures were NOT_FOUND: {not_found[0]}"
+    assert all(isinstance(e, UnavailableError) for e in errors), {type(e).__name__ for e in errors}
