@@ -64,7 +64,8 @@ def setup_module(module):
 
 @pytest.fixture(scope="module")
 def conformance_app(tmp_path_factory):
-    """(handle, FrontDoor): deployments/triton_shm.yaml on the conformance models, explicit model control."""
+    """(handle, the app's front door, Serve's proxies): deployments/triton_shm.yaml on the
+    conformance models, explicit model control."""
     import ray
 
     from ray_triton_shm.serve import run_config_file
@@ -73,8 +74,10 @@ def conformance_app(tmp_path_factory):
     http_port, grpc_port = free_port(), free_port()
     spec["http_options"]["port"] = http_port
     spec["grpc_options"]["port"] = grpc_port
+    door_ports = free_port(), free_port()
     app = spec["applications"][0]
     app["args"] = {
+        "frontdoor": {"host": "127.0.0.1", "http_port": door_ports[0], "grpc_port": door_ports[1]},
         "model_repository": str(MODELS),
         "server": {"model_control": "explicit"},
         "quarantine_s": 1.0,
@@ -86,17 +89,25 @@ def conformance_app(tmp_path_factory):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         handles = run_config_file(str(path))
-        door = FrontDoor(f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+        door = FrontDoor(f"127.0.0.1:{door_ports[0]}", f"127.0.0.1:{door_ports[1]}")
+        proxies = FrontDoor(f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
         _wait_ready(door)
-        yield handles["triton"], door
+        _wait_ready(proxies)
+        yield handles["triton"], door, proxies
     finally:
         teardown_ray()
 
 
 @pytest.fixture(scope="module")
 def front_door(conformance_app) -> FrontDoor:
-    """The ports the programs and route checks are sent to: the app's documented client ports."""
+    """The ports the route checks are sent to: the app's documented client ports (its front door)."""
     return conformance_app[1]
+
+
+@pytest.fixture(scope="module", params=["frontdoor", "serve-proxies"])
+def client_ports(request, conformance_app) -> FrontDoor:
+    """The ports the programs run against: the front door, then Serve's own proxies."""
+    return conformance_app[1] if request.param == "frontdoor" else conformance_app[2]
 
 
 @pytest.fixture(scope="module")
@@ -407,9 +418,9 @@ def test_stream_inference_is_refused_with_a_message(front_door) -> None:
 
 
 @pytest.mark.parametrize("program", program_params(program_dir(), "tritonclient example programs"))
-def test_tritons_example_program_passes(program: Path, front_door: FrontDoor, tmp_path: Path) -> None:
-    result = run_program(program, front_door.url_for(program), tmp_path)
-    assert result.returncode == 0, f"{program.name} against {front_door.url_for(program)}: {shown(result)}"
+def test_tritons_example_program_passes(program: Path, client_ports: FrontDoor, tmp_path: Path) -> None:
+    result = run_program(program, client_ports.url_for(program), tmp_path)
+    assert result.returncode == 0, f"{program.name} against {client_ports.url_for(program)}: {shown(result)}"
 
 
 def _restore(server, urls: list[str]) -> None:
