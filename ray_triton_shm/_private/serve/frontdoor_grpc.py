@@ -37,6 +37,7 @@ from ray_triton_shm._private.serve.kserve_grpc import (
     decode_infer_request,
     status_of,
 )
+from ray_triton_shm._private.serve.kserve_grpc_routes import STREAM_REFUSED
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
 from ray_triton_shm.errors import FrontDoorError, InputError, LayoutError
@@ -255,6 +256,7 @@ class _Handlers(grpc.GenericRpcHandler):
         self._door = door
         self._prefix = f"/{SERVICE}/"
         self._infer = grpc.unary_unary_rpc_method_handler(door.model_infer)
+        self._stream = grpc.stream_stream_rpc_method_handler(_refuse_stream)
         self._others: dict[str, grpc.RpcMethodHandler] = {}
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -264,11 +266,13 @@ class _Handlers(grpc.GenericRpcHandler):
         name = method[len(self._prefix) :]
         if name == "ModelInfer":
             return self._infer
+        if name == "ModelStreamInfer":
+            return self._stream
         handler = self._others.get(name)
         if handler is None:
             request_cls = getattr(pb, f"{name}Request", None)
             response_cls = getattr(pb, f"{name}Response", None)
-            if request_cls is None or response_cls is None or name == "ModelStreamInfer":
+            if request_cls is None or response_cls is None:
                 return None  # gRPC answers UNIMPLEMENTED
             handler = self._others[name] = grpc.unary_unary_rpc_method_handler(
                 functools.partial(self._door.other, name),
@@ -276,6 +280,12 @@ class _Handlers(grpc.GenericRpcHandler):
                 response_serializer=response_cls.SerializeToString,
             )
         return handler
+
+
+def _refuse_stream(requests: Any, context: grpc.ServicerContext) -> Any:
+    """``ModelStreamInfer``: refused with the reason, as by the Serve ingress."""
+    context.abort(grpc.StatusCode.UNIMPLEMENTED, STREAM_REFUSED)
+    yield  # a generator: gRPC's stream-stream handlers return an iterator
 
 
 def run_on(loop: asyncio.AbstractEventLoop) -> Callable[[Any], Any]:

@@ -282,7 +282,7 @@ class KServeGrpcMixin:
     # -- the node's Triton over loopback gRPC ---------------------------------
 
     def _route_node(self) -> Any:
-        node = self.__dict__.get("_node")
+        node = getattr(self, "_node", None)  # the front door's servicer finds the deployment's
         return node if node is not None else IngressNode(self._client, False, node_config.MAX_REQUEST_BYTES)
 
     async def _call(self, method: str, request: Any, response_cls: Any, timeout: float) -> Any:

@@ -165,11 +165,15 @@ def _settings(method: str, response_cls: Any, what: str) -> Callable[..., Awaita
     return handler
 
 
+STREAM_REFUSED = (
+    "ModelStreamInfer is not supported by this endpoint: streaming (decoupled or sequence) "
+    "inference is not served by the ingress. Use ModelInfer (tritonclient's infer or async_infer)"
+)
+"""Why ``ModelStreamInfer`` is refused (``UNIMPLEMENTED``), on every gRPC listener."""
+
+
 async def _stream_infer(node: RouteNode, request: Any, forward: Forward) -> Any:
-    raise RefusedError(
-        "ModelStreamInfer is not supported by this endpoint: streaming (decoupled or sequence) "
-        "inference is not served by the ingress. Use ModelInfer (tritonclient's infer or async_infer)"
-    )
+    raise RefusedError(STREAM_REFUSED)
 
 
 _HANDLERS: dict[str, Callable[..., Awaitable[Any]]] = {
