@@ -7,6 +7,7 @@ import json
 
 import pytest
 import yaml
+from geventhttpclient.response import HTTPConnectionClosed
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.cli import soak_caller
@@ -107,6 +108,7 @@ def test_requests_are_unique_and_every_value_is_checked():
         (InferenceServerException("boom", "StatusCode.UNKNOWN"), "untyped grpc UNKNOWN"),
         (ConnectionRefusedError(111, "refused"), "connection refused"),
         (ConnectionResetError(104, "reset"), "connection reset"),
+        (HTTPConnectionClosed("connection closed."), "connection reset"),
         (TimeoutError("timed out"), "timeout"),
         (ValueError("bad"), "untyped ValueError"),
     ],

@@ -132,6 +132,8 @@ def classify(error: BaseException) -> str:
         return "connection refused"
     if isinstance(error, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
         return "connection reset"
+    if type(error).__name__ == "HTTPConnectionClosed":  # geventhttpclient: closed before any answer
+        return "connection reset"
     if isinstance(error, TimeoutError) or type(error).__name__ in ("Timeout", "ConnectionTimeout"):
         return "timeout"
     if isinstance(error, OSError) and "timed out" in str(error).lower():
