@@ -150,7 +150,8 @@ Behind each replica, tensors go to the node's Triton through shared memory.
 
 From a shell the same file deploys with `serve run deployments/triton_shm.yaml`
 (or `serve deploy` on a running cluster). Here we start a local Ray and deploy
-it from Python, on a free port so nothing else on this machine is disturbed."""
+it from Python, on free ports (Serve's and the front door's) so nothing else on
+this machine is disturbed."""
     ),
     new_code_cell(FIND_REPO),
     new_code_cell(
@@ -168,16 +169,15 @@ def free_port() -> int:
 
 
 spec = yaml.safe_load((REPO / "deployments" / "triton_shm.yaml").read_text())
-port = free_port()
-spec["http_options"]["port"] = port
-spec["grpc_options"]["port"] = free_port()
-# The front door (the replicas' own KServe v2 listeners; the fast path for clients outside Ray).
-door = spec["applications"][0]["args"]["frontdoor"]
-door["http_port"], door["grpc_port"] = free_port(), free_port()
 spec["applications"][0]["deployments"][0]["num_replicas"] = 1  # small for a laptop
 config_file = Path(tempfile.mkdtemp()) / "triton_shm.yaml"
-config_file.write_text(yaml.safe_dump(spec))
+# The front door: the replicas' own KServe v2 listeners, the fast path for clients outside Ray.
+door = spec["applications"][0]["args"]["frontdoor"]
 print(yaml.safe_dump(spec["applications"][0]["args"]))'''
+    ),
+    new_markdown_cell(
+        """A port free now can be taken by another program before it is bound; the app
+then fails to start ("Failed to bind", "cannot listen"), and we try again on others."""
     ),
     new_code_cell(
         '''import ray
@@ -186,8 +186,20 @@ from ray import serve
 from ray_triton_shm.serve import run_config_file
 
 ray.init(address="local", include_dashboard=False, log_to_driver=False)
-handles = run_config_file(str(config_file))
-print("Serve app 'triton' at", f"http://127.0.0.1:{port}/")'''
+for attempt in range(3):
+    port = free_port()
+    spec["http_options"]["port"] = port
+    spec["grpc_options"]["port"] = free_port()
+    door["http_port"], door["grpc_port"] = free_port(), free_port()
+    config_file.write_text(yaml.safe_dump(spec))
+    try:
+        handles = run_config_file(str(config_file))
+        break
+    except Exception as e:
+        if attempt == 2 or not any(w in str(e) for w in ("Failed to bind", "cannot listen", "in use")):
+            raise
+        serve.shutdown()
+print("Serve app 'triton' at", f"http://127.0.0.1:{port}/", "front door", door)'''
     ),
     new_markdown_cell(
         """## Through the front door

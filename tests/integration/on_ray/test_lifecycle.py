@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ray_triton_shm import PoolConfig, TritonCallError, UnavailableError
-from tests.helpers import pid_alive
+from tests.helpers import free_port, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -241,6 +241,8 @@ def test_redeploy_two_apps_and_delete(ray_local, tmp_path):
     a = np.ones((1, 16), np.int32)
     x = np.ones((1, 8), np.float32)
     try:
+        # Not on Serve's default port 8000: other Ray runs may share the machine.
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         one = serve.run(app({"model_repository": first, **args}), name="one", route_prefix="/one")
         two = serve.run(app({"model_repository": second, **args}), name="two", route_prefix="/two")
         assert one.infer.remote("add_sub", {"INPUT0": a, "INPUT1": a}).result()["OUTPUT0"].tolist() == [

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import free_port
+
 pytestmark = pytest.mark.slow
 
 REPO_MODELS = str(Path(__file__).resolve().parents[3] / "deployments" / "models")
@@ -74,6 +76,8 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
         "pools": {"sleep": {"slots": SLOTS}},
     }
     config = build_node_config(**{k: v for k, v in args.items() if k != "slots_per_model"})
+    # Not on Serve's default port 8000: other Ray runs may share the machine.
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     handle = serve.run(build_app(args, {"num_replicas": 1}), name="victim", route_prefix="/victim")
     try:
         victim = handle.whereami.remote().result()["pid"]
