@@ -144,3 +144,36 @@ def test_reaper_spares_a_group_that_is_not_its_tritons() -> None:
     finally:
         if pid_alive(member):
             os.kill(member, signal.SIGKILL)
+
+
+# An owner whose end of the reaper's pipe closes while it still holds its segments' locks, as
+# in a process exit (the kernel closes its files one by one; the pipe may go first): it holds
+# the segment a second longer, then dies.
+_DYING_OWNER = (
+    "import os, sys, time\n"
+    "from ray_triton_shm._private.node.node_registry import Reaper\n"
+    "from ray_triton_shm._private.shm.segment import Segment, new_segment_name\n"
+    "reaper = Reaper()\n"
+    "kept = Segment.create(new_segment_name('slots'), 64)\n"
+    "print(reaper.pid, kept.name, flush=True)\n"
+    "reaper._stdin.close()\n"
+    "time.sleep(1.0)\n"
+    "os._exit(0)\n"
+)
+
+
+def test_reaper_removes_segments_whose_dying_owner_held_them_when_the_pipe_closed() -> None:
+    owner = subprocess.Popen([sys.executable, "-c", _DYING_OWNER], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    reaper_pid, name = owner.stdout.readline().split()
+    try:
+        owner.wait(30)
+        deadline = time.monotonic() + 30
+        while pid_alive(int(reaper_pid)):
+            assert time.monotonic() < deadline, "the reaper did not finish"
+            time.sleep(0.05)
+        assert not os.path.exists(f"/dev/shm/{name}"), "the reaper left a segment of its dead owner"
+    finally:
+        owner.stdout.close()
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")

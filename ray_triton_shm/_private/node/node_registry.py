@@ -249,11 +249,14 @@ class Users:
 # children of a worker it kills (``ray.kill``), and the reaper must outlive the actor. It reports
 # its pid on stdout, then reads what to clean up from stdin ("triton <pid>": the process group
 # of the owner's Triton; "marker <text>": what that Triton's command line and its backend stubs'
-# carry) until EOF (its owner died or let go). Then it SIGKILLs that group if it is still
-# Triton's, and unlinks the owner's segments whose lock no live owner holds.
+# carry; "done": the owner lets go in order) until EOF (its owner died or let go). Then it
+# SIGKILLs that group if it is still Triton's, and unlinks the owner's segments whose lock no
+# live owner holds. Unless the owner let go, it first waits (a few seconds at most) for the
+# owner to be gone: a dying process closes its files one by one, and the pipe may close before
+# the files whose locks say that the owner still holds its segments.
 # -I -S: no site, no user paths; it must start fast and import nothing of ours.
 _REAPER = r"""
-import fcntl, os, signal, sys
+import fcntl, os, signal, sys, time
 if os.fork():
     os._exit(0)
 os.setsid()
@@ -263,13 +266,15 @@ sys.stdout.write("%d\n" % os.getpid())
 sys.stdout.flush()
 devnull = os.open(os.devnull, os.O_WRONLY)
 os.dup2(devnull, 1)
-prefix, triton, marker = sys.argv[1], 0, b""
+prefix, triton, marker, done = sys.argv[1], 0, b"", False
 for line in sys.stdin:
     word, _, value = line.strip().partition(" ")
     if word == "triton":
         triton = int(value)
     elif word == "marker":
         marker = value.encode()
+    elif word == "done":
+        done = True
 
 
 def cmdline(pid):
@@ -342,6 +347,22 @@ def unlink_unowned(name):
     finally:
         os.close(fd)
 
+
+def owner_running():
+    # The owner is named by the prefix: rtshm_<pid>_<start time>_. A zombie has closed its files.
+    _, pid, start = prefix.split("_")[:3]
+    try:
+        with open("/proc/%s/stat" % pid, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, ValueError):
+        return False
+    return fields[0] not in (b"Z", b"X") and fields[19] == start.encode()
+
+
+if not done:
+    deadline = time.monotonic() + 10.0
+    while owner_running() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 held = [n for n in names if locked(n)]
@@ -481,6 +502,11 @@ class Reaper:
             self._closed = True
             stdin = self._stdin
             if stdin is not None and not stdin.closed:
+                try:
+                    stdin.write(b"done\n")  # no need to wait for this process to exit
+                    stdin.flush()
+                except OSError:
+                    pass
                 try:
                     stdin.close()
                 except OSError:  # a dead reaper: what was still buffered for it cannot go
