@@ -51,12 +51,13 @@ lint: $(STAMP)
 # Each Ray test module gets its own process: a Ray started, shut down and started
 # again (a multi-node Cluster, then a local Ray) in one process can hang.
 RAY_TESTS := $(sort $(wildcard tests/integration/on_ray/test_*.py))
+# make test runs its pytest processes two side by side (tests/lanes.py): most of a Ray
+# module's time is waiting. TEST_LANES=1 runs one at a time.
+TEST_LANES ?= 2
 
 # bench-env: the benchmark's smoke test also runs triton-shm-client.
 test: setup native lint bench-env
-	$(PY) -m pytest tests --ignore=tests/integration/on_ray
-	@set -e; for module in $(RAY_TESTS); do \
-		RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m pytest $$module; done
+	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m tests.lanes --lanes $(TEST_LANES)
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit

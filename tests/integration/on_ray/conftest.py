@@ -39,6 +39,14 @@ def config_copy(tmp_dir: Path, **app_args) -> tuple[Path, int]:
     return path, port
 
 
+def start_serve_on_a_free_port() -> None:
+    """``serve.start`` with its HTTP proxy on a port from the OS, not Serve's default 8000: other
+    test processes and Ray runs share the machine."""
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+
+
 def _stop_node_actors_together() -> None:
     """Ask every node actor to stop its Triton at once: each stop takes seconds, and
     shutdown_node_actors (which then finds them stopped and removes them) goes one by one."""

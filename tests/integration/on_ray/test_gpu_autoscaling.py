@@ -32,7 +32,8 @@ from tests.helpers import free_port, pid_alive
 
 from .conftest import frontdoor_on_free_ports
 
-pytestmark = pytest.mark.slow
+# alone: it starts its cluster with `ray start`, which a `ray.init()` beside it would join.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 REPO = Path(__file__).resolve().parents[3]
 GPU_CONFIG = REPO / "deployments" / "triton_shm_gpu.yaml"

@@ -292,6 +292,8 @@ def test_serve_with_the_shipped_switch(node) -> None:
 
     from ray_triton_shm.serve import build_app
 
+    from .conftest import start_serve_on_a_free_port
+
     args = {
         "model_repository": REPO_MODELS,
         "slots_per_model": 1,
@@ -303,6 +305,7 @@ def test_serve_with_the_shipped_switch(node) -> None:
             }
         },
     }
+    start_serve_on_a_free_port()
     handle = serve.run(build_app(args, {"num_replicas": 1}), name="switch", route_prefix="/switch")
     try:
         for n in (16, 1 << 15):  # 64 bytes and 128 KiB

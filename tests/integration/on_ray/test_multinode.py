@@ -33,12 +33,13 @@ def two_nodes():
     import ray
     from ray.cluster_utils import Cluster
 
-    from .conftest import teardown_ray
+    from .conftest import start_serve_on_a_free_port, teardown_ray
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
+    start_serve_on_a_free_port()
     try:
         yield cluster
     finally:

@@ -1,0 +1,195 @@
+"""Run the whole suite in parallel lanes: what ``make test`` runs.
+
+The suite is a list of jobs, each one pytest process: everything outside
+``tests/integration/on_ray`` in one job, then each Ray test module in a job of
+its own (a Ray started, shut down and started again in one process can hang).
+Most of a Ray module's time is waiting (for Ray, Serve, a Triton to start or
+to come back after a kill), so two jobs side by side finish the suite in
+about half the time on a 2-core machine. Jobs start longest first, by the
+seconds recorded in ``tests/durations.json`` (a job not listed there counts
+as a long one); a module marked ``pytest.mark.alone`` (it starts a cluster
+with ``ray start``, which any ``ray.init()`` beside it would join) runs before
+the others, with nothing beside it.
+
+Each job's output is printed whole when the job ends, then a line with its
+verdict and time; the run goes on after a failure and exits with the first
+non-zero status after all jobs ended. ``--record`` writes the measured times
+back to ``tests/durations.json``.
+
+Example:
+    $ python -m tests.lanes --lanes 2              # what make test runs
+    $ python -m tests.lanes --lanes 1 --record     # one job at a time; keep the times
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RAY_DIR = Path("tests/integration/on_ray")
+DURATIONS = REPO / "tests" / "durations.json"
+NOT_RAY = "not-ray"
+# A job not in the durations file starts among the first: an unknown one may be long.
+UNKNOWN_S = 120.0
+_ALONE = re.compile(r"pytest\.mark\.alone\b")
+
+
+@dataclass
+class Job:
+    """One pytest process: its name (a module path, or ``not-ray``) and its arguments."""
+
+    name: str
+    args: list[str]
+    alone: bool = False
+    status: int | None = None
+    seconds: float = 0.0
+    output: list[str] = field(default_factory=list)
+
+
+def jobs(paths: list[str] | None = None) -> list[Job]:
+    """The suite's jobs; with ``paths``, only those named (``not-ray`` or a Ray module's path)."""
+    found = [Job(NOT_RAY, ["tests", f"--ignore={RAY_DIR}"])]
+    for module in sorted((REPO / RAY_DIR).glob("test_*.py")):
+        name = str(module.relative_to(REPO))
+        found.append(Job(name, [name], alone=bool(_ALONE.search(module.read_text()))))
+    if paths:
+        unknown = sorted(set(paths) - {job.name for job in found})
+        if unknown:
+            known = f"{NOT_RAY} or {RAY_DIR}/test_*.py"
+            raise SystemExit(f"lanes: no such job: {', '.join(unknown)} (jobs: {known})")
+        found = [job for job in found if job.name in paths]
+    return found
+
+
+def _recorded() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+class Runner:
+    """Runs jobs in lanes; prints each job's output when it ends."""
+
+    def __init__(self, lanes: int, pytest_args: list[str]) -> None:
+        self.lanes = lanes
+        self.pytest_args = pytest_args
+        self._print_lock = threading.Lock()
+        self._procs: set[subprocess.Popen[bytes]] = set()
+        self._procs_lock = threading.Lock()
+        self._stopping = False
+
+    def run(self, job: Job) -> None:
+        if self._stopping:
+            return
+        command = [sys.executable, "-m", "pytest", *job.args, *self.pytest_args]
+        start = time.monotonic()
+        with tempfile.TemporaryFile() as out:
+            # A session of its own: a stopped run kills the job's whole process group.
+            proc = subprocess.Popen(
+                command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            with self._procs_lock:
+                self._procs.add(proc)
+            try:
+                job.status = proc.wait()
+            finally:
+                with self._procs_lock:
+                    self._procs.discard(proc)
+            job.seconds = time.monotonic() - start
+            out.seek(0)
+            text = out.read().decode("utf-8", "replace")
+        verdict = "passed" if job.status == 0 else f"FAILED (exit {job.status})"
+        with self._print_lock:
+            sys.stdout.write(f"\n===== {job.name} ({' '.join(command[1:])})\n")
+            sys.stdout.write(text)
+            sys.stdout.write(f"===== {job.name}: {verdict} in {job.seconds:.0f} s\n")
+            sys.stdout.flush()
+
+    def run_lanes(self, queue: list[Job]) -> None:
+        lock = threading.Lock()
+
+        def lane() -> None:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    job = queue.pop(0)
+                self.run(job)
+
+        threads = [threading.Thread(target=lane, daemon=True) for _ in range(min(self.lanes, len(queue)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)
+
+    def stop(self) -> None:
+        """Kill every running job's process group (their own teardown cannot run: Ray and Triton
+        processes are reaped by the node actors' reapers and the next session's sweep)."""
+        self._stopping = True
+        with self._procs_lock:
+            procs = list(self._procs)
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.lanes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lanes", type=int, default=int(os.environ.get("RAY_TRITON_SHM_TEST_LANES", "2")),
+                        help="jobs side by side (default: $RAY_TRITON_SHM_TEST_LANES or 2)")
+    parser.add_argument("--record", action="store_true", help="write the times to tests/durations.json")
+    parser.add_argument("--job", action="append", dest="jobs", metavar="NAME",
+                        help=f"run only this job ({NOT_RAY} or a Ray module's path); repeatable")
+    args, pytest_args = parser.parse_known_args(argv)
+    if args.lanes < 1:
+        parser.error("--lanes must be at least 1")
+
+    todo = jobs(args.jobs)
+    recorded = _recorded()
+    weight = {job.name: recorded.get(job.name, UNKNOWN_S) for job in todo}
+    alone = [job for job in todo if job.alone]
+    shared = sorted((job for job in todo if not job.alone), key=lambda job: -weight[job.name])
+    runner = Runner(args.lanes, pytest_args)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        runner.stop()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    start = time.monotonic()
+    print(f"{len(todo)} jobs, {args.lanes} lane(s); alone first: {[job.name for job in alone]}", flush=True)
+    for job in alone:
+        runner.run(job)
+    runner.run_lanes(list(shared))
+    total = time.monotonic() - start
+
+    print(f"\n===== {len(todo)} jobs in {total:.0f} s ({args.lanes} lane(s))")
+    for job in sorted(todo, key=lambda job: -job.seconds):
+        verdict = {0: "passed", None: "not run"}.get(job.status, f"FAILED ({job.status})")
+        print(f"  {job.seconds:6.0f} s  {verdict:12}  {job.name}")
+    if args.record:
+        times = {**recorded, **{job.name: round(job.seconds) for job in todo if job.status == 0}}
+        DURATIONS.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
+    failed = [job for job in todo if job.status != 0]
+    return next((job.status or 1 for job in failed), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
