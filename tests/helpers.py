@@ -2,14 +2,52 @@
 
 from __future__ import annotations
 
+import os
+import random
 import socket
+import threading
+
+# ``low-high``: the ports free_port hands out in this process (tests/lanes.py gives each lane
+# its own range, below the kernel's ephemeral ports and above Ray's worker ports, so that two
+# test processes never pick the same port, nor an outgoing connection take one before it is
+# bound). Unset: the OS picks.
+PORTS_ENV = "RAY_TRITON_SHM_TEST_PORTS"
+_given: set[int] = set()
+_given_lock = threading.Lock()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, never the same twice in one process.
+
+    From the range in ``$RAY_TRITON_SHM_TEST_PORTS`` when set, else from the OS.
+    """
+    spec = os.environ.get(PORTS_ENV)
+    with _given_lock:
+        if spec:
+            low, _, high = spec.partition("-")
+            candidates = [p for p in range(int(low), int(high) + 1) if p not in _given]
+            random.shuffle(candidates)
+            port = next((p for p in candidates if _bindable(p)), None)
+            if port is None:
+                raise RuntimeError(f"no free port left in {PORTS_ENV}={spec}")
+        else:
+            while True:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                if port not in _given:
+                    break
+        _given.add(port)
+        return port
 
 
 def pid_alive(pid: int) -> bool:

@@ -36,12 +36,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.helpers import PORTS_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 RAY_DIR = Path("tests/integration/on_ray")
 DURATIONS = REPO / "tests" / "durations.json"
 NOT_RAY = "not-ray"
 # A job not in the durations file starts among the first: an unknown one may be long.
 UNKNOWN_S = 120.0
+# The ports the tests' free_port hands out, split between the lanes: above Ray's worker ports
+# (10002-19999 by default), below the kernel's ephemeral ones (32768 and up here).
+PORTS = (20000, 31999)
 _ALONE = re.compile(r"pytest\.mark\.alone\b")
 
 
@@ -90,15 +95,18 @@ class Runner:
         self._procs_lock = threading.Lock()
         self._stopping = False
 
-    def run(self, job: Job) -> None:
+    def run(self, job: Job, lane: int = 0) -> None:
         if self._stopping:
             return
         command = [sys.executable, "-m", "pytest", *job.args, *self.pytest_args]
+        span = (PORTS[1] - PORTS[0] + 1) // self.lanes
+        low = PORTS[0] + lane * span
+        env = {**os.environ, PORTS_ENV: f"{low}-{low + span - 1}"}
         start = time.monotonic()
         with tempfile.TemporaryFile() as out:
             # A session of its own: a stopped run kills the job's whole process group.
             proc = subprocess.Popen(
-                command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             with self._procs_lock:
@@ -121,15 +129,18 @@ class Runner:
     def run_lanes(self, queue: list[Job]) -> None:
         lock = threading.Lock()
 
-        def lane() -> None:
+        def lane(number: int) -> None:
             while True:
                 with lock:
                     if not queue:
                         return
                     job = queue.pop(0)
-                self.run(job)
+                self.run(job, number)
 
-        threads = [threading.Thread(target=lane, daemon=True) for _ in range(min(self.lanes, len(queue)))]
+        threads = [
+            threading.Thread(target=lane, args=(number,), daemon=True)
+            for number in range(min(self.lanes, len(queue)))
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:

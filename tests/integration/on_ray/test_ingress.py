@@ -30,8 +30,8 @@ from .conftest import CONFIG_FILE, frontdoor_on_free_ports, local_ray
 PREFIX = "/triton"
 # The sleep pool's lease timeout (how long a request waits for its one slot; 30 s by default)
 # and a request that holds the slot well past it.
-SLEEP_LEASE_TIMEOUT_S = 6.0
-SLEEP_HOLD_S = 20.0
+SLEEP_LEASE_TIMEOUT_S = 4.0
+SLEEP_HOLD_S = 12.0
 
 
 @pytest.fixture(scope="module")
