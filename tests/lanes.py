@@ -8,8 +8,9 @@ to come back after a kill), so two jobs side by side finish the suite in
 about half the time on a 2-core machine. Jobs start longest first, by the
 seconds recorded in ``tests/durations.json`` (a job not listed there counts
 as a long one); a module marked ``pytest.mark.alone`` (it starts a cluster
-with ``ray start``, which any ``ray.init()`` beside it would join) runs before
-the others, with nothing beside it.
+with ``ray start``, which any ``ray.init()`` beside it would join) starts before
+the others, with no other job that starts a Ray beside it (the job without
+Ray may run meanwhile).
 
 Each job's output is printed whole when the job ends, then a line with its
 verdict and time; the run goes on after a failure and exits with the first
@@ -56,6 +57,7 @@ class Job:
 
     name: str
     args: list[str]
+    ray: bool = True
     alone: bool = False
     status: int | None = None
     seconds: float = 0.0
@@ -64,7 +66,7 @@ class Job:
 
 def jobs(paths: list[str] | None = None) -> list[Job]:
     """The suite's jobs; with ``paths``, only those named (``not-ray`` or a Ray module's path)."""
-    found = [Job(NOT_RAY, ["tests", f"--ignore={RAY_DIR}"])]
+    found = [Job(NOT_RAY, ["tests", f"--ignore={RAY_DIR}"], ray=False)]
     for module in sorted((REPO / RAY_DIR).glob("test_*.py")):
         name = str(module.relative_to(REPO))
         found.append(Job(name, [name], alone=bool(_ALONE.search(module.read_text()))))
@@ -127,15 +129,34 @@ class Runner:
             sys.stdout.flush()
 
     def run_lanes(self, queue: list[Job]) -> None:
-        lock = threading.Lock()
+        """Run ``queue`` in order, each lane taking the first job that may run beside the running
+        ones: a job marked alone only beside jobs without Ray, and nothing with Ray beside it."""
+        ready = threading.Condition()
+        running: list[Job] = []
+
+        def fits(job: Job) -> bool:
+            if job.alone:
+                return all(not other.ray for other in running)
+            return not (job.ray and any(other.alone for other in running))
 
         def lane(number: int) -> None:
             while True:
-                with lock:
-                    if not queue:
-                        return
-                    job = queue.pop(0)
-                self.run(job, number)
+                with ready:
+                    while True:
+                        if not queue or self._stopping:
+                            return
+                        job = next((job for job in queue if fits(job)), None)
+                        if job is not None:
+                            break
+                        ready.wait()
+                    queue.remove(job)
+                    running.append(job)
+                try:
+                    self.run(job, number)
+                finally:
+                    with ready:
+                        running.remove(job)
+                        ready.notify_all()
 
         threads = [
             threading.Thread(target=lane, args=(number,), daemon=True)
@@ -174,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = jobs(args.jobs)
     recorded = _recorded()
     weight = {job.name: recorded.get(job.name, UNKNOWN_S) for job in todo}
-    alone = [job for job in todo if job.alone]
-    shared = sorted((job for job in todo if not job.alone), key=lambda job: -weight[job.name])
+    # Those marked alone first (they wait for nothing), then longest first.
+    queue = sorted(todo, key=lambda job: (not job.alone, -weight[job.name]))
     runner = Runner(args.lanes, pytest_args)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -185,10 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     start = time.monotonic()
-    print(f"{len(todo)} jobs, {args.lanes} lane(s); alone first: {[job.name for job in alone]}", flush=True)
-    for job in alone:
-        runner.run(job)
-    runner.run_lanes(list(shared))
+    print(f"{len(todo)} jobs, {args.lanes} lane(s): {', '.join(job.name for job in queue)}", flush=True)
+    runner.run_lanes(queue)
     total = time.monotonic() - start
 
     print(f"\n===== {len(todo)} jobs in {total:.0f} s ({args.lanes} lane(s))")
