@@ -14,6 +14,7 @@ from ray_triton_shm._private.triton.http_infer import (
     ShmOutput,
     _MalformedAnswer,
     _parse_head,
+    cached_request,
     error_from_response,
     output_shapes,
     request_body,
@@ -182,3 +183,17 @@ def test_an_output_of_another_datatype_than_the_layouts_is_refused() -> None:
     assert info.value.status == "INVALID_ARGUMENT" and "INT32" in str(info.value)
     assert output_shapes(answer, "m", ["A"], [ShmOutput("A", "region", 16, 0, "INT32")]) == {"A": (4,)}
     assert output_shapes(answer, "m", ["A"], [ShmOutput("A", "region", 16, 0)]) == {"A": (4,)}
+
+
+def test_a_repeated_request_is_encoded_once_and_a_different_one_anew() -> None:
+    inputs = (ShmInput("IN", (1, 4), "FP32", "region", 16, 0),)
+    outputs = (ShmOutput("OUT", "region", 16, 16, "FP32"),)
+    path, body = cached_request("my model", inputs, outputs)
+    assert path == "/v2/models/my%20model/infer" and body == request_body(inputs, outputs)
+    again = cached_request("my model", (ShmInput("IN", (1, 4), "FP32", "region", 16, 0),), outputs)
+    assert again[1] is body  # answered from the cache
+    other_shape = cached_request("my model", (ShmInput("IN", (2, 4), "FP32", "region", 32, 0),), outputs)
+    other_slot = cached_request("my model", (ShmInput("IN", (1, 4), "FP32", "region", 16, 64),), outputs)
+    assert json.loads(other_shape[1])["inputs"][0]["shape"] == [2, 4]
+    assert json.loads(other_slot[1])["inputs"][0]["parameters"]["shared_memory_offset"] == 64
+    assert cached_request("other", inputs, outputs)[0] == "/v2/models/other/infer"

@@ -172,3 +172,69 @@ def test_closing_a_pool_keeps_in_doubt_and_viewed_slots_from_others() -> None:
     finally:
         owner.close()
         data.close()
+
+
+def test_threads_leasing_and_pinning_shared_slots_return_each_exactly_once() -> None:
+    """Leases from many threads, half of them leaving a live output view behind (the slot pinned
+    until another thread drops it): no slot is ever held twice, and every one comes back once."""
+    import threading
+
+    slots, threads, rounds = 3, 8, 150
+    pool, owner, data = _shared_pool(slots)
+    guard = threading.Lock()
+    busy: set[int] = set()
+    clashes: list[int] = []
+    kept: list[tuple[int, np.ndarray]] = []
+    done = threading.Event()
+
+    def lease_and_maybe_keep(worker: int) -> None:
+        for i in range(rounds):
+            with pool.acquire(10.0) as lease:
+                index = lease.slot.index
+                with guard:
+                    if index in busy:
+                        clashes.append(index)
+                    busy.add(index)
+                lease.input("IN", (4,))[...] = worker
+                out = lease.output("OUT", (4,))
+                keep = (worker + i) % 2 == 0
+                if not keep:
+                    with guard:
+                        busy.discard(index)
+                    del out
+            if keep:
+                with guard:
+                    kept.append((index, out))
+                del out
+
+    def drop_views() -> None:
+        while not done.is_set() or kept:
+            with guard:
+                if not kept:
+                    entry = None
+                else:
+                    entry = kept.pop(0)
+                    busy.discard(entry[0])  # before its last view dies: then it may be leased again
+            if entry is None:
+                time.sleep(0.0005)
+            del entry
+
+    dropper = threading.Thread(target=drop_views)
+    workers = [threading.Thread(target=lease_and_maybe_keep, args=(w,)) for w in range(threads)]
+    try:
+        dropper.start()
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(timeout=60)
+        done.set()
+        dropper.join(timeout=10)
+        assert not clashes
+        assert sorted(pool._free) == list(range(slots))  # each slot back once, none twice
+        assert pool.stats().free == slots and pool.stats().pinned == 0
+        assert owner.state() == {"in_use": 0, "protected": 0, "free": slots}
+    finally:
+        done.set()
+        pool.close()
+        owner.close()
+        data.close()

@@ -88,3 +88,59 @@ def test_status_reports_a_reaper_that_died() -> None:
     assert "reaper" in text and "4241" in text and "restarts 1" in text, text
     up = {"pid": 4242, "alive": True, "restarts": 0, "last_failure": None}
     assert "reaper pid 4242 ok" in status.render([{**NODE, "reaper": up}])
+
+
+def test_an_event_batch_adds_up_what_it_queued() -> None:
+    batch = observe.EventBatch()
+    batch.request("m", "shm", 100, 0.5)
+    batch.request("m", "shm", 20, 0.25)
+    batch.request("m", "grpc", 7, 1.0)
+    batch.request("n", "shm", 0, 2.0)
+    batch.lease_wait("m", 0.125)
+    batch.lease_wait("m", 0.0)
+    batch.error("m", "InputError")
+    batch.error("m", "InputError")
+    batch.error("n", "PoolTimeoutError")
+    assert batch.queued() == 9
+    sums = batch.drain()
+    assert sums.requests == {("m", "shm"): [2, 120], ("m", "grpc"): [1, 7], ("n", "shm"): [1, 0]}
+    assert sums.request_seconds == {("m", "shm"): [0.5, 0.25], ("m", "grpc"): [1.0], ("n", "shm"): [2.0]}
+    assert sums.lease_waits == {"m": [0.125, 0.0]}
+    assert sums.errors == {("m", "InputError"): 2, ("n", "PoolTimeoutError"): 1}
+    assert batch.queued() == 0 and not batch.drain()
+    assert batch  # an observer is truthy even with nothing queued (`observer or default` keeps it)
+
+
+def test_an_event_batch_drained_while_threads_record_counts_every_event_once() -> None:
+    import threading
+
+    batch = observe.EventBatch()
+    threads, per_thread = 8, 5000
+    drained: list[observe.EventSums] = []
+    done = threading.Event()
+
+    def record(worker: int) -> None:
+        for i in range(per_thread):
+            batch.request("m", f"p{worker % 2}", i, 0.001)
+            batch.lease_wait("m", 0.0)
+
+    def drain() -> None:
+        while not done.is_set():
+            drained.append(batch.drain())
+
+    readers = [threading.Thread(target=drain) for _ in range(2)]
+    writers = [threading.Thread(target=record, args=(w,)) for w in range(threads)]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    done.set()
+    for t in readers:
+        t.join()
+    drained.append(batch.drain())
+    requests = sum(n for s in drained for n, _ in s.requests.values())
+    nbytes = sum(b for s in drained for _, b in s.requests.values())
+    seconds = sum(len(v) for s in drained for v in s.request_seconds.values())
+    waits = sum(len(v) for s in drained for v in s.lease_waits.values())
+    assert requests == seconds == waits == threads * per_thread
+    assert nbytes == threads * sum(range(per_thread))

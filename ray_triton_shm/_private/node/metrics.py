@@ -25,10 +25,11 @@ Bytes moved for ``ray-triton-shm status``: data never goes through the node
 actor, so each client adds up its requests and bytes by (model, path) and
 sends the sums to its node actor fire-and-forget from a background thread,
 every :data:`REPORT_INTERVAL_S` while there is something to report, and when
-it closes. A report costs at most four small actor calls per second per client
-whatever the request rate, and nothing on the request path but a dict
-update. A client killed without closing (Ray Data kills its map actors when a
-job ends) loses at most its last quarter second from ``status``; the
+it closes. The same thread records the Prometheus metrics. A report costs at
+most four small actor calls per second per client whatever the request rate,
+and nothing on the request path but appending the event to a queue. A client
+killed without closing (Ray Data kills its map actors when a job ends) loses
+at most its last quarter second from ``status`` and from the metrics; the
 Prometheus counters of such a process can lose more (what it recorded since
 Ray last exported its metrics).
 """
@@ -37,10 +38,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
 from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
+
+from ray_triton_shm._private.triton.observe import EventBatch, EventSums
 
 logger = logging.getLogger(__name__)
 
@@ -103,68 +105,97 @@ def _get() -> dict[str, Any]:
         return _metrics
 
 
-class RayMetricsObserver:
+class RayMetricsObserver(EventBatch):
     """Client-side :class:`~ray_triton_shm._private.triton.observe.Observer` for Ray processes.
 
-    Feeds the Prometheus metrics and sends traffic sums to the node actor.
+    A request only queues its event (see :class:`EventBatch`); a background
+    thread adds them up every :data:`REPORT_INTERVAL_S` and records the sums:
+    one increment per counter and (model, path), one observation per request
+    in the histograms, and the traffic sums sent to the node actor. The
+    metrics report the same totals as one record per request, at most an
+    interval later; :meth:`flush` and :meth:`close` record what is queued now.
 
     Args:
         actor: The node actor to report traffic to (its ``report`` method); ``None`` skips reports.
     """
 
     def __init__(self, actor: Any | None = None) -> None:
+        super().__init__()
         self._actor = actor
         self._metrics = _get()
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self._closed = threading.Event()
         self._reporter: threading.Thread | None = None
 
     def request(self, model: str, path: str, nbytes: int, seconds: float) -> None:
-        tags = {"model": model, "path": path}
-        self._metrics["requests"].inc(1, tags=tags)
-        if nbytes:
-            self._metrics["bytes"].inc(nbytes, tags=tags)
-        self._metrics["request_seconds"].observe(seconds, tags=tags)
+        super().request(model, path, nbytes, seconds)
+        if self._reporter is None:
+            self._start_reporter()
+
+    def lease_wait(self, model: str, seconds: float) -> None:
+        super().lease_wait(model, seconds)
+        if self._reporter is None:
+            self._start_reporter()
+
+    def error(self, model: str, kind: str) -> None:
+        super().error(model, kind)
+        if self._reporter is None:
+            self._start_reporter()
+
+    def _start_reporter(self) -> None:
         with self._lock:
-            entry = self._pending[(model, path)]
-            entry[0] += 1
-            entry[1] += nbytes
-            if self._reporter is None and self._actor is not None and not self._closed.is_set():
+            if self._reporter is None and not self._closed.is_set():
                 self._reporter = threading.Thread(target=self._report_loop, name="rtshm-report", daemon=True)
                 self._reporter.start()
 
-    def lease_wait(self, model: str, seconds: float) -> None:
-        self._metrics["lease_wait"].observe(seconds, tags={"model": model})
-
-    def error(self, model: str, kind: str) -> None:
-        self._metrics["errors"].inc(1, tags={"model": model, "type": kind})
-
     def _report_loop(self) -> None:
         while not self._closed.wait(REPORT_INTERVAL_S):
-            with self._lock:
-                idle = not self._pending
-            if not idle:
+            if self.queued():
                 self.flush()
 
     def close(self) -> None:
-        """Stop the reporting thread and send what is left. Idempotent."""
-        self._closed.set()
-        reporter = self._reporter
+        """Stop the reporting thread and record and send what is left. Idempotent."""
+        with self._lock:
+            self._closed.set()
+            reporter = self._reporter
         if reporter is not None and reporter is not threading.current_thread():
             reporter.join(timeout=5)
         self.flush()
 
     def flush(self) -> None:
-        """Send the traffic sums gathered since the last report to the node actor (fire-and-forget)."""
-        with self._lock:
-            pending = [(model, path, v[0], v[1]) for (model, path), v in self._pending.items()]
-            self._pending.clear()
+        """Record the events queued so far and send their traffic sums to the node actor (fire-and-forget)."""
+        sums = self.drain()
+        if not sums:
+            return
+        try:
+            _record(self._metrics, sums)
+        except Exception as e:  # a metric failure must not stop the traffic report
+            logger.debug("recording metrics failed: %s", e)
+        pending = [(model, path, n, nbytes) for (model, path), (n, nbytes) in sums.requests.items()]
         if pending and self._actor is not None:
             try:
                 self._actor.report.remote(pending)
             except Exception as e:  # the actor may be restarting; status loses this batch only
                 logger.debug("traffic report failed: %s", e)
+
+
+def _record(metrics: dict[str, Any], sums: EventSums) -> None:
+    """Record ``sums`` in the Prometheus metrics: the totals of one record per event."""
+    for (model, path), (requests, nbytes) in sums.requests.items():
+        tags = {"model": model, "path": path}
+        metrics["requests"].inc(requests, tags=tags)
+        if nbytes:
+            metrics["bytes"].inc(nbytes, tags=tags)
+        observe = metrics["request_seconds"].observe
+        for seconds in sums.request_seconds[(model, path)]:
+            observe(seconds, tags=tags)
+    for model, waits in sums.lease_waits.items():
+        tags = {"model": model}
+        observe = metrics["lease_wait"].observe
+        for seconds in waits:
+            observe(seconds, tags=tags)
+    for (model, kind), count in sums.errors.items():
+        metrics["errors"].inc(count, tags={"model": model, "type": kind})
 
 
 def record_pool_gauges(node: str, pools: dict[str, dict[str, int]]) -> None:

@@ -211,8 +211,9 @@ class KServeHttpHandler:
                 if all(span.name != name for span in spans):
                     lease.input(name, array.shape)[...] = array
             for span in spans:
-                view = lease.input(span.name, decoded.inputs[span.name].shape)
-                body.readinto(memoryview(view.reshape(-1).view(np.uint8)))
+                target = lease.input(span.name, decoded.inputs[span.name].shape)
+                body.readinto(memoryview(target.reshape(-1).view(np.uint8)))
+                del target
             if body.remaining:
                 raise InputError("the request body is longer than its tensors")
             try:
@@ -227,6 +228,7 @@ class KServeHttpHandler:
             parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
             del outputs
             conn.respond(200, list(headers.items()), parts)  # written from the slot, then it goes back
+            # No view of the slot outlives the lease: it goes straight back, not pinned.
             del parts
 
 

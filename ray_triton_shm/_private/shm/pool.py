@@ -167,12 +167,22 @@ class SlotPool:
         if anchor is None or anchor() is None:
             self._to_free_locked(index)
         else:
-            logger.debug("slot %d of %s pinned by live views", index, self.layout.model)
             self._pinned.append((index, anchor))
+            if anchor() is None:
+                # The last view died after the check above: its callback may have found
+                # nothing pinned (it looks without the lock), so free the slot here.
+                self._pinned.remove((index, anchor))
+                self._to_free_locked(index)
+            else:
+                logger.debug("slot %d of %s pinned by live views", index, self.layout.model)
 
     def _views_gone(self, _ref: weakref.ref[np.ndarray]) -> None:
         # The last view of a released lease died: free its slot now and wake a
-        # waiter, rather than leaving it to the waiters' 50 ms poll.
+        # waiter, rather than leaving it to the waiters' 50 ms poll. Nothing pinned
+        # (the lease's views died before it ended): no lock taken. A slot pinned
+        # just after this check is reclaimed by the next take or the waiters' poll.
+        if not self._pinned:
+            return
         with self._cond:
             if not self._closed and self._pinned:
                 self._reclaim_locked()
@@ -339,8 +349,9 @@ class SlotPool:
                 )
             else:
                 self._free_or_pin_locked(slot.index, anchor)
-            # Only the first waiter may take the slot, and notify() could wake another.
-            self._cond.notify_all()
+            if self._waiters:
+                # Only the first waiter may take the slot, and notify() could wake another.
+                self._cond.notify_all()
 
     def in_doubt_until(self) -> float:
         """``time.monotonic()`` at which the last held-back (in-doubt) slot leaves quarantine; 0 if none.

@@ -56,7 +56,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import secrets
+import random
 import struct
 import threading
 import time
@@ -73,6 +73,9 @@ RETIRED = 0x52545348_4D0002FF
 _WORD = struct.Struct("<q")
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 FREE, LEASED = 0, -1
+# Lease nonces: seeded from the OS once, then drawn without a system call under the pool's lock.
+# A forked child continues its parent's sequence, but its tokens carry its own pid.
+_NONCES = random.Random()
 
 
 def lease_token(pid: int, nonce: int) -> int:
@@ -272,7 +275,7 @@ class SlotTable:
             self._set(index, self._dead_lease_until(index, now))
             self._set_deadline(index, 0)
         elif state <= now:
-            token = lease_token(os.getpid(), secrets.randbits(31) | 1)
+            token = lease_token(os.getpid(), _NONCES.getrandbits(31) | 1)
             self._set(index, token)
             self._held[index] = token
             return True

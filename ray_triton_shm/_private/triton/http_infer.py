@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import socket
@@ -127,6 +128,19 @@ def request_body(inputs: Sequence[ShmInput], outputs: Sequence[ShmOutput]) -> by
         ],
     }
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+@functools.lru_cache(maxsize=1024)
+def cached_request(
+    model: str, inputs: tuple[ShmInput, ...], outputs: tuple[ShmOutput, ...]
+) -> tuple[str, bytes]:
+    """The path and :func:`request_body` of a request, built once per distinct request.
+
+    A client's requests repeat: the same slots, shapes and outputs (one
+    entry per slot and shape); answered from the cache they cost no JSON
+    encoding. The cache is bounded and thread-safe.
+    """
+    return f"/v2/models/{quote(model, safe='')}/infer", request_body(inputs, outputs)
 
 
 def output_shapes(
@@ -278,8 +292,7 @@ class HttpShmSender:
                 no answer within ``timeout_s`` (``DEADLINE_EXCEEDED``).
             PoolClosedError: The sender was closed.
         """
-        path = f"/v2/models/{quote(model, safe='')}/infer"
-        body = request_body(inputs, outputs)
+        path, body = cached_request(model, tuple(inputs), tuple(outputs))
         conn = self._borrow()
         reused = conn is not None
         try:
