@@ -1,8 +1,9 @@
 """Run the whole suite in parallel lanes: what ``make test`` runs.
 
-The suite is a list of jobs, each one pytest process: everything outside
-``tests/integration/on_ray`` in one job, then each Ray test module in a job of
-its own (a Ray started, shut down and started again in one process can hang).
+The suite is a list of jobs, each one pytest process: the unit tests, the
+integration tests without Ray (everything outside ``tests/integration/on_ray``),
+then each Ray test module in a job of its own (a Ray started, shut down and
+started again in one process can hang).
 Most of a Ray module's time is waiting (for Ray, Serve, a Triton to start or
 to come back after a kill), so two jobs side by side finish the suite in
 about half the time on a 2-core machine. Jobs start longest first, by the
@@ -42,7 +43,8 @@ from tests.helpers import PORTS_ENV
 REPO = Path(__file__).resolve().parents[1]
 RAY_DIR = Path("tests/integration/on_ray")
 DURATIONS = REPO / "tests" / "durations.json"
-NOT_RAY = "not-ray"
+UNIT = "tests/unit"
+NOT_RAY = "integration-without-ray"
 # A job not in the durations file starts among the first: an unknown one may be long.
 UNKNOWN_S = 120.0
 # The ports the tests' free_port hands out, split between the lanes: above Ray's worker ports
@@ -53,7 +55,7 @@ _ALONE = re.compile(r"pytest\.mark\.alone\b")
 
 @dataclass
 class Job:
-    """One pytest process: its name (a module path, or ``not-ray``) and its arguments."""
+    """One pytest process: its name (a path, or ``integration-without-ray``) and its arguments."""
 
     name: str
     args: list[str]
@@ -65,15 +67,18 @@ class Job:
 
 
 def jobs(paths: list[str] | None = None) -> list[Job]:
-    """The suite's jobs; with ``paths``, only those named (``not-ray`` or a Ray module's path)."""
-    found = [Job(NOT_RAY, ["tests", f"--ignore={RAY_DIR}"], ray=False)]
+    """The suite's jobs; with ``paths``, only those named."""
+    found = [
+        Job(UNIT, [UNIT], ray=False),
+        Job(NOT_RAY, ["tests/integration", f"--ignore={RAY_DIR}"], ray=False),
+    ]
     for module in sorted((REPO / RAY_DIR).glob("test_*.py")):
         name = str(module.relative_to(REPO))
         found.append(Job(name, [name], alone=bool(_ALONE.search(module.read_text()))))
     if paths:
         unknown = sorted(set(paths) - {job.name for job in found})
         if unknown:
-            known = f"{NOT_RAY} or {RAY_DIR}/test_*.py"
+            known = f"{UNIT}, {NOT_RAY} or {RAY_DIR}/test_*.py"
             raise SystemExit(f"lanes: no such job: {', '.join(unknown)} (jobs: {known})")
         found = [job for job in found if job.name in paths]
     return found
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="jobs side by side (default: $RAY_TRITON_SHM_TEST_LANES or 2)")
     parser.add_argument("--record", action="store_true", help="write the times to tests/durations.json")
     parser.add_argument("--job", action="append", dest="jobs", metavar="NAME",
-                        help=f"run only this job ({NOT_RAY} or a Ray module's path); repeatable")
+                        help=f"run only this job ({UNIT}, {NOT_RAY} or a Ray module's path); repeatable")
     args, pytest_args = parser.parse_known_args(argv)
     if args.lanes < 1:
         parser.error("--lanes must be at least 1")
