@@ -177,3 +177,39 @@ def test_reaper_removes_segments_whose_dying_owner_held_them_when_the_pipe_close
         owner.stdout.close()
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
+
+
+# A threaded owner whose first thread has exited (a zombie in /proc) while another thread
+# still runs and holds the process's files, as in a multi-threaded process's exit (a Ray
+# worker's): the segment stays locked until that thread is gone too.
+_THREADED_OWNER = (
+    "import ctypes, os, threading, time\n"
+    "from ray_triton_shm._private.node.node_registry import Reaper\n"
+    "from ray_triton_shm._private.shm.segment import Segment, new_segment_name\n"
+    "reaper = Reaper()\n"
+    "kept = Segment.create(new_segment_name('slots'), 64)\n"
+    "print(reaper.pid, kept.name, flush=True)\n"
+    "def last():\n"
+    "    time.sleep(1.5)\n"
+    "    os._exit(0)\n"
+    "threading.Thread(target=last).start()\n"
+    "reaper._stdin.close()\n"
+    "ctypes.CDLL(None).pthread_exit(None)\n"
+)
+
+
+def test_reaper_waits_for_every_thread_of_its_dying_owner() -> None:
+    owner = subprocess.Popen([sys.executable, "-c", _THREADED_OWNER], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    reaper_pid, name = owner.stdout.readline().split()
+    try:
+        owner.wait(30)
+        deadline = time.monotonic() + 30
+        while pid_alive(int(reaper_pid)):
+            assert time.monotonic() < deadline, "the reaper did not finish"
+            time.sleep(0.05)
+        assert not os.path.exists(f"/dev/shm/{name}"), "the reaper left a segment of its dead owner"
+    finally:
+        owner.stdout.close()
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")

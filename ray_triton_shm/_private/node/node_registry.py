@@ -251,9 +251,10 @@ class Users:
 # of the owner's Triton; "marker <text>": what that Triton's command line and its backend stubs'
 # carry; "done": the owner lets go in order) until EOF (its owner died or let go). Then it
 # SIGKILLs that group if it is still Triton's, and unlinks the owner's segments whose lock no
-# live owner holds. Unless the owner let go, it first waits (a few seconds at most) for the
-# owner to be gone: a dying process closes its files one by one, and the pipe may close before
-# the files whose locks say that the owner still holds its segments.
+# live owner holds. Unless the owner let go, it first waits (10 s at most) for every thread of
+# the owner to be gone, and looks again for 2 s at segments still locked: a dying process closes
+# its files one by one (the pipe may close first), and its first thread can be a zombie while
+# another still holds its files.
 # -I -S: no site, no user paths; it must start fast and import nothing of ours.
 _REAPER = r"""
 import fcntl, os, signal, sys, time
@@ -349,14 +350,24 @@ def unlink_unowned(name):
 
 
 def owner_running():
-    # The owner is named by the prefix: rtshm_<pid>_<start time>_. A zombie has closed its files.
+    # The owner is named by the prefix: rtshm_<pid>_<start time>_. Its files close when its last
+    # thread exits: its first thread may be a zombie already while others still run.
     _, pid, start = prefix.split("_")[:3]
     try:
         with open("/proc/%s/stat" % pid, "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, ValueError):
+            if f.read().rsplit(b")", 1)[1].split()[19] != start.encode():
+                return False
+        threads = os.listdir("/proc/%s/task" % pid)
+    except (OSError, ValueError, IndexError):
         return False
-    return fields[0] not in (b"Z", b"X") and fields[19] == start.encode()
+    for thread in threads:
+        try:
+            with open("/proc/%s/task/%s/stat" % (pid, thread), "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X"):
+                    return True
+        except (OSError, IndexError):
+            continue
+    return False
 
 
 if not done:
@@ -364,12 +375,19 @@ if not done:
     while owner_running() and time.monotonic() < deadline:
         time.sleep(0.02)
 
-names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-held = [n for n in names if locked(n)]
-for name in names:
-    # Never-locked files (the Python backend's) go with the guard segment their name starts with.
-    if name not in held and not any(name.startswith(guard + "_") for guard in held):
-        unlink_unowned(name)
+# After an owner that died, a lock still held may be on its way out (a file the kernel is
+# still closing): look again for a moment. Held for good: another owner's (see locked()).
+deadline = time.monotonic() + (0.0 if done else 2.0)
+while True:
+    names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    held = [n for n in names if locked(n)]
+    for name in names:
+        # Never-locked files (the Python backend's) go with the guard segment their name starts with.
+        if name not in held and not any(name.startswith(guard + "_") for guard in held):
+            unlink_unowned(name)
+    if not held or time.monotonic() > deadline:
+        break
+    time.sleep(0.1)
 """
 
 
