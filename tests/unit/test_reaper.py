@@ -162,8 +162,10 @@ _DYING_OWNER = (
 )
 
 
-def test_reaper_removes_segments_whose_dying_owner_held_them_when_the_pipe_closed() -> None:
-    owner = subprocess.Popen([sys.executable, "-c", _DYING_OWNER], stdout=subprocess.PIPE, text=True)
+def _assert_reaped(owner_script: str) -> None:
+    """Run ``owner_script`` (it prints its reaper's pid and a segment it owns, then dies); the
+    segment must be gone once the reaper has finished."""
+    owner = subprocess.Popen([sys.executable, "-c", owner_script], stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None
     reaper_pid, name = owner.stdout.readline().split()
     try:
@@ -177,6 +179,10 @@ def test_reaper_removes_segments_whose_dying_owner_held_them_when_the_pipe_close
         owner.stdout.close()
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
+
+
+def test_reaper_removes_segments_whose_dying_owner_held_them_when_the_pipe_closed() -> None:
+    _assert_reaped(_DYING_OWNER)
 
 
 # A threaded owner whose first thread has exited (a zombie in /proc) while another thread
@@ -199,17 +205,4 @@ _THREADED_OWNER = (
 
 
 def test_reaper_waits_for_every_thread_of_its_dying_owner() -> None:
-    owner = subprocess.Popen([sys.executable, "-c", _THREADED_OWNER], stdout=subprocess.PIPE, text=True)
-    assert owner.stdout is not None
-    reaper_pid, name = owner.stdout.readline().split()
-    try:
-        owner.wait(30)
-        deadline = time.monotonic() + 30
-        while pid_alive(int(reaper_pid)):
-            assert time.monotonic() < deadline, "the reaper did not finish"
-            time.sleep(0.05)
-        assert not os.path.exists(f"/dev/shm/{name}"), "the reaper left a segment of its dead owner"
-    finally:
-        owner.stdout.close()
-        if os.path.exists(f"/dev/shm/{name}"):
-            os.unlink(f"/dev/shm/{name}")
+    _assert_reaped(_THREADED_OWNER)
