@@ -238,3 +238,23 @@ def test_threads_leasing_and_pinning_shared_slots_return_each_exactly_once() -> 
         pool.close()
         owner.close()
         data.close()
+
+
+def test_a_held_back_shared_slot_goes_back_to_the_table_when_its_quarantine_ends() -> None:
+    # A request in doubt (its server may still write the slot) holds its slot back for the
+    # quarantine: then the slot is free for every process, whether or not this one leases again.
+    pool, owner, data = _shared_pool(2, quarantine_s=0.3)
+    try:
+        lease = pool.acquire(timeout=5)
+        lease.mark_in_doubt()
+        lease.release()
+        assert owner.state()["free"] == 1
+        deadline = time.monotonic() + 10
+        while owner.state()["free"] != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert owner.state()["free"] == 2, "the slot stayed held after its quarantine, with no lease since"
+        assert pool.stats().quarantined == 0 and pool.stats().free == 2
+    finally:
+        pool.close()
+        owner.close()
+        data.close()

@@ -110,6 +110,7 @@ class SlotPool:
         self._free: deque[int] = deque(slots)
         self._pinned: list[tuple[int, weakref.ref[np.ndarray]]] = []
         self._quarantined: list[tuple[int, float, weakref.ref[np.ndarray] | None]] = []
+        self._timers: set[threading.Timer] = set()  # one per held-back slot, until its quarantine ends
         self._cond = threading.Condition()
         # Blocked acquirers, first come first served: without the queue a newcomer
         # can take each freed slot before a woken waiter runs, starving it until timeout.
@@ -341,6 +342,11 @@ class SlotPool:
         with self._cond:
             if quarantine:
                 self._quarantined.append((slot.index, time.monotonic() + self.quarantine_s, anchor))
+                # Back when the quarantine ends, whether or not this process leases again.
+                timer = threading.Timer(self.quarantine_s + 0.01, self._quarantine_over)
+                timer.daemon = True
+                self._timers.add(timer)
+                timer.start()
                 logger.warning(
                     "slot %d of %s held back %gs: its request may still run on the server",
                     slot.index,
@@ -352,6 +358,16 @@ class SlotPool:
             if self._waiters:
                 # Only the first waiter may take the slot, and notify() could wake another.
                 self._cond.notify_all()
+
+    def _quarantine_over(self) -> None:
+        # A held-back slot's quarantine has ended: free it now (in the shared table too), not at
+        # this process's next lease, which may never come.
+        with self._cond:
+            self._timers = {t for t in self._timers if t.is_alive() and t is not threading.current_thread()}
+            if not self._closed and self._quarantined:
+                self._reclaim_locked()
+                if self._waiters:
+                    self._cond.notify_all()
 
     def in_doubt_until(self) -> float:
         """``time.monotonic()`` at which the last held-back (in-doubt) slot leaves quarantine; 0 if none.
@@ -394,6 +410,9 @@ class SlotPool:
                 self._close_table(self._table)
             self._pinned.clear()
             self._quarantined.clear()
+            timers, self._timers = self._timers, set()
+        for timer in timers:
+            timer.cancel()
         self._release_memory()
 
     def _close_table(self, table: SlotTable) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 
 import numpy as np
@@ -196,6 +197,44 @@ def test_the_listeners_bind_only_the_configured_host(apps) -> None:
         with socket.socket() as s:  # not reachable on the machine's other addresses
             s.settimeout(2)
             assert s.connect_ex((address, min(_ports(apps)))) != 0
+
+
+def _busy_slots() -> dict[str, int]:
+    import ray
+
+    from ray_triton_shm.node import get_node_actor
+
+    pools = ray.get(get_node_actor().status.remote(), timeout=60)["pools"]
+    return {model: p["slots"] - p["free"] for model, p in pools.items() if p["slots"] != p["free"]}
+
+
+def test_callers_gone_mid_answer_give_their_slots_back(apps) -> None:
+    """Callers that reset their connection while their 1 MB answer is being written from the slot:
+    the write fails, and every slot is free again without any further request."""
+    _, http_url, _ = apps["apps"]["triton-a"]
+    host, port = http_url.rsplit(":", 1)
+    n = 262144
+    body = np.ones((1, n), np.float32).tobytes()
+    header = (
+        b'{"inputs":[{"name":"INPUT0","shape":[1,%d],"datatype":"FP32","parameters":{"binary_data_size":%d}}],'
+        b'"outputs":[{"name":"OUTPUT0","parameters":{"binary_data":true}}]}' % (n, len(body))
+    )
+    head = (
+        b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+        b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
+    ) % (len(header), len(header) + len(body))
+    assert np.array_equal(_http_identity(http_url, np.ones((1, n), np.float32)), np.ones((1, n), np.float32))
+    for _ in range(16):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(head + header + body)
+            s.recv(1024)  # the answer has begun
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: RST
+    deadline = time.monotonic() + 30
+    while _busy_slots() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _busy_slots(), "slots held after their callers were gone"
+    assert np.array_equal(_http_identity(http_url, np.ones((1, n), np.float32)), np.ones((1, n), np.float32))
 
 
 def test_after_shutdown_nothing_listens_and_nothing_is_left(apps) -> None:
