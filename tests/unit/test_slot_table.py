@@ -15,7 +15,7 @@ from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 from ray_triton_shm._private.shm.slot_table import SlotTable
 from ray_triton_shm.config import PoolConfig
-from ray_triton_shm.errors import PoolTimeoutError, SharedMemoryError
+from ray_triton_shm.errors import PoolClosedError, PoolTimeoutError, SharedMemoryError
 
 CONFIG = {
     "name": "m",
@@ -254,6 +254,41 @@ def test_a_held_back_shared_slot_goes_back_to_the_table_when_its_quarantine_ends
             time.sleep(0.05)
         assert owner.state()["free"] == 2, "the slot stayed held after its quarantine, with no lease since"
         assert pool.stats().quarantined == 0 and pool.stats().free == 2
+    finally:
+        pool.close()
+        owner.close()
+        data.close()
+
+
+class _ClosesOnLookup(dict):
+    """The table's held slots, closing the table at the first lookup: another thread closing it
+    between a method's check and its write."""
+
+    def __init__(self, table: SlotTable) -> None:
+        super().__init__(table._held)
+        self.table = table
+
+    def __contains__(self, index: object) -> bool:
+        held = super().__contains__(index)
+        if self.table is not None:
+            table, self.table = self.table, None
+            table.close()
+        return held
+
+
+def test_a_request_on_a_pool_closed_meanwhile_ends_quietly_and_a_new_one_is_refused() -> None:
+    # Another thread closes the pool (its node's connection was replaced) while a request runs on
+    # one of its slots: the request's end has nothing left to record, and no new one may start.
+    pool, owner, data = _shared_pool(2)
+    try:
+        lease = pool.acquire(timeout=5)
+        lease.request_started(30.0)
+        table = pool._table
+        table._held = _ClosesOnLookup(table)
+        lease.request_ended()  # the table closes between its check and its write
+        pool.close()
+        with pytest.raises(PoolClosedError):
+            lease.request_started(30.0)
     finally:
         pool.close()
         owner.close()

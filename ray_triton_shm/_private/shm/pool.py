@@ -639,8 +639,14 @@ class Lease:
         In a pool shared through a slot table, the deadline is written there: if
         this process dies before the answer, the slot stays protected until the
         deadline plus the quarantine.
+
+        Raises:
+            PoolClosedError: The pool was closed meanwhile (by another thread).
         """
-        table = self.pool._table
+        pool = self.pool
+        if pool._closed:
+            raise PoolClosedError(f"pool of {pool.layout.model!r} is closed")
+        table = pool._table
         if table is not None:
             table.request_started(self.slot.index, timeout_s)
 

@@ -240,9 +240,17 @@ class SlotTable:
             self._set_deadline(index, time.monotonic_ns() + int(timeout_s * 1e9) if timeout_s else 0)
 
     def request_ended(self, index: int) -> None:
-        """Say that the request on this process's slot ``index`` is over (answered or refused)."""
+        """Say that the request on this process's slot ``index`` is over (answered or refused).
+
+        Nothing to say once another thread has closed the table meanwhile: ``close``
+        left the slot for the next user to quarantine.
+        """
         if index in self._held:
-            self._set_deadline(index, 0)
+            try:
+                self._set_deadline(index, 0)
+            except (ValueError, TypeError):  # the view was released under us
+                if self._fd >= 0:
+                    raise
 
     def _lock(self, index: int) -> bool:
         try:
