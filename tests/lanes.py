@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.helpers import PORTS_ENV
@@ -63,7 +63,6 @@ class Job:
     alone: bool = False
     status: int | None = None
     seconds: float = 0.0
-    output: list[str] = field(default_factory=list)
 
 
 def jobs(paths: list[str] | None = None) -> list[Job]:
