@@ -11,6 +11,8 @@ Triton, the one peer our code talks to, and every other kind of descriptor
 from __future__ import annotations
 
 import os
+import time
+from collections import Counter
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -67,15 +69,30 @@ def triton_ports(*urls: str) -> frozenset[int]:
     return frozenset(urlsplit(url if "//" in url else f"//{url}").port or 0 for url in urls)
 
 
-def process_footprint(pid: int, *, sockets_to: frozenset[int] | None = None) -> Footprint:
+def process_footprint(
+    pid: int, *, sockets_to: frozenset[int] | None = None, steady_s: float = 0.0
+) -> Footprint:
     """RSS and counted fds of ``pid``.
 
     Args:
         pid: The process.
         sockets_to: When given, a socket counts only if it is a TCP connection to
             one of these ports (see the module docstring); when None, every fd counts.
+        steady_s: When above 0, look twice this far apart and count only what was
+            open both times: a leaked fd stays, while a connection of the moment
+            (the node actor's health probe of Triton: fresh connections every
+            half second, each living milliseconds) is gone by the second look.
     """
     targets = fd_targets(pid)
+    if steady_s > 0:
+        time.sleep(steady_s)
+        still_open = Counter(fd_targets(pid))
+        kept = []
+        for target in targets:
+            if still_open[target] > 0:
+                still_open[target] -= 1
+                kept.append(target)
+        targets = kept
     if sockets_to is not None:
         peers = tcp_peers(pid)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import pytest
 
@@ -41,3 +42,27 @@ def test_a_new_file_always_counts(tmp_path) -> None:
     with pytest.raises(AssertionError, match=r"new: .*held"):
         assert_flat("probe", before, after)
     assert_flat("same", before, Footprint(rss_kb=before.rss_kb, fds=before.fds))
+
+
+def test_a_connection_that_closes_while_counting_is_not_a_leak_but_one_that_stays_is() -> None:
+    # A health probe's connection lives milliseconds; counting at that moment must not read as a leak.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        ports = frozenset({port})
+        before = process_footprint(os.getpid(), sockets_to=ports, steady_s=0.5)
+        brief = socket.create_connection(("127.0.0.1", port))
+        brief_inode = f"socket:[{os.fstat(brief.fileno()).st_ino}]"
+        closer = threading.Timer(0.2, brief.close)
+        closer.start()
+        try:
+            during = process_footprint(os.getpid(), sockets_to=ports, steady_s=0.5)
+        finally:
+            closer.cancel()
+            brief.close()
+        assert brief_inode not in during.fds
+        assert_flat("brief", before, during)
+        with socket.create_connection(("127.0.0.1", port)) as kept:
+            after = process_footprint(os.getpid(), sockets_to=ports, steady_s=0.5)
+            assert f"socket:[{os.fstat(kept.fileno()).st_ino}]" in after.fds
+        with pytest.raises(AssertionError, match="open fds grew from"):
+            assert_flat("kept", before, after)

@@ -21,6 +21,8 @@ from ray_triton_shm import ServerConfig, ServerNotFoundError, ServerStartError, 
 from ray_triton_shm._private.shm import segment
 from ray_triton_shm.server import find_tritonserver
 
+from .footprint import fd_targets
+
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "deployments" / "models"
 BINARY_ENV = "RAY_TRITON_SHM_TRITONSERVER"
 _SOURCE_RE = re.compile(r"^(explicit|PATH|system|embedded \(.+\))$")
@@ -48,17 +50,6 @@ def _environ(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         items = f.read().split(b"\0")
     return dict(item.decode().split("=", 1) for item in items if b"=" in item)
-
-
-def _fd_targets(pid: int) -> set[str]:
-    """What the open fds of ``pid`` lead to (fds closed while looking are skipped)."""
-    targets = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            targets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except FileNotFoundError:
-            pass
-    return targets
 
 
 def _running(pid: int) -> bool:
@@ -199,7 +190,7 @@ def test_stop_removes_backend_segments_and_is_idempotent() -> None:
         guard_path = os.path.join(segment.SHM_DIR, guard)
         assert os.path.exists(guard_path) and not segment._guard_free(guard)
         for child in (pid, *_pids_mentioning(prefix)):
-            assert guard_path not in _fd_targets(child), f"pid {child} holds the guard"
+            assert guard_path not in fd_targets(child), f"pid {child} holds the guard"
     finally:
         server.stop()
     assert not server.is_alive() and server.pid is None

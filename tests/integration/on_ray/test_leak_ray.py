@@ -73,8 +73,9 @@ def test_grant_cycles_keep_the_node_actor_and_its_triton_flat(ray_local):
 
         def footprints() -> dict[str, Footprint]:
             settle()
-            actor_side = process_footprint(actor_pid, sockets_to=ports)
-            return {"actor": actor_side, "server": process_footprint(triton_pid)}
+            # Counted twice a second apart: the actor probes Triton's health on fresh connections.
+            actor_side = process_footprint(actor_pid, sockets_to=ports, steady_s=1.0)
+            return {"actor": actor_side, "server": process_footprint(triton_pid, steady_s=1.0)}
 
         before = footprints()
         grant_cycles(cycles)
