@@ -5,6 +5,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.frontdoor import FrontDoorConfig, KServeHttpHandler
+from ray_triton_shm._private.serve.frontdoor import FrontDoor, FrontDoorConfig, KServeHttpHandler
 from ray_triton_shm._private.serve.frontdoor_grpc import (
     encode_infer_response_bytes,
     encode_varint,
@@ -24,6 +26,7 @@ from ray_triton_shm._private.serve.frontdoor_http import (
     parse_head,
     response_head,
 )
+from ray_triton_shm._private.serve.port_claim import PortClaim, app_digest, port_claims
 from ray_triton_shm.errors import ConfigError, FrontDoorError, InputError
 
 # -- config ---------------------------------------------------------------
@@ -351,3 +354,65 @@ def test_a_stalled_body_or_an_idle_connection_is_closed() -> None:
             assert time.monotonic() - began < 5
     finally:
         door.close()
+
+
+class _Deployment:
+    """What the front door reads of its deployment when it has only an HTTP port."""
+
+    _client = None
+    _max_request_bytes = 1 << 20
+
+
+def test_another_application_cannot_share_a_front_door_port() -> None:
+    # Replicas of one app share its ports (SO_REUSEPORT); a second app on the same port
+    # would get half of the first one's connections, so it is refused and loses nothing.
+    first = FrontDoor(FrontDoorConfig(http_port=0), _Deployment(), "first")
+    port = first.http.port
+    config = FrontDoorConfig(http_port=port)
+    try:
+        replica = FrontDoor(config, _Deployment(), "first")
+        replica.close()
+        with pytest.raises(FrontDoorError, match=f"port {port} is already the front door of another"):
+            FrontDoor(config, _Deployment(), "second")
+        other_port = FrontDoorConfig(http_port=0, grpc_port=None)
+        FrontDoor(other_port, _Deployment(), "second").close()
+        with pytest.raises(FrontDoorError, match=f"port {port} is already"):  # its gRPC port too
+            FrontDoor(FrontDoorConfig(http_port=None, grpc_port=port), _Deployment(), "second")
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:  # the first still answers
+            conn.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert conn.recv(100).startswith(b"HTTP/1.1")
+    finally:
+        first.close()
+    FrontDoor(config, _Deployment(), "second").close()  # free again once the first app is gone
+
+
+def test_a_port_claim_ends_with_its_process() -> None:
+    claimer = subprocess.Popen(
+        [sys.executable, "-c", _CLAIM_AND_WAIT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert claimer.stdout is not None and claimer.stdout.readline() == b"claimed\n"
+        assert port_claims(_CLAIMED_PORT) == [app_digest("other")]
+        with pytest.raises(FrontDoorError, match="already the front door of another"):
+            PortClaim(_CLAIMED_PORT, "mine")
+        assert port_claims(_CLAIMED_PORT) == [app_digest("other")]  # the refused claim is dropped
+    finally:
+        claimer.kill()
+        claimer.wait()
+    assert port_claims(_CLAIMED_PORT) == []
+    with PortClaim(_CLAIMED_PORT, "mine") as claim:
+        assert port_claims(_CLAIMED_PORT) == [app_digest("mine")]
+        claim.close()  # idempotent with the exit's close
+    assert port_claims(_CLAIMED_PORT) == []
+
+
+_CLAIMED_PORT = 1  # never a front door's: claims are names only, nothing is bound on the port
+_CLAIM_AND_WAIT = f"""
+import sys
+from ray_triton_shm._private.serve.port_claim import PortClaim
+claim = PortClaim({_CLAIMED_PORT}, "other")
+print("claimed", flush=True)
+sys.stdin.read()
+"""

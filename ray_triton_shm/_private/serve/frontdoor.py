@@ -4,9 +4,10 @@ Clients outside Ray (``tritonclient.http``, ``tritonclient.grpc``) reach the
 replica without Serve's proxy in between. Every replica of the app on a node
 binds the same ports (``SO_REUSEPORT``): the kernel spreads the connections
 among them, and any node's address works on a multi-node cluster (bind
-``0.0.0.0`` there). The listeners run in the replica's process, in threads of
-their own (blocking sockets, one thread per HTTP connection; a gRPC thread
-pool), and close with the replica.
+``0.0.0.0`` there). A replica of another app given the same port refuses to
+start (:mod:`~ray_triton_shm._private.serve.port_claim`). The listeners run in
+the replica's process, in threads of their own (blocking sockets, one thread
+per HTTP connection; a gRPC thread pool), and close with the replica.
 
 HTTP inference (no version asked) is read from the socket straight into a
 leased slot (:class:`~ray_triton_shm._private.serve.frontdoor_http.Body`) and
@@ -46,6 +47,7 @@ from ray_triton_shm._private.serve.frontdoor_http import (
     RequestHead,
 )
 from ray_triton_shm._private.serve.kserve_http import fast_path_lengths, shm_plan
+from ray_triton_shm._private.serve.port_claim import PortClaim
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm.config import env_field
 from ray_triton_shm.errors import (
@@ -242,7 +244,8 @@ class FrontDoor:
         app_name: The Serve app's name (the gRPC ``application`` metadata must match it).
 
     Raises:
-        FrontDoorError: A port cannot be bound (nothing is left listening then).
+        FrontDoorError: A port cannot be bound, or another app on this node has it
+            (nothing is left listening then).
     """
 
     def __init__(self, config: FrontDoorConfig, deployment: Any, app_name: str) -> None:
@@ -254,7 +257,13 @@ class FrontDoor:
         self._run = run_on(self._loop)
         self.http: HttpListener | None = None
         self.grpc: Any = None
+        self._claims: list[PortClaim] = []
         try:
+            # A fixed port is claimed before it is bound (another app's claim: refused, nothing
+            # bound); a port the OS picks is new, and is claimed once known.
+            for port in (config.http_port, config.grpc_port):
+                if port:
+                    self._claims.append(PortClaim(port, app_name))
             if config.http_port is not None:
                 handler = KServeHttpHandler(
                     deployment._client,
@@ -266,6 +275,8 @@ class FrontDoor:
                 self.http = HttpListener(
                     config.host, config.http_port, handler, max_connections=config.max_connections
                 )
+                if not config.http_port:
+                    self._claims.append(PortClaim(self.http.port, app_name))
             if config.grpc_port is not None:
                 self.grpc = GrpcDoor(
                     config.host,
@@ -277,6 +288,8 @@ class FrontDoor:
                     app_name=app_name,
                     threads=config.grpc_threads,
                 )
+                if not config.grpc_port:
+                    self._claims.append(PortClaim(self.grpc.port, app_name))
         except BaseException:
             self.close()
             raise
@@ -321,6 +334,8 @@ class FrontDoor:
             self.http.close()
         if self.grpc is not None:
             self.grpc.close()
+        for claim in self._claims:  # once the ports are no longer bound
+            claim.close()
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)

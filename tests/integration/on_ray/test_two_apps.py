@@ -161,3 +161,46 @@ def test_serve_deploy_two_apps(cluster) -> None:
         shut = serve_cli("shutdown", "--address", cluster["dashboard"], "--yes")
     assert shut.returncode == 0, shut.stdout + shut.stderr
     apps_gone(cluster["base"])
+
+
+def test_a_second_app_on_the_first_ones_front_door_port_fails_and_the_first_keeps_it(
+    cluster, tmp_path
+) -> None:
+    spec = yaml.safe_load(Path(cluster["config"]).read_text())
+    first, second = spec["applications"]
+    second["args"]["frontdoor"].update(
+        http_port=first["args"]["frontdoor"]["http_port"], grpc_port=free_port()
+    )
+    path = tmp_path / "clash.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    door = f"127.0.0.1:{first['args']['frontdoor']['http_port']}"
+    deployed = serve_cli("deploy", "--address", cluster["dashboard"], str(path))
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            status = serve_cli("status", "--address", cluster["dashboard"])
+            assert status.returncode == 0, status.stderr
+            apps = yaml.safe_load(status.stdout)["applications"]
+            states = {name: app["status"] for name, app in apps.items()}
+            if states.get("triton-a") == "RUNNING" and states.get("triton-b") == "DEPLOY_FAILED":
+                break
+            assert time.monotonic() < deadline, status.stdout
+            time.sleep(2.0)
+        assert "is already the front door of another application" in status.stdout
+        # Every connection to the port is still the first app's.
+        for _ in range(8):
+            client = httpclient.InferenceServerClient(door)
+            try:
+                assert client.is_model_ready("add_sub")
+                a = np.arange(16, dtype=np.int32).reshape(1, 16)
+                inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+                inputs[0].set_data_from_numpy(a)
+                inputs[1].set_data_from_numpy(a)
+                np.testing.assert_array_equal(client.infer("add_sub", inputs).as_numpy("OUTPUT0"), 2 * a)
+            finally:
+                client.close()
+    finally:
+        shut = serve_cli("shutdown", "--address", cluster["dashboard"], "--yes")
+    assert shut.returncode == 0, shut.stdout + shut.stderr
+    apps_gone(cluster["base"])
