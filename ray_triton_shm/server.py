@@ -14,14 +14,12 @@ the shared-memory segments its Python backend leaves behind.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import ipaddress
 import json
 import logging
 import os
-import queue
 import secrets
 import signal
 import socket
@@ -35,6 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.triton.process import (
+    PDEATHSIG_SHIM,
+    exit_code,
+    kill_group,
+    kill_group_leftovers,
+    popen_from_launcher,
+    wait_exit,
+)
 from ray_triton_shm._private.triton.repository import python_backend_models
 from ray_triton_shm._private.triton.server_env import LaunchPlan, cpu_fallback_warning, find_tritonserver
 from ray_triton_shm.config import ServerConfig
@@ -44,137 +50,11 @@ __all__ = ["TritonServer", "find_tritonserver"]
 
 logger = logging.getLogger(__name__)
 
-# Runs between fork and exec of tritonserver: ask the kernel to SIGKILL it when
-# we die, then make sure we had not died already. Safer than preexec_fn in a
-# threaded parent (Ray workers are). Ignored or blocked signals survive exec,
-# and Ray workers ignore SIGINT, so SIGINT is made to work again here.
-_PDEATHSIG_SHIM = (
-    "import ctypes,os,signal,sys\n"
-    "ctypes.CDLL(None).prctl(1, 9)\n"
-    "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
-    "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
-    "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
-    "signal.pthread_sigmask(signal.SIG_SETMASK, [])\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
 # Header that protected shared-memory endpoints expect over HTTP; over gRPC Triton
 # expects it with a "triton-grpc-protocol-" prefix (metadata keys are lower case).
 SHM_API_HEADER = "rtshm-shm-key"
 SHM_API_GRPC_HEADER = f"triton-grpc-protocol-{SHM_API_HEADER}"
 _PORT_IN_USE_HINTS = ("address already in use", "failed to start", "failed to listen")
-
-# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the
-# process. Servers are therefore spawned from one daemon thread that lives as
-# long as the process, so that start() may be called from any thread.
-_launcher_lock = threading.Lock()
-_launcher: tuple[int, queue.SimpleQueue[Any]] | None = None
-
-
-def _launcher_loop(jobs: queue.SimpleQueue[Any]) -> None:
-    while True:
-        done, args, kwargs = jobs.get()
-        try:
-            done.set_result(subprocess.Popen(*args, **kwargs))
-        except BaseException as e:
-            done.set_exception(e)
-
-
-def _popen_from_launcher(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
-    global _launcher
-    with _launcher_lock:
-        if _launcher is None or _launcher[0] != os.getpid():  # none yet, or we were forked
-            jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            threading.Thread(
-                target=_launcher_loop, args=(jobs,), name="tritonserver-launcher", daemon=True
-            ).start()
-            _launcher = (os.getpid(), jobs)
-        jobs = _launcher[1]
-    done: concurrent.futures.Future[subprocess.Popen[bytes]] = concurrent.futures.Future()
-    jobs.put((done, args, kwargs))
-    return done.result()
-
-
-def _exit_code(proc: subprocess.Popen[bytes]) -> int | None:
-    """``proc``'s return code (as :attr:`subprocess.Popen.returncode`) if it exited; None while it runs.
-
-    Never reaps it: an exited server stays a zombie until :func:`_kill_group`, so
-    its pid, which is its process group's id, cannot be handed to another process
-    while its backend stubs may still live in that group.
-    """
-    if proc.returncode is not None:
-        return proc.returncode
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # reaped behind our back (SIGCHLD ignored): Popen knows the rest
-        return proc.poll()
-    if info is None:
-        return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Wait up to ``timeout`` s for ``proc`` to exit, without reaping it. Returns whether it did."""
-    deadline = time.monotonic() + timeout
-    while _exit_code(proc) is None:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL ``proc``'s process group (its Python-backend stubs), dead leader or not; then reap it.
-
-    The server leads its own group (``start_new_session``). Until it is reaped
-    here, its pid (the group id) is ours even if it died: stubs that outlive a
-    crashed server are killed with it, and no reused group can be hit.
-    """
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait()
-
-
-def _kill_group_leftovers(pgid: int) -> list[int]:
-    """SIGKILL what is left of an exited server's process group: its Triton processes only.
-
-    The server led the group; once it is gone its stubs may live on in it. Only
-    processes of that group whose command line names Triton are killed, so a pid
-    reused after the group emptied is never hit.
-
-    Returns:
-        The pids killed.
-    """
-    killed = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return killed
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and b"triton" in cmdline:
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-                killed.append(int(entry))
-            except OSError:
-                pass
-    if killed:
-        logger.info(
-            "killed %d process(es) left in the group of tritonserver %d: %s", len(killed), pgid, killed
-        )
-    return killed
-
 
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -300,7 +180,7 @@ class TritonServer:
 
     def is_alive(self) -> bool:
         """Whether the process exists (a stopped or hung one counts as alive; see :meth:`probe`)."""
-        return self._proc is not None and _exit_code(self._proc) is None
+        return self._proc is not None and exit_code(self._proc) is None
 
     def probe(self, timeout: float = 1.0) -> bool:
         """Whether the server answers live and ready over HTTP, each within ``timeout`` seconds.
@@ -481,8 +361,8 @@ class TritonServer:
             self._log.clear()
             # close_fds (the default, said here on purpose) keeps segment lock fds out of
             # Triton: a lock inherited by the server would outlive its owner.
-            self._proc = _popen_from_launcher(
-                [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command],
+            self._proc = popen_from_launcher(
+                [sys.executable, "-I", "-S", "-c", PDEATHSIG_SHIM, str(os.getpid()), *command],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -521,7 +401,7 @@ class TritonServer:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
-            code = _exit_code(self._proc) if self._proc is not None else None
+            code = exit_code(self._proc) if self._proc is not None else None
             if self._proc is None or code is not None:
                 self._join_reader()
                 raise ServerStartError(
@@ -557,19 +437,19 @@ class TritonServer:
     def _terminate(self, kill: bool = False) -> None:
         proc = self._proc
         if proc is not None:
-            if not kill and _exit_code(proc) is None:
+            if not kill and exit_code(proc) is None:
                 try:
                     os.kill(proc.pid, signal.SIGINT)
                     os.kill(proc.pid, signal.SIGCONT)  # a stopped process handles SIGINT only once continued
                 except ProcessLookupError:
                     pass
-                if not _wait_exit(proc, self.config.stop_timeout_s):
+                if not wait_exit(proc, self.config.stop_timeout_s):
                     logger.warning("tritonserver ignored SIGINT for %gs; killing", self.config.stop_timeout_s)
             # Always the whole group: a server that crashed leaves its backend stubs running.
-            _kill_group(proc)
+            kill_group(proc)
             # A leader reaped before (a crash noticed by a poll) leaves no group to signal: its
             # stubs, still holding the log pipe open, are found by their group id instead.
-            _kill_group_leftovers(proc.pid)
+            kill_group_leftovers(proc.pid)
             self._join_reader()
             if proc.stdout is not None:
                 if self._reader is not None and self._reader.is_alive():

@@ -158,7 +158,7 @@ def test_auto_memory_falls_back_to_system_when_triton_cannot_see_the_gpu(
 
     import fake_cupy
 
-    from ray_triton_shm._private.node.node_client import _GrantedPools
+    from ray_triton_shm._private.node.granted_pools import GrantedPools
     from ray_triton_shm.errors import DeviceMappingError
 
     fake_cupy.reset(devices=1)
@@ -166,7 +166,7 @@ def test_auto_memory_falls_back_to_system_when_triton_cannot_see_the_gpu(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     # Triton was started with ServerConfig.gpus=(0,): it cannot see this process's GPU 3.
     info = types.SimpleNamespace(gpu_visible_devices="0")
-    pools = _GrantedPools(None, 1, info, force_cuda=force_cuda)  # type: ignore[arg-type]
+    pools = GrantedPools(None, 1, info, force_cuda=force_cuda)  # type: ignore[arg-type]
     cuda_config = PoolConfig(memory="cuda")
     if force_cuda:  # memory="cuda": the caller insisted, so it is an error
         with pytest.raises(DeviceMappingError, match="not visible to the server"):

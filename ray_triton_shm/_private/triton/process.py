@@ -1,0 +1,149 @@
+"""The tritonserver process itself: how it is spawned, watched and killed, without reaping it early.
+
+The server is spawned from one long-lived launcher thread (``PR_SET_PDEATHSIG``
+fires when the thread that forked it exits), through a small shim that asks
+the kernel to kill it when its parent dies. It leads its own process group, so
+its Python-backend stubs are killed with it; its exit is observed without
+reaping it, so that its pid (the group's id) cannot be reused while stubs may
+live on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Runs between fork and exec of tritonserver: ask the kernel to SIGKILL it when
+# we die, then make sure we had not died already. Safer than preexec_fn in a
+# threaded parent (Ray workers are). Ignored or blocked signals survive exec,
+# and Ray workers ignore SIGINT, so SIGINT is made to work again here.
+PDEATHSIG_SHIM = (
+    "import ctypes,os,signal,sys\n"
+    "ctypes.CDLL(None).prctl(1, 9)\n"
+    "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
+    "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+    "signal.pthread_sigmask(signal.SIG_SETMASK, [])\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the
+# process. Servers are therefore spawned from one daemon thread that lives as
+# long as the process, so that start() may be called from any thread.
+_launcher_lock = threading.Lock()
+_launcher: tuple[int, queue.SimpleQueue[Any]] | None = None
+
+
+def _launcher_loop(jobs: queue.SimpleQueue[Any]) -> None:
+    while True:
+        done, args, kwargs = jobs.get()
+        try:
+            done.set_result(subprocess.Popen(*args, **kwargs))
+        except BaseException as e:
+            done.set_exception(e)
+
+
+def popen_from_launcher(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+    global _launcher
+    with _launcher_lock:
+        if _launcher is None or _launcher[0] != os.getpid():  # none yet, or we were forked
+            jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            threading.Thread(
+                target=_launcher_loop, args=(jobs,), name="tritonserver-launcher", daemon=True
+            ).start()
+            _launcher = (os.getpid(), jobs)
+        jobs = _launcher[1]
+    done: concurrent.futures.Future[subprocess.Popen[bytes]] = concurrent.futures.Future()
+    jobs.put((done, args, kwargs))
+    return done.result()
+
+
+def exit_code(proc: subprocess.Popen[bytes]) -> int | None:
+    """``proc``'s return code (as :attr:`subprocess.Popen.returncode`) if it exited; None while it runs.
+
+    Never reaps it: an exited server stays a zombie until :func:`kill_group`, so
+    its pid, which is its process group's id, cannot be handed to another process
+    while its backend stubs may still live in that group.
+    """
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped behind our back (SIGCHLD ignored): Popen knows the rest
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` s for ``proc`` to exit, without reaping it. Returns whether it did."""
+    deadline = time.monotonic() + timeout
+    while exit_code(proc) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc``'s process group (its Python-backend stubs), dead leader or not; then reap it.
+
+    The server leads its own group (``start_new_session``). Until it is reaped
+    here, its pid (the group id) is ours even if it died: stubs that outlive a
+    crashed server are killed with it, and no reused group can be hit.
+    """
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def kill_group_leftovers(pgid: int) -> list[int]:
+    """SIGKILL what is left of an exited server's process group: its Triton processes only.
+
+    The server led the group; once it is gone its stubs may live on in it. Only
+    processes of that group whose command line names Triton are killed, so a pid
+    reused after the group emptied is never hit.
+
+    Returns:
+        The pids killed.
+    """
+    killed = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return killed
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and b"triton" in cmdline:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+            except OSError:
+                pass
+    if killed:
+        logger.info(
+            "killed %d process(es) left in the group of tritonserver %d: %s", len(killed), pgid, killed
+        )
+    return killed
