@@ -33,6 +33,7 @@ from ray_triton_shm._private.shm.cuda import import_cupy
 from ray_triton_shm._private.shm.layout import ModelLayout, TensorSpec
 from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 from ray_triton_shm._private.shm.slot_table import SlotTable, close_kept
+from ray_triton_shm._private.shm.validate import check_indices, check_shape
 from ray_triton_shm.errors import (
     InputError,
     LayoutMismatchError,
@@ -447,32 +448,6 @@ class _LockHolder:
             self._views -= 1
             if self._views == 0:
                 close_kept(self._fd)
-
-
-def check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, name: str) -> list[int]:
-    indices = list(slot_indices)
-    if not indices:
-        raise InputError("a pool needs at least one slot")
-    if (max(indices) + 1) * layout.slot_bytes > size:
-        raise InputError(f"region {name!r} is too small for slots {indices}")
-    return indices
-
-
-def check_shape(spec: TensorSpec, shape: Sequence[int], batched: bool, capacity: int) -> int:
-    """Validate ``shape`` against ``spec``; return the element count."""
-    shape = tuple(int(d) for d in shape)
-    dims = ((capacity,) if batched else ()) + spec.max_dims
-    want = ((-1,) if batched else ()) + spec.dims
-    if len(shape) != len(dims):
-        raise InputError(f"{spec.name}: expected rank {len(dims)} {list(want)}, got shape {list(shape)}")
-    for got, fixed, most in zip(shape, want, dims):
-        if got < 0 or (fixed >= 0 and got != fixed):
-            raise InputError(f"{spec.name}: shape {list(shape)} does not match {list(want)}")
-        if got > most:
-            raise InputError(
-                f"{spec.name}: shape {list(shape)} is too big for the slot (at most {list(dims)})"
-            )
-    return math.prod(shape)
 
 
 class Lease:

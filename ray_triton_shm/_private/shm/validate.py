@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,13 @@ import numpy as np
 
 from ray_triton_shm._private.shm.bytes_tensor import longest_element
 from ray_triton_shm._private.shm.cuda import as_cupy, is_device_array, to_host
-from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY, ModelLayout, ModelSignature
+from ray_triton_shm._private.shm.layout import (
+    NUMPY_TO_TRITON,
+    TRITON_TO_NUMPY,
+    ModelLayout,
+    ModelSignature,
+    TensorSpec,
+)
 from ray_triton_shm.errors import InputError
 
 
@@ -231,3 +238,30 @@ def check_signature_inputs(signature: ModelSignature, inputs: Mapping[str, Any])
     if batch < 1 or any(a.size == 0 for a in arrays.values()):
         raise InputError(f"inputs of {signature.model!r} are empty")
     return CheckedInputs(arrays=arrays, batch=batch, nbytes=nbytes)
+
+
+def check_indices(slot_indices: Iterable[int], layout: ModelLayout, size: int, name: str) -> list[int]:
+    """The slot indices of a pool on a region ``name`` of ``size`` bytes, checked to fit in it."""
+    indices = list(slot_indices)
+    if not indices:
+        raise InputError("a pool needs at least one slot")
+    if (max(indices) + 1) * layout.slot_bytes > size:
+        raise InputError(f"region {name!r} is too small for slots {indices}")
+    return indices
+
+
+def check_shape(spec: TensorSpec, shape: Sequence[int], batched: bool, capacity: int) -> int:
+    """Validate ``shape`` against ``spec``; return the element count."""
+    shape = tuple(int(d) for d in shape)
+    dims = ((capacity,) if batched else ()) + spec.max_dims
+    want = ((-1,) if batched else ()) + spec.dims
+    if len(shape) != len(dims):
+        raise InputError(f"{spec.name}: expected rank {len(dims)} {list(want)}, got shape {list(shape)}")
+    for got, fixed, most in zip(shape, want, dims):
+        if got < 0 or (fixed >= 0 and got != fixed):
+            raise InputError(f"{spec.name}: shape {list(shape)} does not match {list(want)}")
+        if got > most:
+            raise InputError(
+                f"{spec.name}: shape {list(shape)} is too big for the slot (at most {list(dims)})"
+            )
+    return math.prod(shape)
