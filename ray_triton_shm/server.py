@@ -29,7 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ray_triton_shm._private.shm import segment
@@ -54,7 +54,14 @@ logger = logging.getLogger(__name__)
 # expects it with a "triton-grpc-protocol-" prefix (metadata keys are lower case).
 SHM_API_HEADER = "rtshm-shm-key"
 SHM_API_GRPC_HEADER = f"triton-grpc-protocol-{SHM_API_HEADER}"
-_PORT_IN_USE_HINTS = ("address already in use", "failed to start", "failed to listen")
+# What Triton prints when it cannot have its ports: taken by another process meanwhile, or
+# two of its endpoints given the same one.
+_PORT_CLASH_HINTS = (
+    "address already in use",
+    "failed to start",
+    "failed to listen",
+    "at the same address and port",
+)
 
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -65,10 +72,32 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def ports_clashed(log_tail: str) -> bool:
+    """Whether a server that failed to start says it could not have its ports (worth fresh ones)."""
+    text = log_tail.lower()
+    return any(hint in text for hint in _PORT_CLASH_HINTS)
+
+
+def free_ports(host: str, count: int, avoid: Collection[int] = ()) -> list[int]:
+    """``count`` distinct ports free on ``host`` now, none of them in ``avoid``.
+
+    Every port stays bound until all are chosen: the kernel may hand out a port
+    it was just given back, so choosing them one by one can give one port twice.
+    """
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+    finally:
+        for sock in held:
+            sock.close()
+    return ports
 
 
 @functools.lru_cache(maxsize=16)
@@ -242,8 +271,7 @@ class TritonServer:
                     return self
                 except ServerStartError as e:
                     self._terminate()
-                    in_use = any(h in e.log_tail.lower() for h in _PORT_IN_USE_HINTS)
-                    if not in_use or attempt == attempts - 1:
+                    if not ports_clashed(e.log_tail) or attempt == attempts - 1:
                         raise
                     logger.warning("tritonserver could not bind its ports; retrying")
         raise AssertionError("unreachable")
@@ -282,10 +310,15 @@ class TritonServer:
 
     def _resolve_ports(self, *, fresh: bool) -> ServerConfig:
         base = self.config if fresh or self._resolved is None else self._resolved
-        ports = {}
-        for name in ("http_port", "grpc_port", "metrics_port"):
-            port = getattr(base, name)
-            ports[name] = port if port else _free_port(self.config.host)
+        given = {name: getattr(base, name) for name in ("http_port", "grpc_port", "metrics_port")}
+        chosen = iter(
+            free_ports(
+                self.config.host,
+                sum(1 for port in given.values() if not port),
+                avoid={port for port in given.values() if port},
+            )
+        )
+        ports = {name: port or next(chosen) for name, port in given.items()}
         return dataclasses.replace(self.config, **ports)
 
     def _command(self, plan: LaunchPlan, resolved: ServerConfig) -> list[str]:

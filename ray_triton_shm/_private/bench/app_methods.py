@@ -20,7 +20,6 @@ import dataclasses
 import importlib
 import io
 import logging
-import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ from ray_triton_shm._private.bench.core_methods import Caller, Cell, OutputMisma
 from ray_triton_shm._private.bench.options import BenchOptions
 from ray_triton_shm._private.bench.timing import Progress
 from ray_triton_shm.node import NodeConfig, shutdown_node_actors
+from ray_triton_shm.server import free_ports
 
 APP_METHODS = ("app-image-shm", "app-image-grpc")
 BASE = "app-image-grpc"
@@ -124,19 +124,13 @@ def run_app_rows(options: Any, node_config: Any, model: str, progress: Any) -> l
     body, top5 = make_image()
     records = []
     try:
-        base = start_apps(args, model, _free_port())
+        base = start_apps(args, model, free_ports("127.0.0.1", 1)[0])
         for count in options.serve_concurrency or (1,):
             openers = [(m, lambda m=m, c=count: app_cell(m, base, body, top5, c)) for m in APP_METHODS]
             records.extend(app_records(run_group(openers, len(body), count, options, "app", progress)))
     finally:
         serve.shutdown()
     return records
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from ray_triton_shm._private.serve.kserve_grpc import SERVICER_FUNCTION
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
 from ray_triton_shm.serve import TritonDeployment, resolve_model_repository
+from ray_triton_shm.server import free_ports
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +97,6 @@ class Row:
     rounds: list[float] = field(default_factory=list)
     error: str | None = None
     ratio: float = float("nan")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _free_range(width: int) -> int:
@@ -153,11 +148,12 @@ class _Setup:
             pools={SERVERS[s].identity: pool for s in self.servers},
             idle_shutdown_s=5,
         )
-        serve_http, serve_grpc = _free_port(), _free_port()
-        fd_http, fd_grpc = _free_port(), _free_port()
+        # Every port at once: chosen one by one, the kernel may hand one out twice.
+        serve_http, serve_grpc, fd_http, fd_grpc, fallback_http, fallback_grpc, stats, metrics = free_ports(
+            "127.0.0.1", 8
+        )
         if self.mode == "all":
             base = _free_range(200)
-            fallback_http, fallback_grpc = _free_port(), _free_port()
             # HAProxy's socket path (under a directory named after the node) must stay under 97 bytes.
             haproxy_dir = Path(tempfile.mkdtemp(prefix="hp", dir="/tmp"))
             self._cleanup.append(haproxy_dir)
@@ -175,8 +171,8 @@ class _Setup:
                     "RAY_SERVE_HAPROXY_SOCKET_PATH": str(haproxy_dir / "admin.sock"),
                     "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(haproxy_dir),
                     "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(haproxy_dir / "server-state"),
-                    "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-                    "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+                    "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
+                    "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
                 }
             )
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

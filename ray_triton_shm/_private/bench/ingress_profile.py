@@ -28,7 +28,6 @@ import io
 import json
 import logging
 import pstats
-import socket
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from ray_triton_shm._private.triton.native import require_native_models
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
 from ray_triton_shm.serve import TritonDeployment
+from ray_triton_shm.server import free_ports
 
 KB = 1024
 MB = 1024 * KB
@@ -158,12 +158,6 @@ ProfiledDeployment = serve.deployment(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _node_config(repository: str | None, max_bytes: int) -> Any:
     n = max(1, max_bytes // 4)
     pool = PoolConfig(slots=4, max_batch_size=1, max_shapes={"INPUT0": (n,), "OUTPUT0": (n,)})
@@ -261,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         tuple(_parse_size(s) for s in args.sizes.split(",")) if args.compare else (_parse_size(args.size),)
     )
     node_config = _node_config(args.repository, max(sizes))
-    port = _free_port()
+    port = free_ports("127.0.0.1", 1)[0]
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

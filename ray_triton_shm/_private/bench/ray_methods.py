@@ -8,7 +8,6 @@ deployment and a Data predictor calling ``tritonclient.grpc``.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from ray_triton_shm._private.serve.kserve_grpc import SERVICER_FUNCTION
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
 from ray_triton_shm.data import TritonPredictor
 from ray_triton_shm.serve import TritonDeployment
+from ray_triton_shm.server import free_ports
 
 SERVE_MODEL = "identity"
 DATA_MODEL = "multi_io"
@@ -83,11 +83,7 @@ def start_serve_apps(node_config: Any, grpc_url: str, http_url: str | None = Non
         ``ingress-http-grpc`` the same app calling Triton over gRPC, ``triton-http``
         Triton's own HTTP endpoint (with ``http_url``).
     """
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = free_ports("127.0.0.1", 2)
     serve.start(
         proxy_location="HeadOnly",
         http_options={"host": "127.0.0.1", "port": ports[0]},

@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ import tritonclient.http as httpclient
 
 from ray_triton_shm.client import TritonShmClient
 from ray_triton_shm.config import PoolConfig, ServerConfig
-from ray_triton_shm.server import TritonServer
+from ray_triton_shm.server import TritonServer, free_ports
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +157,6 @@ def soak_client(duration_s: float, callers: int, slots: int, url: str | None = N
             server.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def soak_serve(
     duration_s: float, callers: int, slots_per_replica: int, replicas: int = 2
 ) -> tuple[SoakReport, SoakReport]:
@@ -178,7 +171,7 @@ def soak_serve(
 
     from ray_triton_shm.serve import build_app  # lazy: loads Ray
 
-    port = _free_port()
+    port = free_ports("127.0.0.1", 1)[0]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args: dict[str, Any] = {
         "model_repository": str(REPOSITORY),
