@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import threading
+import time
 
 # ``low-high``: the ports free_port hands out in this process (tests/lanes.py gives each lane
 # its own range, below the kernel's ephemeral ports and above Ray's worker ports, so that two
@@ -57,3 +59,40 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except OSError:
         return False
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter of every thread of ``pid`` (``R``, ``S``, ``T``, ...; empty once it is gone)."""
+    states = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return states
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                states.append(f.read().rsplit(b")", 1)[1].split()[0].decode())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return states
+
+
+def stop_process(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads has stopped.
+
+    ``kill`` only queues the signal: one thread is woken to take it and stop the
+    others, and until it gets a CPU (later on a loaded machine) the rest run on,
+    so a server can still answer a request sent right after ``kill`` returns.
+
+    Raises:
+        TimeoutError: A thread still runs after ``timeout_s``.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = thread_states(pid)
+        if all(state in "TtZX" for state in states):  # stopped (or gone, which is not our case to judge)
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} did not stop within {timeout_s} s: thread states {states}")
+        time.sleep(0.001)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ray_triton_shm import ServerConfig, TritonServer
 from ray_triton_shm._private.shm.segment import process_start_time
+from tests.helpers import stop_process
 
 REPO_MODELS = str(Path(__file__).resolve().parents[2] / "deployments" / "models")
 # One Python-backend model (its stub is a child of the server to stop or kill too): a server with
@@ -28,7 +29,7 @@ def test_stop_of_a_stopped_server_does_not_wait_forever():
     server.start()
     try:
         pid = server.pid
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         assert server.is_alive() and not server.probe(timeout=0.5)
         started = time.monotonic()
         server.stop()
@@ -45,7 +46,7 @@ def test_kill_of_a_stopped_server_reaps_it_at_once():
     try:
         pid = server.pid
         assert server.probe(timeout=2.0)
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         started = time.monotonic()
         server.kill()
         took = time.monotonic() - started
@@ -84,7 +85,7 @@ def test_restart_of_a_server_killed_alone_kills_its_stubs_and_comes_back():
         stubs = _group_members(pid)
         assert stubs, "the Python-backend model should run in a stub of the server's group"
         for stub in stubs:  # a stub that has not noticed its server died (as seen under load)
-            os.kill(stub, signal.SIGSTOP)
+            stop_process(stub)
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while server.is_alive():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ray_triton_shm import PoolConfig, ServerConfig, TritonCallError, UnavailableError
+from tests.helpers import stop_process
 
 from .conftest import local_ray
 
@@ -72,7 +73,7 @@ def _timed(ref, limit: float = 30.0):
 def _stop(pid: int) -> int | None:
     start = _start_time(pid)
     assert start is not None, f"Triton {pid} is not running"
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     return start
 
 

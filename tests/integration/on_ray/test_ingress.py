@@ -23,7 +23,7 @@ import requests
 import tritonclient.http as httpclient
 import yaml
 
-from tests.helpers import free_port
+from tests.helpers import free_port, stop_process
 
 from .conftest import CONFIG_FILE, frontdoor_on_free_ports, local_ray
 
@@ -490,7 +490,7 @@ def test_ready_follows_the_node_triton(ingress) -> None:
     handle, base = ingress
     pid = handle.whereami.remote().result()["triton_pid"]
     assert pid > 0
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         for path in ("/v2/health/ready", "/v2/health/live", "/v2/models/add_sub/ready"):
             response = requests.get(base + path, timeout=60)

@@ -163,41 +163,53 @@ def test_serve_deploy_two_apps(cluster) -> None:
     apps_gone(cluster["base"])
 
 
+def _deploy_and_settle(cluster, spec: dict, path: Path, apps: set[str]) -> tuple[dict[str, str], str]:
+    """``serve deploy`` of ``spec``, then wait until none of ``apps`` is deploying; (states, status)."""
+    path.write_text(yaml.safe_dump(spec))
+    deployed = serve_cli("deploy", "--address", cluster["dashboard"], str(path))
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    deadline = time.monotonic() + 240
+    while True:
+        status = serve_cli("status", "--address", cluster["dashboard"])
+        assert status.returncode == 0, status.stderr
+        found = yaml.safe_load(status.stdout).get("applications") or {}
+        states = {name: app["status"] for name, app in found.items()}
+        if all(states.get(app) in ("RUNNING", "DEPLOY_FAILED") for app in apps):
+            return states, status.stdout
+        assert time.monotonic() < deadline, status.stdout
+        time.sleep(2.0)
+
+
 def test_a_second_app_on_the_first_ones_front_door_port_fails_and_the_first_keeps_it(
     cluster, tmp_path
 ) -> None:
+    import tritonclient.grpc as grpcclient
+
     spec = yaml.safe_load(Path(cluster["config"]).read_text())
     first, second = spec["applications"]
-    second["args"]["frontdoor"].update(
-        http_port=first["args"]["frontdoor"]["http_port"], grpc_port=free_port()
-    )
-    path = tmp_path / "clash.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    door = f"127.0.0.1:{first['args']['frontdoor']['http_port']}"
-    deployed = serve_cli("deploy", "--address", cluster["dashboard"], str(path))
-    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            status = serve_cli("status", "--address", cluster["dashboard"])
-            assert status.returncode == 0, status.stderr
-            apps = yaml.safe_load(status.stdout)["applications"]
-            states = {name: app["status"] for name, app in apps.items()}
-            if states.get("triton-a") == "RUNNING" and states.get("triton-b") == "DEPLOY_FAILED":
-                break
-            assert time.monotonic() < deadline, status.stdout
-            time.sleep(2.0)
-        assert "is already the front door of another application" in status.stdout
-        # Every connection to the port is still the first app's.
-        for _ in range(8):
-            client = httpclient.InferenceServerClient(door)
+        states, _ = _deploy_and_settle(
+            cluster, {**spec, "applications": [first]}, tmp_path / "a.yaml", {"triton-a"}
+        )
+        assert states == {"triton-a": "RUNNING"}
+        # Then app b, given app a's gRPC port: its replica must not start.
+        second["args"]["frontdoor"].update(
+            http_port=free_port(), grpc_port=first["args"]["frontdoor"]["grpc_port"]
+        )
+        states, text = _deploy_and_settle(cluster, spec, tmp_path / "both.yaml", {"triton-a", "triton-b"})
+        assert states == {"triton-a": "RUNNING", "triton-b": "DEPLOY_FAILED"}, text
+        assert "is already the front door of another application" in text
+        # Every connection to the port reaches app a: a's front door refuses (NOT_FOUND) a request
+        # for another app, so one that landed on a replica of b would fail here.
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        for _ in range(8):  # a new connection each
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{first['args']['frontdoor']['grpc_port']}")
             try:
-                assert client.is_model_ready("add_sub")
-                a = np.arange(16, dtype=np.int32).reshape(1, 16)
-                inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+                inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
                 inputs[0].set_data_from_numpy(a)
                 inputs[1].set_data_from_numpy(a)
-                np.testing.assert_array_equal(client.infer("add_sub", inputs).as_numpy("OUTPUT0"), 2 * a)
+                result = client.infer("add_sub", inputs, headers={"application": "triton-a"})
+                np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * a)
             finally:
                 client.close()
     finally:
