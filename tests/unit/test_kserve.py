@@ -88,6 +88,25 @@ BAD_REQUESTS = [
     ("length-past-body", b'{"inputs": []}', 999, "outside the body"),
     ("not-json", b"{inputs: nope", None, "failed to parse the request JSON buffer"),
     ("not-utf8", b'{"inputs": ["\xff"]}', None, "failed to parse the request JSON buffer"),
+    # A number past a double: Triton's parser refuses it ("Number too big to be stored in double").
+    (
+        "float-past-double",
+        b'{"inputs": [{"name": "F", "datatype": "FP32", "shape": [1], "data": [1e400]}]}',
+        None,
+        "failed to parse the request JSON buffer: Number too big to be stored in double",
+    ),
+    (
+        "float-of-400-digits-past-double",
+        b'{"inputs": [{"name": "F", "datatype": "FP64", "shape": [1], "data": [1' + b"0" * 399 + b'.5]}]}',
+        None,
+        "Number too big to be stored in double",
+    ),
+    (
+        "negative-float-past-double",
+        b'{"inputs": [{"name": "F", "datatype": "FP64", "shape": [1], "data": [-1.5e309]}]}',
+        None,
+        "Number too big to be stored in double",
+    ),
     ("not-an-object", b"[1, 2]", None, "'inputs' list"),
     ("no-inputs", b'{"outputs": []}', None, "'inputs' list"),
     ("inputs-not-a-list", b'{"inputs": {"name": "x"}}', None, "'inputs' list"),

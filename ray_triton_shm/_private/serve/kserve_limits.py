@@ -7,6 +7,8 @@ refuse before numpy, a parser or a cache sees it.
 from __future__ import annotations
 
 import json
+import math
+import re
 import zlib
 from collections import OrderedDict
 from typing import Any
@@ -67,15 +69,32 @@ def _no_constant(name: str) -> Any:
     raise InputError(f"failed to parse the request JSON buffer: {name} is not valid JSON")
 
 
+_MAYBE_PAST_DOUBLE = re.compile(rb"\d[eE]|\d{309}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # Python reads it as infinity; Triton's parser refuses it
+        raise InputError("failed to parse the request JSON buffer: Number too big to be stored in double.")
+    return value
+
+
 def load_json(data: bytes | memoryview) -> Any:
     """The JSON document of a request header, parsed as strictly as Triton parses it.
 
     Raises:
         InputError: Not UTF-8 or not JSON, a key given twice in one object,
-            ``NaN`` or ``Infinity``, nesting too deep, a number with too many digits.
+            ``NaN`` or ``Infinity``, a number past a double, nesting too deep, a number
+            with too many digits.
     """
     try:
-        return json.loads(bytes(data) or b"{}", object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        text = bytes(data) or b"{}"
+        # Only a literal with an exponent or of 309+ digits can pass a double; checking every
+        # float costs a Python call each, so it is done only when the text has one of those.
+        checked = _finite_float if _MAYBE_PAST_DOUBLE.search(text) else float
+        return json.loads(
+            text, object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=checked
+        )
     except InputError:
         raise
     except json.JSONDecodeError as e:
