@@ -21,14 +21,12 @@ import hashlib
 import itertools
 import os
 import socket
-import threading
 
 from ray_triton_shm.errors import FrontDoorError
 
 _PREFIX = "ray-triton-shm-frontdoor"
 _PROC_NET_UNIX = "/proc/net/unix"
-_counter = itertools.count()
-_counter_lock = threading.Lock()
+_counter = itertools.count()  # next() on it is atomic
 
 
 def app_digest(app_name: str) -> str:
@@ -64,8 +62,7 @@ class PortClaim:
         self.port = port
         self.app_name = app_name
         digest = app_digest(app_name)
-        with _counter_lock:
-            number = next(_counter)
+        number = next(_counter)
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(f"\0{_PREFIX}:{port}:{digest}:{os.getpid()}:{number}")

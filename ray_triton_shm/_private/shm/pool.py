@@ -364,7 +364,7 @@ class SlotPool:
         # A held-back slot's quarantine has ended: free it now (in the shared table too), not at
         # this process's next lease, which may never come.
         with self._cond:
-            self._timers = {t for t in self._timers if t.is_alive() and t is not threading.current_thread()}
+            self._timers.discard(threading.current_thread())  # this timer: its work ends here
             if not self._closed and self._quarantined:
                 self._reclaim_locked()
                 if self._waiters:
