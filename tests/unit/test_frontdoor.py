@@ -16,7 +16,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.frontdoor import FrontDoor, FrontDoorConfig, KServeHttpHandler
 from ray_triton_shm._private.serve.frontdoor_grpc import (
-    encode_infer_response_bytes,
+    encode_infer_response_parts,
     encode_varint,
     split_infer_request,
 )
@@ -291,12 +291,14 @@ def test_split_infer_request_keeps_raw_contents_as_views() -> None:
         split_infer_request(b"\x0f\x00")
 
 
-def test_encode_infer_response_bytes_is_the_message_triton_sends() -> None:
+def test_encode_infer_response_parts_are_the_message_triton_sends() -> None:
     outputs = {
         "OUTPUT0": np.arange(6, dtype=np.float32).reshape(2, 3),
         "TEXT": np.array([b"ab", b""], dtype=object),
     }
-    data = encode_infer_response_bytes("identity", "1", "req", outputs)
+    parts = encode_infer_response_parts("identity", "1", "req", outputs)
+    assert np.shares_memory(np.asarray(parts[3]), outputs["OUTPUT0"])  # a view, not a copy
+    data = b"".join(parts)
     response = pb.ModelInferResponse.FromString(data)
     assert (response.model_name, response.model_version, response.id) == ("identity", "1", "req")
     assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [

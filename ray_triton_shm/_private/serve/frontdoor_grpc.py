@@ -1,14 +1,15 @@
 """The front door's gRPC half: Triton's ``inference.GRPCInferenceService`` served by the replica itself.
 
-A ``grpc`` server (a thread pool; ``SO_REUSEPORT``, as gRPC sets it by
-default, so every replica of the app on a node shares the port) with a generic
-handler:
+A lean gRPC server of our own (:mod:`~ray_triton_shm._private.serve.grpc_h2`:
+HTTP/2 on blocking sockets, a thread per connection, calls on a thread pool;
+``SO_REUSEPORT``, so every replica of the app on a node shares the port):
 
-* ``ModelInfer`` takes the request's bytes as they came: the raw input contents
-  are never parsed into a message (:func:`split_infer_request` leaves them as
-  views of those bytes); each is copied once, into the slot. The answer is
-  the response message's small fields followed by the outputs' bytes, copied
-  once from the slot (:func:`encode_infer_response_bytes`).
+* ``ModelInfer`` takes the request's bytes as they came off the socket: the raw
+  input contents are never parsed into a message (:func:`split_infer_request`
+  leaves them as views of those bytes); each is copied once, into the slot. The
+  outputs are copied once out of the slot (so that it goes back at once, before
+  the answer is sent), and the answer is the response message's small fields
+  followed by those copies, sent as they are (:func:`encode_infer_response_parts`).
 * Every other RPC is the Serve ingress's own method (of
   :class:`~ray_triton_shm._private.serve.kserve_grpc.KServeGrpcMixin`), run on the
   front door's event loop, so both ingresses answer alike.
@@ -20,16 +21,14 @@ A request whose ``application`` metadata names another app is refused
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
+from ray_triton_shm._private.serve.grpc_h2 import Call, CallError, H2Listener
 from ray_triton_shm._private.serve.kserve import serialize_bytes
 from ray_triton_shm._private.serve.kserve_grpc import (
     SERVICE,
@@ -40,17 +39,13 @@ from ray_triton_shm._private.serve.kserve_grpc import (
 from ray_triton_shm._private.serve.kserve_grpc_routes import STREAM_REFUSED
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
-from ray_triton_shm.errors import FrontDoorError, InputError, LayoutError
+from ray_triton_shm.errors import InputError, LayoutError
 
 logger = logging.getLogger(__name__)
 
 _RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents
 _RAW_OUTPUT_KEY = bytes([(6 << 3) | 2])  # ModelInferResponse.raw_output_contents, length-delimited
-_SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.so_reuseport", 1),
-]
+_PREFIX = f"/{SERVICE}/"
 
 
 def _varint(data: memoryview, pos: int) -> tuple[int, int]:
@@ -120,10 +115,14 @@ def split_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryv
         raise InputError(f"the ModelInferRequest message is malformed: {e}") from e
 
 
-def encode_infer_response_bytes(
+def encode_infer_response_parts(
     model: str, version: str, request_id: str, outputs: Mapping[str, Any]
-) -> bytes:
-    """A serialised ``ModelInferResponse`` of ``outputs`` (raw contents), each output copied once."""
+) -> list[bytes | memoryview]:
+    """A ``ModelInferResponse`` of ``outputs`` (raw contents) as parts: its small fields, then each output.
+
+    The outputs' parts are views of their arrays: sent as they are, they are
+    never joined into one message.
+    """
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
     blobs: list[bytes | memoryview] = []
     for name, value in outputs.items():
@@ -135,7 +134,7 @@ def encode_infer_response_bytes(
         tensor.shape.extend(int(d) for d in array.shape)
         blob = serialize_bytes(array) if is_bytes else memoryview(array.reshape(-1).view(np.uint8))
         blobs.extend((_RAW_OUTPUT_KEY, encode_varint(len(blob)), blob))
-    return b"".join([response.SerializeToString(), *blobs])
+    return [response.SerializeToString(), *blobs]
 
 
 class GrpcDoor:
@@ -172,40 +171,61 @@ class GrpcDoor:
         self._served_version = served_version
         self._run = run
         self.app_name = app_name
-        self._server = grpc.server(
-            ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc"),
-            handlers=[_Handlers(self)],
-            options=_SERVER_OPTIONS,
-            maximum_concurrent_rpcs=None,
-        )
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            bound = self._server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise FrontDoorError(f"cannot listen for gRPC on {address}: {e}") from e
-        if not bound:
-            raise FrontDoorError(f"cannot listen for gRPC on {address}")
+        self._server = H2Listener(host, port, self.handle, refuse=self.refuse, threads=threads)
         self.host = host
-        self.port = bound
-        self._server.start()
+        self.port = self._server.port
 
     def close(self, grace_s: float = 1.0) -> None:
         """Stop the server; returns when it no longer listens."""
-        self._server.stop(grace_s).wait(grace_s + 5)
+        self._server.close(grace_s)
 
     # -- RPCs ---------------------------------------------------------------
-    def check_application(self, context: grpc.ServicerContext) -> None:
-        """Refuse (``NOT_FOUND``) a request whose ``application`` metadata names another app."""
-        for key, value in context.invocation_metadata() or ():
+    def refuse(self, method: str, metadata: Sequence[tuple[str, str]]) -> CallError | None:
+        """Why a call is refused as soon as its headers arrive (``None``: it is taken).
+
+        Another app's ``application`` metadata: ``NOT_FOUND``; ``ModelStreamInfer``
+        and methods the service does not have: ``UNIMPLEMENTED``.
+        """
+        for key, value in metadata:
             if key == "application" and value != self.app_name:
-                context.abort(
-                    grpc.StatusCode.NOT_FOUND,
+                return CallError(
+                    "NOT_FOUND",
                     f"application {value!r} is not served on this port: it is application"
                     f" {self.app_name!r}'s front door (each application has ports of its own)",
                 )
+        name = method[len(_PREFIX) :] if method.startswith(_PREFIX) else None
+        if name == "ModelStreamInfer":
+            return CallError("UNIMPLEMENTED", STREAM_REFUSED)
+        if name is None or (name != "ModelInfer" and _messages(name) is None):
+            return CallError("UNIMPLEMENTED", f"Method not found: {method}")
+        return None
 
-    def infer_bytes(self, data: bytes) -> bytes:
-        """The serialised answer to a serialised ``ModelInferRequest``.
+    def handle(self, call: Call) -> None:
+        """Answer one call (its method was accepted by :meth:`refuse`)."""
+        name = call.method[len(_PREFIX) :]
+        try:
+            if name == "ModelInfer":
+                call.respond(self.infer_parts(call.request()))
+                return
+            request_cls, _ = _messages(name)  # type: ignore[misc]
+            try:
+                request = request_cls.FromString(bytes(call.request()))
+            except CallError:
+                raise
+            except Exception as e:  # protobuf's DecodeError
+                raise InputError(f"the {name}Request message is malformed: {e}") from e
+            response = self._run(getattr(self._servicer, name)(request, None))
+            call.respond([response.SerializeToString()])
+        except CallError:
+            raise
+        except Exception as e:
+            code, message = status_of(e)
+            if code == "INTERNAL" and not isinstance(e, GrpcAnswerError):
+                logger.warning("front door gRPC: %s", message, exc_info=e)
+            raise CallError(code, message) from e
+
+    def infer_parts(self, data: bytes | bytearray) -> list[bytes | memoryview]:
+        """The answer to a serialised ``ModelInferRequest``, as parts (the outputs' bytes not joined).
 
         Raises:
             InputError, PoolTimeoutError, TritonCallError, UnavailableError, GrpcAnswerError.
@@ -214,78 +234,25 @@ class GrpcDoor:
         inputs, outputs = decode_infer_request(request, raw)
         if not request.model_version:
             try:
-                result = self._client.infer(request.model_name, inputs, outputs=outputs, copy=False)
+                result = self._client.infer(request.model_name, inputs, outputs=outputs)
             except LayoutError:  # tensors that cannot live in slots: Triton's own answer
                 result = None
             if result is not None:
                 version = self._served_version(request.model_name)
-                return encode_infer_response_bytes(request.model_name, version, request.id, result)
+                return encode_infer_response_parts(request.model_name, version, request.id, result)
         # A version asked for (Triton honours it) or no slots: the ingress's own path.
         del inputs
-        full = pb.ModelInferRequest.FromString(data)
-        return self._run(self._servicer.ModelInfer(full, None)).SerializeToString()
-
-    def model_infer(self, data: bytes, context: grpc.ServicerContext) -> bytes:
-        self.check_application(context)
-        try:
-            return self.infer_bytes(data)
-        except Exception as e:
-            self._abort(context, e)
-            raise  # not reached: abort raises
-
-    def other(self, name: str, request: Any, context: grpc.ServicerContext) -> Any:
-        self.check_application(context)
-        try:
-            return self._run(getattr(self._servicer, name)(request, None))
-        except Exception as e:
-            self._abort(context, e)
-            raise
-
-    @staticmethod
-    def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
-        code, message = status_of(error)
-        if code == "INTERNAL" and not isinstance(error, GrpcAnswerError):
-            logger.warning("front door gRPC: %s", message, exc_info=error)
-        context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), message)
+        full = pb.ModelInferRequest.FromString(bytes(data))
+        return [self._run(self._servicer.ModelInfer(full, None)).SerializeToString()]
 
 
-class _Handlers(grpc.GenericRpcHandler):
-    """Routes the service's methods: ``ModelInfer`` on raw bytes, the rest as messages."""
-
-    def __init__(self, door: GrpcDoor) -> None:
-        self._door = door
-        self._prefix = f"/{SERVICE}/"
-        self._infer = grpc.unary_unary_rpc_method_handler(door.model_infer)
-        self._stream = grpc.stream_stream_rpc_method_handler(_refuse_stream)
-        self._others: dict[str, grpc.RpcMethodHandler] = {}
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        method = handler_call_details.method
-        if not method.startswith(self._prefix):
-            return None
-        name = method[len(self._prefix) :]
-        if name == "ModelInfer":
-            return self._infer
-        if name == "ModelStreamInfer":
-            return self._stream
-        handler = self._others.get(name)
-        if handler is None:
-            request_cls = getattr(pb, f"{name}Request", None)
-            response_cls = getattr(pb, f"{name}Response", None)
-            if request_cls is None or response_cls is None:
-                return None  # gRPC answers UNIMPLEMENTED
-            handler = self._others[name] = grpc.unary_unary_rpc_method_handler(
-                functools.partial(self._door.other, name),
-                request_deserializer=request_cls.FromString,
-                response_serializer=response_cls.SerializeToString,
-            )
-        return handler
-
-
-def _refuse_stream(requests: Any, context: grpc.ServicerContext) -> Any:
-    """``ModelStreamInfer``: refused with the reason, as by the Serve ingress."""
-    context.abort(grpc.StatusCode.UNIMPLEMENTED, STREAM_REFUSED)
-    yield  # a generator: gRPC's stream-stream handlers return an iterator
+def _messages(name: str) -> tuple[Any, Any] | None:
+    """The request and response classes of the service's method ``name`` (``None``: no such method)."""
+    request_cls = getattr(pb, f"{name}Request", None)
+    response_cls = getattr(pb, f"{name}Response", None)
+    if request_cls is None or response_cls is None:
+        return None
+    return request_cls, response_cls
 
 
 def run_on(loop: asyncio.AbstractEventLoop) -> Callable[[Any], Any]:

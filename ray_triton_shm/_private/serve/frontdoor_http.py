@@ -20,13 +20,13 @@ import contextlib
 import json
 import logging
 import socket
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
 
 from ray_triton_shm._private.serve.kserve_limits import too_large
-from ray_triton_shm.errors import FrontDoorError, InputError
+from ray_triton_shm._private.serve.listener import TcpListener, send_parts
+from ray_triton_shm.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -356,16 +356,7 @@ class Connection:
     # -- writing ----------------------------------------------------------
     def send_parts(self, parts: Sequence[bytes | memoryview]) -> None:
         """Write every part, in order, without joining them (``sendmsg``)."""
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
-        while views:
-            sent = self.sock.sendmsg(views[:64])
-            while sent:
-                if sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
+        send_parts(self.sock, parts)
 
     def respond(
         self,
@@ -423,7 +414,7 @@ def _error_json(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
 
-class HttpListener:
+class HttpListener(TcpListener):
     """A listening socket (``SO_REUSEPORT``) and a thread per connection, each running ``handler``.
 
     Args:
@@ -448,68 +439,9 @@ class HttpListener:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
-        self._handler = handler
-        self._timeouts = {"idle_timeout_s": idle_timeout_s, "body_timeout_s": body_timeout_s}
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._lock = threading.Lock()
-        self._open: set[socket.socket] = set()
-        self._closed = False
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
-            sock.listen(1024)
-        except OSError as e:
-            sock.close()
-            raise FrontDoorError(f"cannot listen for HTTP on {host}:{port}: {e}") from e
-        self._sock = sock
-        self.host = host
-        self.port = sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept, name=f"frontdoor-http-{self.port}", daemon=True)
-        self._thread.start()
+        timeouts = {"idle_timeout_s": idle_timeout_s, "body_timeout_s": body_timeout_s}
 
-    def _accept(self) -> None:
-        while True:
-            self._slots.acquire()
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:  # closed
-                self._slots.release()
-                return
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    self._slots.release()
-                    return
-                self._open.add(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="frontdoor-http-conn", daemon=True
-            ).start()
+        def serve(sock: socket.socket) -> None:
+            Connection(sock, handler, **timeouts).serve()
 
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            Connection(conn, self._handler, **self._timeouts).serve()
-        except Exception:
-            logger.exception("front door: HTTP connection failed")
-        finally:
-            with self._lock:
-                self._open.discard(conn)
-            self._slots.release()
-
-    def close(self) -> None:
-        """Stop listening and shut every open connection; returns when the socket is closed."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            open_now = list(self._open)
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        self._sock.close()
-        for conn in open_now:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
+        super().__init__(host, port, serve, protocol="HTTP", max_connections=max_connections)

@@ -49,7 +49,6 @@ from ray_triton_shm.errors import (
 logger = logging.getLogger(__name__)
 
 
-
 def check_content_length(request: Request, max_bytes: int) -> None:
     """Refuse a request whose ``Content-Length`` is past ``max_bytes``, before its body is read.
 
@@ -102,8 +101,6 @@ async def _read_stream(
 def content_encoding(request: Request) -> str:
     """The request's ``Content-Encoding`` (``identity`` when absent), lower case."""
     return (request.headers.get("content-encoding") or "identity").strip().lower()
-
-
 
 
 async def read_body(

@@ -148,6 +148,7 @@ class VersionCache:
         while len(self._entries) > self._size:
             self._entries.popitem(last=False)
 
+
 def too_large(what: str, max_bytes: int) -> RequestTooLargeError:
     """The error for a body (or what it inflates to) past ``max_bytes``."""
     return RequestTooLargeError(

@@ -1,0 +1,842 @@
+"""A lean gRPC server: HTTP/2 over blocking sockets, a thread per connection, messages read in place.
+
+The front door's gRPC half (see :mod:`ray_triton_shm._private.serve.frontdoor_grpc`).
+It speaks the part of HTTP/2 (RFC 9113) that gRPC clients use, unary calls only:
+
+* Each request message is read from the socket straight into one buffer of its
+  own size (no per-frame copies); the connection advertises 16 MB frames and
+  windows of 2 GB, so a client sends a large message in a few frames without
+  waiting for window updates.
+* The answer's parts (views of a shared-memory slot, say) go to the socket as
+  they are (``sendmsg``), cut into frames the client accepts and within its
+  flow-control windows.
+* A handler gets a :class:`Call` (its method, metadata and request message) in
+  a worker thread, and answers with :meth:`Call.respond` or :meth:`Call.abort`.
+
+Header blocks are (de)compressed with ``hpack``. Request messages compressed
+with ``gzip`` or ``deflate`` are inflated; answers are sent uncompressed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import hpack
+
+from ray_triton_shm._private.serve.kserve_limits import inflate
+from ray_triton_shm._private.serve.listener import TcpListener, send_parts
+
+logger = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
+    range(10)
+)
+END_STREAM = 0x1
+ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+# Error codes (RFC 9113, section 7).
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
+FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 6, 7, 9, 11
+# Settings.
+HEADER_TABLE_SIZE, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 1, 3, 4, 5
+MAX_HEADER_LIST_SIZE = 6
+
+MAX_WINDOW = 2**31 - 1
+OUR_MAX_FRAME = 2**24 - 1
+"""The largest frame this server accepts (HTTP/2's own limit): big messages come in few frames."""
+DEFAULT_FRAME = 16384
+"""A peer's frame size limit until its settings say otherwise."""
+MAX_HEADER_BLOCK = 1 << 20
+"""Longest header block (request headers and metadata) accepted; longer ends the connection."""
+MAX_STREAMS = 1024
+"""Streams a connection may have open at once (announced in the settings)."""
+SEND_TIMEOUT_S = 60.0
+"""How long an answer may wait for the client to open its flow-control window."""
+
+# gRPC status codes (the gRPC spec's numbers).
+STATUS_CODES = {
+    "OK": 0,
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "ABORTED": 10,
+    "OUT_OF_RANGE": 11,
+    "UNIMPLEMENTED": 12,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+
+_HEADER = struct.Struct(">HBBBI")  # length (24 bits, as 16 + 8), type, flags, stream id
+_SETTING = struct.Struct(">HI")
+_RESPONSE_HEADERS = [
+    (":status", "200"),
+    ("content-type", "application/grpc"),
+    ("grpc-accept-encoding", "identity,deflate,gzip"),
+]
+
+
+def frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
+    """The 9-byte header of a frame."""
+    return _HEADER.pack(length >> 8, length & 0xFF, kind, flags, stream_id)
+
+
+def percent_encode(message: str) -> str:
+    """``grpc-message``'s encoding: UTF-8, with ``%`` and bytes outside printable ASCII as ``%XX``."""
+    return "".join(
+        chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in message.encode("utf-8")
+    )
+
+
+class ConnectionError_(Exception):
+    """The connection breaks the protocol: it gets a GOAWAY with ``code`` and is closed."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+
+class StreamGone(Exception):
+    """The stream was reset by the client, or its connection closed, before the answer was sent."""
+
+
+class CallError(Exception):
+    """A call that ends with a gRPC status other than OK (raised by a handler, or while reading).
+
+    Args:
+        code: The status's name (``INVALID_ARGUMENT``, ...).
+        message: The status message.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+
+class _Stream:
+    """One call: its headers, its request message as it arrives, its send window."""
+
+    def __init__(self, stream_id: int, headers: list[tuple[str, str]], send_window: int, max_message: int):
+        self.id = stream_id
+        self.headers = headers
+        self.send_window = send_window
+        self.max_message = max_message
+        self.prefix = bytearray()
+        self.message: bytearray | None = None
+        self.filled = 0
+        self.messages = 0
+        self.error: CallError | None = None
+        self.ended = False  # the client's side is closed (END_STREAM seen)
+        self.reset = False  # the client reset it, or the connection is gone
+        self.dispatched = False  # handed to a worker
+        self.answered = False  # its answer has begun
+        self.done = False  # its worker has finished
+
+    def receive(self, reader: _Reader, count: int) -> None:
+        """``count`` bytes of the stream's DATA, read from ``reader`` into the message."""
+        while count:
+            if self.error is not None:
+                reader.skip(count)
+                return
+            if self.message is None or self.filled == len(self.message):
+                if self.message is not None:
+                    self.error = CallError("UNIMPLEMENTED", "this server takes one request message per call")
+                    continue
+                take = min(count, 5 - len(self.prefix))
+                self.prefix += reader.exactly(take)
+                count -= take
+                if len(self.prefix) < 5:
+                    continue
+                length = int.from_bytes(self.prefix[1:5], "big")
+                if length > self.max_message:
+                    self.error = CallError(
+                        "RESOURCE_EXHAUSTED",
+                        f"Received message larger than max ({length} vs. {self.max_message})",
+                    )
+                    continue
+                self.message = bytearray(length)
+                self.messages += 1
+                continue
+            take = min(count, len(self.message) - self.filled)
+            reader.into(memoryview(self.message)[self.filled : self.filled + take])
+            self.filled += take
+            count -= take
+
+    def request(self) -> bytes | bytearray:
+        """The complete request message (inflated).
+
+        Raises:
+            CallError: No message, a truncated one, or one compressed in a way this server cannot read.
+        """
+        if self.error is not None:
+            raise self.error
+        if self.message is None or self.filled < len(self.message):
+            raise CallError("INTERNAL", "the call ended before its request message was complete")
+        if not self.prefix[0]:
+            return self.message
+        encoding = self.header("grpc-encoding") or "identity"
+        if encoding not in ("gzip", "deflate"):
+            raise CallError(
+                "UNIMPLEMENTED",
+                f"the request message is compressed with {encoding!r}; this server reads gzip and deflate",
+            )
+        try:
+            return inflate(bytes(self.message), encoding, self.max_message)
+        except Exception as e:
+            raise CallError("INTERNAL", f"the request message cannot be inflated: {e}") from e
+
+    def header(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+class Call:
+    """One unary call as its handler sees it.
+
+    Attributes:
+        method: The full method name (``/package.Service/Method``).
+        metadata: The client's metadata (headers other than HTTP/2's and gRPC's own).
+    """
+
+    def __init__(self, connection: H2Connection, stream: _Stream) -> None:
+        self._connection = connection
+        self._stream = stream
+        self.method = stream.header(":path") or ""
+        self.metadata = metadata_of(stream.headers)
+
+    def request(self) -> bytes | bytearray:
+        """The request message's bytes.
+
+        Raises:
+            CallError: As :meth:`_Stream.request`.
+        """
+        return self._stream.request()
+
+    def respond(self, parts: Sequence[bytes | memoryview]) -> None:
+        """Answer with one message made of ``parts`` (sent as they are), then status OK.
+
+        Raises:
+            StreamGone: The client reset the call or went away first.
+        """
+        self._connection.answer(self._stream, parts, "OK", "")
+
+    def abort(self, code: str, message: str) -> None:
+        """End the call with status ``code`` and ``message`` (no answer message)."""
+        with contextlib.suppress(StreamGone):
+            self._connection.answer(self._stream, None, code, message)
+
+
+def metadata_of(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A call's metadata: its headers other than HTTP/2's pseudo-headers and gRPC's own."""
+    return [
+        (k, v)
+        for k, v in headers
+        if not k.startswith((":", "grpc-")) and k not in ("content-type", "te", "user-agent")
+    ]
+
+
+class _Reader:
+    """Buffered reads from a blocking socket; large reads go straight into their target."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray(256 * 1024)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def _fill(self, want: int) -> None:
+        if self._start:
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start : self._end]
+            self._start, self._end = 0, n
+        while self._end < want:
+            got = self._sock.recv_into(self._view[self._end :])
+            if not got:
+                raise EOFError
+            self._end += got
+
+    def exactly(self, n: int) -> bytes:
+        """The next ``n`` bytes (``n`` at most the buffer's size)."""
+        if self._end - self._start < n:
+            self._fill(n)
+        data = bytes(self._view[self._start : self._start + n])
+        self._start += n
+        return data
+
+    def into(self, target: memoryview) -> None:
+        """Fill ``target``: first from the buffer, then straight from the socket."""
+        have = min(self._end - self._start, len(target))
+        if have:
+            target[:have] = self._view[self._start : self._start + have]
+            self._start += have
+        while have < len(target):
+            # MSG_WAITALL: one wake-up (and one return to Python) for the whole rest, not one per packet.
+            got = self._sock.recv_into(target[have:], 0, socket.MSG_WAITALL)
+            if not got:
+                raise EOFError
+            have += got
+
+    def buffered(self) -> int:
+        """Bytes read from the socket and not yet taken."""
+        return self._end - self._start
+
+    def skip(self, n: int) -> None:
+        while n:
+            take = min(n, len(self._buf))
+            if take <= self._end - self._start:
+                self._start += take
+            else:
+                self.into(memoryview(bytearray(take)))
+            n -= take
+
+    def payload(self, n: int) -> bytes:
+        """A frame payload of ``n`` bytes (any size)."""
+        if n <= len(self._buf):
+            return self.exactly(n)
+        data = bytearray(n)
+        self.into(memoryview(data))
+        return bytes(data)
+
+
+Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
+
+
+class H2Connection:
+    """One client connection: reads frames, runs each complete call on ``pool``, writes the answers.
+
+    Args:
+        sock: The connected socket.
+        handler: Runs a :class:`Call` (in a thread of ``pool``).
+        refuse: Given a call's method and metadata as its headers arrive, the error
+            that ends it at once (the client need not send its message), or ``None``.
+        pool: Where calls run.
+        max_message: Largest request message accepted (larger: ``RESOURCE_EXHAUSTED``).
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        handler: Callable[[Call], None],
+        refuse: Refuse | None,
+        pool: ThreadPoolExecutor,
+        max_message: int,
+    ) -> None:
+        self._sock = sock
+        self._handler = handler
+        self._refuse = refuse
+        self._pool = pool
+        self._max_message = max_message
+        self._reader = _Reader(sock)
+        # Sends give up after SEND_TIMEOUT_S (a client that stopped reading); reads wait for ever.
+        seconds = int(SEND_TIMEOUT_S)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
+        self._decoder = hpack.Decoder()
+        self._decoder.max_header_list_size = MAX_HEADER_BLOCK
+        self._encoder = hpack.Encoder()
+        self._write = threading.Lock()  # frames are written whole, and header blocks encoded, one at a time
+        self._flow = threading.Condition()  # guards the send windows and the streams
+        self._streams: dict[int, _Stream] = {}
+        self._last_stream = 0
+        self._send_window = 65535
+        self._peer_initial_window = 65535
+        self._peer_max_frame = DEFAULT_FRAME
+        self._recv_window = MAX_WINDOW
+        self._closed = False
+        self._going_away = False
+        self._reader_thread: threading.Thread | None = None
+        self._inline = False  # a call is running in the reader's thread
+        self._fatal: BaseException | None = None  # what ended the connection while a call ran inline
+
+    # -- reading -------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Serve the connection until the client closes it, breaks the protocol, or the server stops."""
+        try:
+            if self._reader.exactly(len(PREFACE)) != PREFACE:
+                return  # not HTTP/2 with prior knowledge: nothing a gRPC client sends
+            settings = [
+                (MAX_CONCURRENT_STREAMS, MAX_STREAMS),
+                (INITIAL_WINDOW_SIZE, MAX_WINDOW),
+                (MAX_FRAME_SIZE, OUR_MAX_FRAME),
+                (MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK),
+            ]
+            body = b"".join(_SETTING.pack(k, v) for k, v in settings)
+            update = (MAX_WINDOW - 65535).to_bytes(4, "big")
+            self._send(
+                [frame_header(len(body), SETTINGS, 0, 0), body, frame_header(4, WINDOW_UPDATE, 0, 0), update]
+            )
+            self._reader_thread = threading.current_thread()
+            while self._fatal is None:
+                self._frame()
+            raise self._fatal
+        except ConnectionError_ as e:
+            self._goaway(e.code, e.message)
+        except (EOFError, OSError, StreamGone):
+            pass  # the client went away, or the server is stopping
+        finally:
+            self._close()
+
+    def _frame(self) -> None:
+        head = self._reader.exactly(9)
+        length = (head[0] << 16) | (head[1] << 8) | head[2]
+        kind, flags = head[3], head[4]
+        stream_id = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+        if length > OUR_MAX_FRAME:
+            raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+        if kind == DATA:
+            self._data(length, flags, stream_id)
+        elif kind == HEADERS:
+            self._headers(self._reader.payload(length), flags, stream_id)
+        elif kind == SETTINGS:
+            self._settings(self._reader.payload(length), flags, stream_id)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(self._reader.payload(length), stream_id)
+        elif kind == PING:
+            payload = self._reader.payload(length)
+            if length != 8 or stream_id:
+                raise ConnectionError_(
+                    FRAME_SIZE_ERROR if length != 8 else PROTOCOL_ERROR, "a malformed PING"
+                )
+            if not flags & ACK:
+                self._send([frame_header(8, PING, ACK, 0), payload])
+        elif kind == RST_STREAM:
+            self._reader.payload(length)
+            if length != 4 or not stream_id:
+                raise ConnectionError_(PROTOCOL_ERROR, "a malformed RST_STREAM")
+            with self._flow:
+                stream = self._streams.pop(stream_id, None)
+                if stream is not None:
+                    stream.reset = True
+                    self._flow.notify_all()
+        elif kind == GOAWAY:
+            self._reader.payload(length)
+            self._going_away = True
+        elif kind == PRIORITY:
+            self._reader.payload(length)
+        elif kind in (PUSH_PROMISE, CONTINUATION):
+            raise ConnectionError_(PROTOCOL_ERROR, f"an unexpected frame of type {kind}")
+        else:
+            self._reader.skip(length)  # unknown frame types are ignored
+
+    def _data(self, length: int, flags: int, stream_id: int) -> None:
+        if not stream_id:
+            raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
+        pad = 0
+        if flags & PADDED:
+            if not length:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "a padded DATA frame without its pad length")
+            pad = self._reader.exactly(1)[0]
+            if pad > length - 1:
+                raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+        count = length - pad - (1 if flags & PADDED else 0)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            if stream_id > self._last_stream:
+                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+            self._reader.skip(count)  # a stream already answered and closed: dropped
+        elif stream.ended:
+            raise ConnectionError_(PROTOCOL_ERROR, f"DATA after the end of stream {stream_id}")
+        else:
+            stream.receive(self._reader, count)
+            if stream.error is not None and not stream.dispatched:
+                self._dispatch(stream)  # answered now, so that the client stops sending
+        self._reader.skip(pad)
+        self._recv_window -= length
+        if self._recv_window < MAX_WINDOW // 2:
+            self._send(
+                [frame_header(4, WINDOW_UPDATE, 0, 0), (MAX_WINDOW - self._recv_window).to_bytes(4, "big")]
+            )
+            self._recv_window = MAX_WINDOW
+        if stream is not None and flags & END_STREAM:
+            self._end_stream(stream)
+
+    def _headers(self, payload: bytes, flags: int, stream_id: int) -> None:
+        if not stream_id or not stream_id % 2:
+            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+        start, end = 0, len(payload)
+        if flags & PADDED:
+            if not payload:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "a padded HEADERS frame without its pad length")
+            start, end = 1, end - payload[0]
+        if flags & PRIORITY_FLAG:
+            start += 5
+        if start > end:
+            raise ConnectionError_(PROTOCOL_ERROR, "a malformed HEADERS frame")
+        block = bytearray(payload[start:end])
+        while not flags & END_HEADERS:  # CONTINUATION frames follow, and nothing else
+            head = self._reader.exactly(9)
+            length = (head[0] << 16) | (head[1] << 8) | head[2]
+            if head[3] != CONTINUATION or int.from_bytes(head[5:9], "big") & 0x7FFFFFFF != stream_id:
+                raise ConnectionError_(PROTOCOL_ERROR, "a header block interrupted")
+            if len(block) + length > MAX_HEADER_BLOCK:
+                raise ConnectionError_(ENHANCE_YOUR_CALM, "a header block over 1 MiB")
+            block += self._reader.payload(length)
+            flags = head[4] | (flags & END_STREAM)
+        try:
+            headers = [(str(k), str(v)) for k, v in self._decoder.decode(bytes(block))]
+        except Exception as e:  # hpack's errors
+            raise ConnectionError_(COMPRESSION_ERROR, f"an unreadable header block: {e}") from e
+        stream = self._streams.get(stream_id)
+        if stream is not None:  # trailers from the client: the end of its side
+            if not flags & END_STREAM:
+                raise ConnectionError_(PROTOCOL_ERROR, "trailers without END_STREAM")
+            self._end_stream(stream)
+            return
+        if stream_id <= self._last_stream:
+            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on closed stream {stream_id}")
+        self._last_stream = stream_id
+        with self._flow:
+            stream = _Stream(stream_id, headers, self._peer_initial_window, self._max_message)
+            if len(self._streams) >= MAX_STREAMS:
+                self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
+                return
+            self._streams[stream_id] = stream
+        if self._refuse is not None:
+            stream.error = self._refuse(stream.header(":path") or "", metadata_of(headers))
+            if stream.error is not None:
+                self._dispatch(stream)
+        if flags & END_STREAM:
+            self._end_stream(stream)
+
+    def _end_stream(self, stream: _Stream) -> None:
+        with self._flow:
+            stream.ended = True
+            if stream.dispatched:  # answered early (an error)
+                if stream.done:
+                    self._streams.pop(stream.id, None)
+                return
+        self._dispatch(stream)
+
+    def _dispatch(self, stream: _Stream) -> None:
+        stream.dispatched = True
+        if stream.ended and self._may_run_inline(stream):
+            # The connection's only call, and nothing more to read: run it here, sparing
+            # a hand-over to a worker thread and back (a client calling one at a time).
+            self._inline = True
+            try:
+                self._run(stream)
+            finally:
+                self._inline = False
+            return
+        self._pool.submit(self._run, stream)
+
+    def _may_run_inline(self, stream: _Stream) -> bool:
+        if self._inline or threading.current_thread() is not self._reader_thread:
+            return False
+        with self._flow:
+            if any(s.dispatched and not s.done for s in self._streams.values() if s is not stream):
+                return False
+        if self._reader.buffered():
+            return False
+        try:
+            return not self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": closed
+        except BlockingIOError:
+            return True  # nothing waiting on the socket
+        except OSError:
+            return False
+
+    def _settings(self, payload: bytes, flags: int, stream_id: int) -> None:
+        if stream_id:
+            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            return
+        if len(payload) % 6:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "a SETTINGS frame of a partial setting")
+        for offset in range(0, len(payload), 6):
+            key, value = _SETTING.unpack_from(payload, offset)
+            if key == INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ConnectionError_(FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
+                with self._flow:
+                    delta = value - self._peer_initial_window
+                    self._peer_initial_window = value
+                    for stream in self._streams.values():
+                        stream.send_window += delta
+                    self._flow.notify_all()
+            elif key == MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME <= value <= OUR_MAX_FRAME:
+                    raise ConnectionError_(PROTOCOL_ERROR, f"a maximum frame size of {value}")
+                self._peer_max_frame = value
+            elif key == HEADER_TABLE_SIZE:
+                with self._write:
+                    self._encoder.header_table_size = value
+        self._send([frame_header(0, SETTINGS, ACK, 0)])
+
+    def _window_update(self, payload: bytes, stream_id: int) -> None:
+        if len(payload) != 4:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        with self._flow:
+            if not stream_id:
+                if not increment:
+                    raise ConnectionError_(PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+                self._send_window += increment
+                if self._send_window > MAX_WINDOW:
+                    raise ConnectionError_(FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
+            else:
+                stream = self._streams.get(stream_id)
+                if stream is not None:
+                    stream.send_window += increment
+            self._flow.notify_all()
+
+    # -- running calls -------------------------------------------------------------------
+    def _run(self, stream: _Stream) -> None:
+        call = Call(self, stream)
+        try:
+            if stream.error is not None:
+                raise stream.error
+            self._handler(call)
+        except StreamGone:
+            pass
+        except CallError as e:
+            call.abort(e.code, e.message)
+        except Exception as e:
+            logger.warning("front door gRPC: %s failed", call.method, exc_info=e)
+            call.abort("INTERNAL", f"{type(e).__name__}: {e}")
+        finally:
+            if not stream.answered:
+                call.abort("INTERNAL", "the server did not answer the call")
+            with self._flow:
+                stream.done = True
+                if stream.ended:
+                    self._streams.pop(stream.id, None)
+
+    # -- writing -------------------------------------------------------------------------
+    def _send(self, parts: Sequence[bytes | memoryview]) -> None:
+        with self._write:
+            self._send_locked(parts)
+
+    def _send_locked(self, parts: Sequence[Any]) -> None:
+        """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``)."""
+        try:
+            send_parts(self._sock, parts)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            raise StreamGone() from e
+
+    def _header_frames(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> list[bytes]:
+        """``headers`` as HEADERS (+ CONTINUATION) frames; called with the write lock held."""
+        block = self._encoder.encode(headers)
+        size = self._peer_max_frame
+        chunks = [block[i : i + size] for i in range(0, len(block), size)] or [b""]
+        frames = []
+        for index, chunk in enumerate(chunks):
+            kind = HEADERS if index == 0 else CONTINUATION
+            flags = (END_STREAM if end_stream and index == 0 else 0) | (
+                END_HEADERS if index == len(chunks) - 1 else 0
+            )
+            frames += [frame_header(len(chunk), kind, flags, stream_id), chunk]
+        return frames
+
+    def answer(
+        self, stream: _Stream, parts: Sequence[bytes | memoryview] | None, code: str, message: str
+    ) -> None:
+        """Send the answer of ``stream``: headers, the message of ``parts`` (if any), and the status.
+
+        Raises:
+            StreamGone: The client reset the stream, or the connection closed.
+        """
+        if stream.answered:
+            return
+        stream.answered = True
+        trailers = [("grpc-status", str(STATUS_CODES.get(code, 2)))]
+        if message:
+            trailers.append(("grpc-message", percent_encode(message)))
+        sid = stream.id
+        if parts is None:  # trailers only
+            self._check(stream)
+            with self._write:
+                self._send_locked(self._header_frames(sid, _RESPONSE_HEADERS + trailers, True))
+        else:
+            length = sum(memoryview(p).nbytes for p in parts)
+            views = [memoryview(b"\x00" + length.to_bytes(4, "big"))] + [
+                memoryview(p).cast("B") for p in parts
+            ]
+            remaining = length + 5
+            first = True
+            while remaining:
+                take = self._reserve(stream, remaining)
+                remaining -= take
+                with self._write:
+                    frames: list[Any] = self._header_frames(sid, _RESPONSE_HEADERS, False) if first else []
+                    first = False
+                    frames += self._data_frames(sid, views, take)
+                    if not remaining:
+                        frames += self._header_frames(sid, trailers, True)
+                    self._send_locked(frames)
+        if not stream.ended:  # answered before the client finished sending: stop it
+            self._send([frame_header(4, RST_STREAM, 0, sid), NO_ERROR.to_bytes(4, "big")])
+
+    def _check(self, stream: _Stream) -> None:
+        if stream.reset or self._closed:
+            raise StreamGone()
+
+    def _reserve(self, stream: _Stream, want: int) -> int:
+        """Take up to ``want`` bytes of both send windows, waiting while either is closed.
+
+        A call running in the reader's thread reads the client's frames itself
+        meanwhile (its window updates among them).
+        """
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        while True:
+            with self._flow:
+                self._check(stream)
+                take = min(want, stream.send_window, self._send_window)
+                if take > 0:
+                    stream.send_window -= take
+                    self._send_window -= take
+                    return take
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StreamGone()
+                if threading.current_thread() is not self._reader_thread:
+                    self._flow.wait(remaining)
+                    continue
+            self._read_one_frame(remaining)
+
+    def _read_one_frame(self, timeout: float) -> None:
+        """Read one frame in the reader's thread while its call waits (the connection's end ends the call)."""
+        try:
+            if not self._reader.buffered() and not select.select([self._sock], [], [], timeout)[0]:
+                raise StreamGone()
+            self._frame()
+        except StreamGone:
+            raise
+        except (ConnectionError_, EOFError, OSError) as e:
+            self._fatal = e
+            self._close()
+            raise StreamGone() from e
+
+    def _data_frames(self, stream_id: int, views: list[memoryview], count: int) -> list[Any]:
+        """DATA frames of the next ``count`` bytes of ``views`` (consumed from its front)."""
+        frames: list[Any] = []
+        size = self._peer_max_frame
+        while count:
+            frame = min(count, size)
+            count -= frame
+            frames.append(frame_header(frame, DATA, 0, stream_id))
+            while frame:
+                view = views[0]
+                if len(view) <= frame:
+                    frames.append(view)
+                    frame -= len(view)
+                    views.pop(0)
+                else:
+                    frames.append(view[:frame])
+                    views[0] = view[frame:]
+                    frame = 0
+        return frames
+
+    # -- closing -------------------------------------------------------------------------
+    def _goaway(self, code: int, message: str) -> None:
+        debug = message.encode()[:256]
+        with contextlib.suppress(OSError, StreamGone):
+            self._send(
+                [
+                    frame_header(8 + len(debug), GOAWAY, 0, 0),
+                    self._last_stream.to_bytes(4, "big"),
+                    code.to_bytes(4, "big"),
+                    debug,
+                ]
+            )
+
+    def _close(self) -> None:
+        with self._flow:
+            self._closed = True
+            for stream in self._streams.values():
+                stream.reset = True
+            self._flow.notify_all()
+
+    def go_away(self) -> None:
+        """Tell the client no new calls are taken (GOAWAY); calls begun still run."""
+        self._going_away = True
+        self._goaway(NO_ERROR, "the server is stopping")
+
+    def busy(self) -> bool:
+        """Whether a call is still running."""
+        with self._flow:
+            return any(s.dispatched and not s.done for s in self._streams.values())
+
+
+class H2Listener(TcpListener):
+    """A gRPC server on ``host:port`` (``SO_REUSEPORT``): a thread per connection, calls on a pool.
+
+    Args:
+        host: Address to bind.
+        port: Port to bind (``0``: one the OS picks; see :attr:`port`).
+        handler: Runs each call (a :class:`Call`), in one of ``threads`` worker threads.
+        refuse: See :class:`H2Connection`.
+        threads: Calls run at once.
+        max_message: Largest request message accepted.
+        max_connections: Connections served at once; more wait in the backlog.
+
+    Raises:
+        FrontDoorError: The address cannot be bound.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Callable[[Call], None],
+        *,
+        refuse: Refuse | None = None,
+        threads: int = 16,
+        max_message: int = 2**31 - 1,
+        max_connections: int = 256,
+    ) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
+        self._connections: set[H2Connection] = set()
+        self._connections_lock = threading.Lock()
+
+        def serve(sock: socket.socket) -> None:
+            connection = H2Connection(sock, handler, refuse, self._pool, max_message)
+            with self._connections_lock:
+                self._connections.add(connection)
+            try:
+                connection.serve()
+            finally:
+                with self._connections_lock:
+                    self._connections.discard(connection)
+
+        try:
+            super().__init__(host, port, serve, protocol="gRPC", max_connections=max_connections)
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            raise
+
+    def close(self, grace_s: float = 1.0) -> None:
+        """Stop listening; tell every client to go away; wait up to ``grace_s`` for calls running."""
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            connection.go_away()
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(c.busy() for c in connections):
+            time.sleep(0.02)
+        super().close()  # shuts every connection
+        self._pool.shutdown(wait=True, cancel_futures=True)
