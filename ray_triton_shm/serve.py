@@ -60,6 +60,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 def resolve_model_repository(value: str | Sequence[str] | None) -> str | tuple[str, ...]:
     """The model repository (or repositories) as Triton gets them.
 

@@ -63,6 +63,7 @@ _PORT_CLASH_HINTS = (
     "at the same address and port",
 )
 
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -112,7 +112,12 @@ class Runner:
         with tempfile.TemporaryFile() as out:
             # A session of its own: a stopped run kills the job's whole process group.
             proc = subprocess.Popen(
-                command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                command,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             with self._procs_lock:
@@ -187,11 +192,20 @@ class Runner:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.lanes", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lanes", type=int, default=int(os.environ.get("RAY_TRITON_SHM_TEST_LANES", "2")),
-                        help="jobs side by side (default: $RAY_TRITON_SHM_TEST_LANES or 2)")
+    parser.add_argument(
+        "--lanes",
+        type=int,
+        default=int(os.environ.get("RAY_TRITON_SHM_TEST_LANES", "2")),
+        help="jobs side by side (default: $RAY_TRITON_SHM_TEST_LANES or 2)",
+    )
     parser.add_argument("--record", action="store_true", help="write the times to tests/durations.json")
-    parser.add_argument("--job", action="append", dest="jobs", metavar="NAME",
-                        help=f"run only this job ({UNIT}, {NOT_RAY} or a Ray module's path); repeatable")
+    parser.add_argument(
+        "--job",
+        action="append",
+        dest="jobs",
+        metavar="NAME",
+        help=f"run only this job ({UNIT}, {NOT_RAY} or a Ray module's path); repeatable",
+    )
     args, pytest_args = parser.parse_known_args(argv)
     if args.lanes < 1:
         parser.error("--lanes must be at least 1")

@@ -63,9 +63,21 @@ def test_a_slot_is_not_reused_while_a_dead_users_request_may_still_write_it(
     raw.register_system_shared_memory(data.name, data.key, data.size)
     try:
         user = subprocess.run(
-            [sys.executable, "-c", _USER, triton_server.grpc_url, data.name, table.name,
-             str(REQUEST_TIMEOUT_S), str(SLEEP_S), str(DIES_AFTER_S), str(QUARANTINE_S)],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-c",
+                _USER,
+                triton_server.grpc_url,
+                data.name,
+                table.name,
+                str(REQUEST_TIMEOUT_S),
+                str(SLEEP_S),
+                str(DIES_AFTER_S),
+                str(QUARANTINE_S),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert user.returncode == 0, user.stderr
         started = float(user.stdout.split()[0])

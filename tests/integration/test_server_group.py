@@ -78,7 +78,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-_SLOW_MODEL = '''
+_SLOW_MODEL = """
 import time
 
 import triton_python_backend_utils as pb_utils
@@ -94,7 +94,7 @@ class TritonPythonModel:
             data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", data)]))
         return out
-'''
+"""
 _SLOW_CONFIG = """
 name: "slow_load"
 backend: "python"

@@ -10,14 +10,14 @@ import time
 import grpc
 import pytest
 
-from ray_triton_shm._private.serve.grpc_h2 import (
+from ray_triton_shm._private.serve.frontdoor_grpc import H2Listener
+from ray_triton_shm._private.serve.h2_wire import (
     GOAWAY,
     PREFACE,
     PROTOCOL_ERROR,
     SETTINGS,
     Call,
     CallError,
-    H2Listener,
     frame_header,
     percent_encode,
 )

@@ -97,7 +97,7 @@ BAD_REQUESTS = [
     ),
     (
         "float-of-400-digits-past-double",
-        b'{"inputs": [{"name": "F", "datatype": "FP64", "shape": [1], "data": [1' + b"0" * 399 + b'.5]}]}',
+        b'{"inputs": [{"name": "F", "datatype": "FP64", "shape": [1], "data": [1' + b"0" * 399 + b".5]}]}",
         None,
         "Number too big to be stored in double",
     ),

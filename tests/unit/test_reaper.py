@@ -125,9 +125,13 @@ def test_reaper_spares_a_group_that_is_not_its_tritons() -> None:
     # The Triton the reaper was told about is long gone and its pid now leads an unrelated
     # group (as after pid reuse): the group's leader exited and was reaped, a member lives on.
     leader = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys\n"
-         "m = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
-         "print(m.pid, flush=True)\n"],
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys\n"
+            "m = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "print(m.pid, flush=True)\n",
+        ],
         stdout=subprocess.PIPE,
         start_new_session=True,
     )

@@ -142,4 +142,3 @@ def command(mb: int, repeats: int, url: str | None, model_repository: str, json_
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=2)
     return 0 if all(r["matched"] for r in rows) else 1
-

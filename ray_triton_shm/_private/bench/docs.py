@@ -36,4 +36,3 @@ def update_docs(results_dir: str = "bench-results", docs_file: str = "docs/bench
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     docs.write_text(f"{head}{BEGIN}\n{report}\n{END}{tail}")
-

@@ -106,4 +106,3 @@ def command(
     write(f"{size} B: shared / private p50 = {result['ratio_shared_to_private']:.3f}")
     write(f"slot table claim + release alone: {result['table_us_per_request']:.2f} us per request")
     return 0
-

@@ -242,4 +242,3 @@ def command(duration_s: float, callers: int, slots: int, target: str, out: TextI
             ray.shutdown()
     ok = all(r.error_count == 0 and r.mismatches == 0 and r.requests > 0 for r in reports)
     return 0 if ok else 1
-

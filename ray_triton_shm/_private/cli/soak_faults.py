@@ -289,7 +289,6 @@ def run_fault_soak(
     import ray  # lazy: loads Ray (the CLI imports this module)
     from ray import serve  # lazy: loads Ray (the CLI imports this module)
 
-
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown or callers < 1 or duration_s <= 0:
         raise ConfigError(f"faults must be among {FAULTS} (got {unknown}), callers >= 1, duration > 0")

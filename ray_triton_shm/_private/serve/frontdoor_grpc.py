@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.grpc_h2 import Call, CallError, H2Listener
+from ray_triton_shm._private.serve.grpc_h2 import H2Connection, Refuse
+from ray_triton_shm._private.serve.h2_wire import Call, CallError
 from ray_triton_shm._private.serve.kserve import serialize_bytes
 from ray_triton_shm._private.serve.kserve_grpc import (
     SERVICE,
@@ -37,6 +42,7 @@ from ray_triton_shm._private.serve.kserve_grpc import (
     status_of,
 )
 from ray_triton_shm._private.serve.kserve_grpc_routes import STREAM_REFUSED
+from ray_triton_shm._private.serve.listener import TcpListener
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
 from ray_triton_shm.errors import InputError, LayoutError
@@ -135,6 +141,66 @@ def encode_infer_response_parts(
         blob = serialize_bytes(array) if is_bytes else memoryview(array.reshape(-1).view(np.uint8))
         blobs.extend((_RAW_OUTPUT_KEY, encode_varint(len(blob)), blob))
     return [response.SerializeToString(), *blobs]
+
+
+class H2Listener(TcpListener):
+    """A gRPC server on ``host:port`` (``SO_REUSEPORT``): a thread per connection, calls on a pool.
+
+    Args:
+        host: Address to bind.
+        port: Port to bind (``0``: one the OS picks; see :attr:`port`).
+        handler: Runs each call (a :class:`Call`), in one of ``threads`` worker threads.
+        refuse: See :class:`H2Connection`.
+        threads: Calls run at once.
+        max_message: Largest request message accepted.
+        max_connections: Connections served at once; more wait in the backlog.
+
+    Raises:
+        FrontDoorError: The address cannot be bound.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Callable[[Call], None],
+        *,
+        refuse: Refuse | None = None,
+        threads: int = 16,
+        max_message: int = 2**31 - 1,
+        max_connections: int = 256,
+    ) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
+        self._connections: set[H2Connection] = set()
+        self._connections_lock = threading.Lock()
+
+        def serve(sock: socket.socket) -> None:
+            connection = H2Connection(sock, handler, refuse, self._pool, max_message)
+            with self._connections_lock:
+                self._connections.add(connection)
+            try:
+                connection.serve()
+            finally:
+                with self._connections_lock:
+                    self._connections.discard(connection)
+
+        try:
+            super().__init__(host, port, serve, protocol="gRPC", max_connections=max_connections)
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            raise
+
+    def close(self, grace_s: float = 1.0) -> None:
+        """Stop listening; tell every client to go away; wait up to ``grace_s`` for calls running."""
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            connection.go_away()
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(c.busy() for c in connections):
+            time.sleep(0.02)
+        super().close()  # shuts every connection
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class GrpcDoor:

@@ -1,7 +1,9 @@
-"""A lean gRPC server: HTTP/2 over blocking sockets, a thread per connection, messages read in place.
+"""One connection of the front door's gRPC server: HTTP/2 on a blocking socket, read by a thread of its own.
 
-The front door's gRPC half (see :mod:`ray_triton_shm._private.serve.frontdoor_grpc`).
-It speaks the part of HTTP/2 (RFC 9113) that gRPC clients use, unary calls only:
+The server (:class:`~ray_triton_shm._private.serve.frontdoor_grpc.H2Listener`)
+runs an :class:`H2Connection` per client connection. It speaks the part of
+HTTP/2 (RFC 9113) that gRPC clients use, unary calls only (the protocol's
+numbers and the per-stream pieces are in :mod:`~ray_triton_shm._private.serve.h2_wire`):
 
 * Each request message is read from the socket straight into one buffer of its
   own size (no per-frame copies); the connection advertises 16 MB frames and
@@ -10,8 +12,13 @@ It speaks the part of HTTP/2 (RFC 9113) that gRPC clients use, unary calls only:
 * The answer's parts (views of a shared-memory slot, say) go to the socket as
   they are (``sendmsg``), cut into frames the client accepts and within its
   flow-control windows.
-* A handler gets a :class:`Call` (its method, metadata and request message) in
-  a worker thread, and answers with :meth:`Call.respond` or :meth:`Call.abort`.
+* A handler gets a :class:`~ray_triton_shm._private.serve.h2_wire.Call` (its method,
+  metadata and request message) and answers with ``respond`` or ``abort``. A call
+  that is the connection's only one, with nothing more to read, runs in the
+  connection's own thread (no hand-over to a worker and back: a client calling
+  one at a time); any other runs on the worker pool. A call running in the
+  connection's thread reads the client's frames itself while it waits for a
+  flow-control window.
 
 Header blocks are (de)compressed with ``hpack``. Request messages compressed
 with ``gzip`` or ``deflate`` are inflated; answers are sent uncompressed.
@@ -32,294 +39,62 @@ from typing import Any
 
 import hpack
 
-from ray_triton_shm._private.serve.kserve_limits import inflate
-from ray_triton_shm._private.serve.listener import TcpListener, send_parts
+from ray_triton_shm._private.serve.h2_wire import (
+    ACK,
+    COMPRESSION_ERROR,
+    CONTINUATION,
+    DATA,
+    DEFAULT_FRAME,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADER_TABLE_SIZE,
+    HEADERS,
+    INITIAL_WINDOW_SIZE,
+    MAX_CONCURRENT_STREAMS,
+    MAX_FRAME_SIZE,
+    MAX_HEADER_BLOCK,
+    MAX_HEADER_LIST_SIZE,
+    MAX_STREAMS,
+    MAX_WINDOW,
+    NO_ERROR,
+    OUR_MAX_FRAME,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SEND_TIMEOUT_S,
+    SETTING,
+    SETTINGS,
+    STATUS_CODES,
+    WINDOW_UPDATE,
+    Call,
+    CallError,
+    FrameReader,
+    H2ProtocolError,
+    Stream,
+    StreamGone,
+    frame_header,
+    metadata_of,
+    percent_encode,
+)
+from ray_triton_shm._private.serve.listener import send_parts
 
 logger = logging.getLogger(__name__)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
-    range(10)
-)
-END_STREAM = 0x1
-ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
-# Error codes (RFC 9113, section 7).
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
-FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 6, 7, 9, 11
-# Settings.
-HEADER_TABLE_SIZE, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 1, 3, 4, 5
-MAX_HEADER_LIST_SIZE = 6
-
-MAX_WINDOW = 2**31 - 1
-OUR_MAX_FRAME = 2**24 - 1
-"""The largest frame this server accepts (HTTP/2's own limit): big messages come in few frames."""
-DEFAULT_FRAME = 16384
-"""A peer's frame size limit until its settings say otherwise."""
-MAX_HEADER_BLOCK = 1 << 20
-"""Longest header block (request headers and metadata) accepted; longer ends the connection."""
-MAX_STREAMS = 1024
-"""Streams a connection may have open at once (announced in the settings)."""
-SEND_TIMEOUT_S = 60.0
-"""How long an answer may wait for the client to open its flow-control window."""
-
-# gRPC status codes (the gRPC spec's numbers).
-STATUS_CODES = {
-    "OK": 0,
-    "CANCELLED": 1,
-    "UNKNOWN": 2,
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "ABORTED": 10,
-    "OUT_OF_RANGE": 11,
-    "UNIMPLEMENTED": 12,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "DATA_LOSS": 15,
-    "UNAUTHENTICATED": 16,
-}
-
-_HEADER = struct.Struct(">HBBBI")  # length (24 bits, as 16 + 8), type, flags, stream id
-_SETTING = struct.Struct(">HI")
 _RESPONSE_HEADERS = [
     (":status", "200"),
     ("content-type", "application/grpc"),
     ("grpc-accept-encoding", "identity,deflate,gzip"),
 ]
-
-
-def frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
-    """The 9-byte header of a frame."""
-    return _HEADER.pack(length >> 8, length & 0xFF, kind, flags, stream_id)
-
-
-def percent_encode(message: str) -> str:
-    """``grpc-message``'s encoding: UTF-8, with ``%`` and bytes outside printable ASCII as ``%XX``."""
-    return "".join(
-        chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in message.encode("utf-8")
-    )
-
-
-class ConnectionError_(Exception):
-    """The connection breaks the protocol: it gets a GOAWAY with ``code`` and is closed."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(code, message)
-        self.code = code
-        self.message = message
-
-
-class StreamGone(Exception):
-    """The stream was reset by the client, or its connection closed, before the answer was sent."""
-
-
-class CallError(Exception):
-    """A call that ends with a gRPC status other than OK (raised by a handler, or while reading).
-
-    Args:
-        code: The status's name (``INVALID_ARGUMENT``, ...).
-        message: The status message.
-    """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(code, message)
-        self.code = code
-        self.message = message
-
-
-class _Stream:
-    """One call: its headers, its request message as it arrives, its send window."""
-
-    def __init__(self, stream_id: int, headers: list[tuple[str, str]], send_window: int, max_message: int):
-        self.id = stream_id
-        self.headers = headers
-        self.send_window = send_window
-        self.max_message = max_message
-        self.prefix = bytearray()
-        self.message: bytearray | None = None
-        self.filled = 0
-        self.messages = 0
-        self.error: CallError | None = None
-        self.ended = False  # the client's side is closed (END_STREAM seen)
-        self.reset = False  # the client reset it, or the connection is gone
-        self.dispatched = False  # handed to a worker
-        self.answered = False  # its answer has begun
-        self.done = False  # its worker has finished
-
-    def receive(self, reader: _Reader, count: int) -> None:
-        """``count`` bytes of the stream's DATA, read from ``reader`` into the message."""
-        while count:
-            if self.error is not None:
-                reader.skip(count)
-                return
-            if self.message is None or self.filled == len(self.message):
-                if self.message is not None:
-                    self.error = CallError("UNIMPLEMENTED", "this server takes one request message per call")
-                    continue
-                take = min(count, 5 - len(self.prefix))
-                self.prefix += reader.exactly(take)
-                count -= take
-                if len(self.prefix) < 5:
-                    continue
-                length = int.from_bytes(self.prefix[1:5], "big")
-                if length > self.max_message:
-                    self.error = CallError(
-                        "RESOURCE_EXHAUSTED",
-                        f"Received message larger than max ({length} vs. {self.max_message})",
-                    )
-                    continue
-                self.message = bytearray(length)
-                self.messages += 1
-                continue
-            take = min(count, len(self.message) - self.filled)
-            reader.into(memoryview(self.message)[self.filled : self.filled + take])
-            self.filled += take
-            count -= take
-
-    def request(self) -> bytes | bytearray:
-        """The complete request message (inflated).
-
-        Raises:
-            CallError: No message, a truncated one, or one compressed in a way this server cannot read.
-        """
-        if self.error is not None:
-            raise self.error
-        if self.message is None or self.filled < len(self.message):
-            raise CallError("INTERNAL", "the call ended before its request message was complete")
-        if not self.prefix[0]:
-            return self.message
-        encoding = self.header("grpc-encoding") or "identity"
-        if encoding not in ("gzip", "deflate"):
-            raise CallError(
-                "UNIMPLEMENTED",
-                f"the request message is compressed with {encoding!r}; this server reads gzip and deflate",
-            )
-        try:
-            return inflate(bytes(self.message), encoding, self.max_message)
-        except Exception as e:
-            raise CallError("INTERNAL", f"the request message cannot be inflated: {e}") from e
-
-    def header(self, name: str) -> str | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-
-class Call:
-    """One unary call as its handler sees it.
-
-    Attributes:
-        method: The full method name (``/package.Service/Method``).
-        metadata: The client's metadata (headers other than HTTP/2's and gRPC's own).
-    """
-
-    def __init__(self, connection: H2Connection, stream: _Stream) -> None:
-        self._connection = connection
-        self._stream = stream
-        self.method = stream.header(":path") or ""
-        self.metadata = metadata_of(stream.headers)
-
-    def request(self) -> bytes | bytearray:
-        """The request message's bytes.
-
-        Raises:
-            CallError: As :meth:`_Stream.request`.
-        """
-        return self._stream.request()
-
-    def respond(self, parts: Sequence[bytes | memoryview]) -> None:
-        """Answer with one message made of ``parts`` (sent as they are), then status OK.
-
-        Raises:
-            StreamGone: The client reset the call or went away first.
-        """
-        self._connection.answer(self._stream, parts, "OK", "")
-
-    def abort(self, code: str, message: str) -> None:
-        """End the call with status ``code`` and ``message`` (no answer message)."""
-        with contextlib.suppress(StreamGone):
-            self._connection.answer(self._stream, None, code, message)
-
-
-def metadata_of(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """A call's metadata: its headers other than HTTP/2's pseudo-headers and gRPC's own."""
-    return [
-        (k, v)
-        for k, v in headers
-        if not k.startswith((":", "grpc-")) and k not in ("content-type", "te", "user-agent")
-    ]
-
-
-class _Reader:
-    """Buffered reads from a blocking socket; large reads go straight into their target."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._buf = bytearray(256 * 1024)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
-
-    def _fill(self, want: int) -> None:
-        if self._start:
-            n = self._end - self._start
-            self._buf[:n] = self._buf[self._start : self._end]
-            self._start, self._end = 0, n
-        while self._end < want:
-            got = self._sock.recv_into(self._view[self._end :])
-            if not got:
-                raise EOFError
-            self._end += got
-
-    def exactly(self, n: int) -> bytes:
-        """The next ``n`` bytes (``n`` at most the buffer's size)."""
-        if self._end - self._start < n:
-            self._fill(n)
-        data = bytes(self._view[self._start : self._start + n])
-        self._start += n
-        return data
-
-    def into(self, target: memoryview) -> None:
-        """Fill ``target``: first from the buffer, then straight from the socket."""
-        have = min(self._end - self._start, len(target))
-        if have:
-            target[:have] = self._view[self._start : self._start + have]
-            self._start += have
-        while have < len(target):
-            # MSG_WAITALL: one wake-up (and one return to Python) for the whole rest, not one per packet.
-            got = self._sock.recv_into(target[have:], 0, socket.MSG_WAITALL)
-            if not got:
-                raise EOFError
-            have += got
-
-    def buffered(self) -> int:
-        """Bytes read from the socket and not yet taken."""
-        return self._end - self._start
-
-    def skip(self, n: int) -> None:
-        while n:
-            take = min(n, len(self._buf))
-            if take <= self._end - self._start:
-                self._start += take
-            else:
-                self.into(memoryview(bytearray(take)))
-            n -= take
-
-    def payload(self, n: int) -> bytes:
-        """A frame payload of ``n`` bytes (any size)."""
-        if n <= len(self._buf):
-            return self.exactly(n)
-        data = bytearray(n)
-        self.into(memoryview(data))
-        return bytes(data)
 
 
 Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
@@ -350,7 +125,7 @@ class H2Connection:
         self._refuse = refuse
         self._pool = pool
         self._max_message = max_message
-        self._reader = _Reader(sock)
+        self._reader = FrameReader(sock)
         # Sends give up after SEND_TIMEOUT_S (a client that stopped reading); reads wait for ever.
         seconds = int(SEND_TIMEOUT_S)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
@@ -359,7 +134,7 @@ class H2Connection:
         self._encoder = hpack.Encoder()
         self._write = threading.Lock()  # frames are written whole, and header blocks encoded, one at a time
         self._flow = threading.Condition()  # guards the send windows and the streams
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, Stream] = {}
         self._last_stream = 0
         self._send_window = 65535
         self._peer_initial_window = 65535
@@ -383,7 +158,7 @@ class H2Connection:
                 (MAX_FRAME_SIZE, OUR_MAX_FRAME),
                 (MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK),
             ]
-            body = b"".join(_SETTING.pack(k, v) for k, v in settings)
+            body = b"".join(SETTING.pack(k, v) for k, v in settings)
             update = (MAX_WINDOW - 65535).to_bytes(4, "big")
             self._send(
                 [frame_header(len(body), SETTINGS, 0, 0), body, frame_header(4, WINDOW_UPDATE, 0, 0), update]
@@ -392,7 +167,7 @@ class H2Connection:
             while self._fatal is None:
                 self._frame()
             raise self._fatal
-        except ConnectionError_ as e:
+        except H2ProtocolError as e:
             self._goaway(e.code, e.message)
         except (EOFError, OSError, StreamGone):
             pass  # the client went away, or the server is stopping
@@ -405,7 +180,7 @@ class H2Connection:
         kind, flags = head[3], head[4]
         stream_id = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
         if length > OUR_MAX_FRAME:
-            raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+            raise H2ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
         if kind == DATA:
             self._data(length, flags, stream_id)
         elif kind == HEADERS:
@@ -417,15 +192,13 @@ class H2Connection:
         elif kind == PING:
             payload = self._reader.payload(length)
             if length != 8 or stream_id:
-                raise ConnectionError_(
-                    FRAME_SIZE_ERROR if length != 8 else PROTOCOL_ERROR, "a malformed PING"
-                )
+                raise H2ProtocolError(FRAME_SIZE_ERROR if length != 8 else PROTOCOL_ERROR, "a malformed PING")
             if not flags & ACK:
                 self._send([frame_header(8, PING, ACK, 0), payload])
         elif kind == RST_STREAM:
             self._reader.payload(length)
             if length != 4 or not stream_id:
-                raise ConnectionError_(PROTOCOL_ERROR, "a malformed RST_STREAM")
+                raise H2ProtocolError(PROTOCOL_ERROR, "a malformed RST_STREAM")
             with self._flow:
                 stream = self._streams.pop(stream_id, None)
                 if stream is not None:
@@ -437,28 +210,28 @@ class H2Connection:
         elif kind == PRIORITY:
             self._reader.payload(length)
         elif kind in (PUSH_PROMISE, CONTINUATION):
-            raise ConnectionError_(PROTOCOL_ERROR, f"an unexpected frame of type {kind}")
+            raise H2ProtocolError(PROTOCOL_ERROR, f"an unexpected frame of type {kind}")
         else:
             self._reader.skip(length)  # unknown frame types are ignored
 
     def _data(self, length: int, flags: int, stream_id: int) -> None:
         if not stream_id:
-            raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
+            raise H2ProtocolError(PROTOCOL_ERROR, "DATA on stream 0")
         pad = 0
         if flags & PADDED:
             if not length:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "a padded DATA frame without its pad length")
+                raise H2ProtocolError(FRAME_SIZE_ERROR, "a padded DATA frame without its pad length")
             pad = self._reader.exactly(1)[0]
             if pad > length - 1:
-                raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+                raise H2ProtocolError(PROTOCOL_ERROR, "padding longer than the frame")
         count = length - pad - (1 if flags & PADDED else 0)
         stream = self._streams.get(stream_id)
         if stream is None:
             if stream_id > self._last_stream:
-                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+                raise H2ProtocolError(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
             self._reader.skip(count)  # a stream already answered and closed: dropped
         elif stream.ended:
-            raise ConnectionError_(PROTOCOL_ERROR, f"DATA after the end of stream {stream_id}")
+            raise H2ProtocolError(PROTOCOL_ERROR, f"DATA after the end of stream {stream_id}")
         else:
             stream.receive(self._reader, count)
             if stream.error is not None and not stream.dispatched:
@@ -475,41 +248,41 @@ class H2Connection:
 
     def _headers(self, payload: bytes, flags: int, stream_id: int) -> None:
         if not stream_id or not stream_id % 2:
-            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+            raise H2ProtocolError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
         start, end = 0, len(payload)
         if flags & PADDED:
             if not payload:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "a padded HEADERS frame without its pad length")
+                raise H2ProtocolError(FRAME_SIZE_ERROR, "a padded HEADERS frame without its pad length")
             start, end = 1, end - payload[0]
         if flags & PRIORITY_FLAG:
             start += 5
         if start > end:
-            raise ConnectionError_(PROTOCOL_ERROR, "a malformed HEADERS frame")
+            raise H2ProtocolError(PROTOCOL_ERROR, "a malformed HEADERS frame")
         block = bytearray(payload[start:end])
         while not flags & END_HEADERS:  # CONTINUATION frames follow, and nothing else
             head = self._reader.exactly(9)
             length = (head[0] << 16) | (head[1] << 8) | head[2]
             if head[3] != CONTINUATION or int.from_bytes(head[5:9], "big") & 0x7FFFFFFF != stream_id:
-                raise ConnectionError_(PROTOCOL_ERROR, "a header block interrupted")
+                raise H2ProtocolError(PROTOCOL_ERROR, "a header block interrupted")
             if len(block) + length > MAX_HEADER_BLOCK:
-                raise ConnectionError_(ENHANCE_YOUR_CALM, "a header block over 1 MiB")
+                raise H2ProtocolError(ENHANCE_YOUR_CALM, "a header block over 1 MiB")
             block += self._reader.payload(length)
             flags = head[4] | (flags & END_STREAM)
         try:
             headers = [(str(k), str(v)) for k, v in self._decoder.decode(bytes(block))]
         except Exception as e:  # hpack's errors
-            raise ConnectionError_(COMPRESSION_ERROR, f"an unreadable header block: {e}") from e
+            raise H2ProtocolError(COMPRESSION_ERROR, f"an unreadable header block: {e}") from e
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers from the client: the end of its side
             if not flags & END_STREAM:
-                raise ConnectionError_(PROTOCOL_ERROR, "trailers without END_STREAM")
+                raise H2ProtocolError(PROTOCOL_ERROR, "trailers without END_STREAM")
             self._end_stream(stream)
             return
         if stream_id <= self._last_stream:
-            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on closed stream {stream_id}")
+            raise H2ProtocolError(PROTOCOL_ERROR, f"HEADERS on closed stream {stream_id}")
         self._last_stream = stream_id
         with self._flow:
-            stream = _Stream(stream_id, headers, self._peer_initial_window, self._max_message)
+            stream = Stream(stream_id, headers, self._peer_initial_window, self._max_message)
             if len(self._streams) >= MAX_STREAMS:
                 self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
                 return
@@ -521,7 +294,7 @@ class H2Connection:
         if flags & END_STREAM:
             self._end_stream(stream)
 
-    def _end_stream(self, stream: _Stream) -> None:
+    def _end_stream(self, stream: Stream) -> None:
         with self._flow:
             stream.ended = True
             if stream.dispatched:  # answered early (an error)
@@ -530,7 +303,7 @@ class H2Connection:
                 return
         self._dispatch(stream)
 
-    def _dispatch(self, stream: _Stream) -> None:
+    def _dispatch(self, stream: Stream) -> None:
         stream.dispatched = True
         if stream.ended and self._may_run_inline(stream):
             # The connection's only call, and nothing more to read: run it here, sparing
@@ -543,7 +316,7 @@ class H2Connection:
             return
         self._pool.submit(self._run, stream)
 
-    def _may_run_inline(self, stream: _Stream) -> bool:
+    def _may_run_inline(self, stream: Stream) -> bool:
         if self._inline or threading.current_thread() is not self._reader_thread:
             return False
         with self._flow:
@@ -560,16 +333,16 @@ class H2Connection:
 
     def _settings(self, payload: bytes, flags: int, stream_id: int) -> None:
         if stream_id:
-            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+            raise H2ProtocolError(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
             return
         if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "a SETTINGS frame of a partial setting")
+            raise H2ProtocolError(FRAME_SIZE_ERROR, "a SETTINGS frame of a partial setting")
         for offset in range(0, len(payload), 6):
-            key, value = _SETTING.unpack_from(payload, offset)
+            key, value = SETTING.unpack_from(payload, offset)
             if key == INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
+                    raise H2ProtocolError(FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
                 with self._flow:
                     delta = value - self._peer_initial_window
                     self._peer_initial_window = value
@@ -578,7 +351,7 @@ class H2Connection:
                     self._flow.notify_all()
             elif key == MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME <= value <= OUR_MAX_FRAME:
-                    raise ConnectionError_(PROTOCOL_ERROR, f"a maximum frame size of {value}")
+                    raise H2ProtocolError(PROTOCOL_ERROR, f"a maximum frame size of {value}")
                 self._peer_max_frame = value
             elif key == HEADER_TABLE_SIZE:
                 with self._write:
@@ -587,15 +360,15 @@ class H2Connection:
 
     def _window_update(self, payload: bytes, stream_id: int) -> None:
         if len(payload) != 4:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
+            raise H2ProtocolError(FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
         increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
         with self._flow:
             if not stream_id:
                 if not increment:
-                    raise ConnectionError_(PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+                    raise H2ProtocolError(PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
                 self._send_window += increment
                 if self._send_window > MAX_WINDOW:
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
+                    raise H2ProtocolError(FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
             else:
                 stream = self._streams.get(stream_id)
                 if stream is not None:
@@ -603,7 +376,7 @@ class H2Connection:
             self._flow.notify_all()
 
     # -- running calls -------------------------------------------------------------------
-    def _run(self, stream: _Stream) -> None:
+    def _run(self, stream: Stream) -> None:
         call = Call(self, stream)
         try:
             if stream.error is not None:
@@ -653,7 +426,7 @@ class H2Connection:
         return frames
 
     def answer(
-        self, stream: _Stream, parts: Sequence[bytes | memoryview] | None, code: str, message: str
+        self, stream: Stream, parts: Sequence[bytes | memoryview] | None, code: str, message: str
     ) -> None:
         """Send the answer of ``stream``: headers, the message of ``parts`` (if any), and the status.
 
@@ -691,11 +464,11 @@ class H2Connection:
         if not stream.ended:  # answered before the client finished sending: stop it
             self._send([frame_header(4, RST_STREAM, 0, sid), NO_ERROR.to_bytes(4, "big")])
 
-    def _check(self, stream: _Stream) -> None:
+    def _check(self, stream: Stream) -> None:
         if stream.reset or self._closed:
             raise StreamGone()
 
-    def _reserve(self, stream: _Stream, want: int) -> int:
+    def _reserve(self, stream: Stream, want: int) -> int:
         """Take up to ``want`` bytes of both send windows, waiting while either is closed.
 
         A call running in the reader's thread reads the client's frames itself
@@ -726,7 +499,7 @@ class H2Connection:
             self._frame()
         except StreamGone:
             raise
-        except (ConnectionError_, EOFError, OSError) as e:
+        except (H2ProtocolError, EOFError, OSError) as e:
             self._fatal = e
             self._close()
             raise StreamGone() from e
@@ -780,63 +553,3 @@ class H2Connection:
         """Whether a call is still running."""
         with self._flow:
             return any(s.dispatched and not s.done for s in self._streams.values())
-
-
-class H2Listener(TcpListener):
-    """A gRPC server on ``host:port`` (``SO_REUSEPORT``): a thread per connection, calls on a pool.
-
-    Args:
-        host: Address to bind.
-        port: Port to bind (``0``: one the OS picks; see :attr:`port`).
-        handler: Runs each call (a :class:`Call`), in one of ``threads`` worker threads.
-        refuse: See :class:`H2Connection`.
-        threads: Calls run at once.
-        max_message: Largest request message accepted.
-        max_connections: Connections served at once; more wait in the backlog.
-
-    Raises:
-        FrontDoorError: The address cannot be bound.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        handler: Callable[[Call], None],
-        *,
-        refuse: Refuse | None = None,
-        threads: int = 16,
-        max_message: int = 2**31 - 1,
-        max_connections: int = 256,
-    ) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
-        self._connections: set[H2Connection] = set()
-        self._connections_lock = threading.Lock()
-
-        def serve(sock: socket.socket) -> None:
-            connection = H2Connection(sock, handler, refuse, self._pool, max_message)
-            with self._connections_lock:
-                self._connections.add(connection)
-            try:
-                connection.serve()
-            finally:
-                with self._connections_lock:
-                    self._connections.discard(connection)
-
-        try:
-            super().__init__(host, port, serve, protocol="gRPC", max_connections=max_connections)
-        except BaseException:
-            self._pool.shutdown(wait=False)
-            raise
-
-    def close(self, grace_s: float = 1.0) -> None:
-        """Stop listening; tell every client to go away; wait up to ``grace_s`` for calls running."""
-        with self._connections_lock:
-            connections = list(self._connections)
-        for connection in connections:
-            connection.go_away()
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(c.busy() for c in connections):
-            time.sleep(0.02)
-        super().close()  # shuts every connection
-        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -15,8 +15,6 @@ REPO = Path(__file__).resolve().parents[3]
 CONFIG_FILE = REPO / "deployments" / "triton_shm.yaml"
 
 
-
-
 def frontdoor_on_free_ports(spec: dict) -> dict:
     """``spec`` (a Serve config) with every app's front door moved to free ports; returns ``spec``."""
     for application in spec["applications"]:

@@ -172,7 +172,7 @@ def node_regions() -> list[str]:
 
     from ray_triton_shm._private.node.model_control import node_actors
 
-    (_, actor), = node_actors()
+    ((_, actor),) = node_actors()
     return ray.get(actor.__ray_call__.remote(_regions_in_triton))
 
 
@@ -190,8 +190,7 @@ def simple_inputs(x: np.ndarray) -> list[grpcclient.InferInput]:
 def grpc_clients(front_door, node_triton, reference):
     """gRPC clients of (the app, its node Triton, the reference Triton)."""
     clients = [
-        grpcclient.InferenceServerClient(url)
-        for url in (front_door.grpc, node_triton[1], reference.grpc_url)
+        grpcclient.InferenceServerClient(url) for url in (front_door.grpc, node_triton[1], reference.grpc_url)
     ]
     yield clients
     for client in clients:

@@ -11,7 +11,7 @@ import pytest
 
 LOAD_S = 120  # longer than the test: the actor dies while its model is still loading
 
-_SLOW_MODEL = f'''
+_SLOW_MODEL = f"""
 import time
 
 
@@ -21,7 +21,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         raise NotImplementedError
-'''
+"""
 _SLOW_CONFIG = """
 name: "slow_load"
 backend: "python"

@@ -1,0 +1,297 @@
+"""HTTP/2 as the front door's gRPC server speaks it: frames, settings, streams, buffered reads.
+
+The pieces of :mod:`~ray_triton_shm._private.serve.grpc_h2` that hold no
+connection state of their own: the protocol's numbers (RFC 9113), the errors
+that end a connection or a call, a socket reader whose large reads go straight
+into their target, a stream's request message as it arrives, and a call as its
+handler sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from ray_triton_shm._private.serve.kserve_limits import inflate
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
+    range(10)
+)
+END_STREAM = 0x1
+ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+# Error codes (RFC 9113, section 7).
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
+FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 6, 7, 9, 11
+# Settings.
+HEADER_TABLE_SIZE, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 1, 3, 4, 5
+MAX_HEADER_LIST_SIZE = 6
+
+MAX_WINDOW = 2**31 - 1
+OUR_MAX_FRAME = 2**24 - 1
+"""The largest frame this server accepts (HTTP/2's own limit): big messages come in few frames."""
+DEFAULT_FRAME = 16384
+"""A peer's frame size limit until its settings say otherwise."""
+MAX_HEADER_BLOCK = 1 << 20
+"""Longest header block (request headers and metadata) accepted; longer ends the connection."""
+MAX_STREAMS = 1024
+"""Streams a connection may have open at once (announced in the settings)."""
+SEND_TIMEOUT_S = 60.0
+"""How long an answer may wait for the client to open its flow-control window."""
+
+# gRPC status codes (the gRPC spec's numbers).
+STATUS_CODES = {
+    "OK": 0,
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "ABORTED": 10,
+    "OUT_OF_RANGE": 11,
+    "UNIMPLEMENTED": 12,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+
+FRAME_HEADER = struct.Struct(">HBBBI")  # length (24 bits, as 16 + 8), type, flags, stream id
+SETTING = struct.Struct(">HI")
+
+
+def frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
+    """The 9-byte header of a frame."""
+    return FRAME_HEADER.pack(length >> 8, length & 0xFF, kind, flags, stream_id)
+
+
+def percent_encode(message: str) -> str:
+    """``grpc-message``'s encoding: UTF-8, with ``%`` and bytes outside printable ASCII as ``%XX``."""
+    return "".join(
+        chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in message.encode("utf-8")
+    )
+
+
+class H2ProtocolError(Exception):
+    """The connection breaks the protocol: it gets a GOAWAY with ``code`` and is closed."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+
+class StreamGone(Exception):
+    """The stream was reset by the client, or its connection closed, before the answer was sent."""
+
+
+class CallError(Exception):
+    """A call that ends with a gRPC status other than OK (raised by a handler, or while reading).
+
+    Args:
+        code: The status's name (``INVALID_ARGUMENT``, ...).
+        message: The status message.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+
+def metadata_of(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A call's metadata: its headers other than HTTP/2's pseudo-headers and gRPC's own."""
+    return [
+        (k, v)
+        for k, v in headers
+        if not k.startswith((":", "grpc-")) and k not in ("content-type", "te", "user-agent")
+    ]
+
+
+class FrameReader:
+    """Buffered reads from a blocking socket; large reads go straight into their target."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray(256 * 1024)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def _fill(self, want: int) -> None:
+        if self._start:
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start : self._end]
+            self._start, self._end = 0, n
+        while self._end < want:
+            got = self._sock.recv_into(self._view[self._end :])
+            if not got:
+                raise EOFError
+            self._end += got
+
+    def exactly(self, n: int) -> bytes:
+        """The next ``n`` bytes (``n`` at most the buffer's size)."""
+        if self._end - self._start < n:
+            self._fill(n)
+        data = bytes(self._view[self._start : self._start + n])
+        self._start += n
+        return data
+
+    def into(self, target: memoryview) -> None:
+        """Fill ``target``: first from the buffer, then straight from the socket."""
+        have = min(self._end - self._start, len(target))
+        if have:
+            target[:have] = self._view[self._start : self._start + have]
+            self._start += have
+        while have < len(target):
+            # MSG_WAITALL: one wake-up (and one return to Python) for the whole rest, not one per packet.
+            got = self._sock.recv_into(target[have:], 0, socket.MSG_WAITALL)
+            if not got:
+                raise EOFError
+            have += got
+
+    def buffered(self) -> int:
+        """Bytes read from the socket and not yet taken."""
+        return self._end - self._start
+
+    def skip(self, n: int) -> None:
+        while n:
+            take = min(n, len(self._buf))
+            if take <= self._end - self._start:
+                self._start += take
+            else:
+                self.into(memoryview(bytearray(take)))
+            n -= take
+
+    def payload(self, n: int) -> bytes:
+        """A frame payload of ``n`` bytes (any size)."""
+        if n <= len(self._buf):
+            return self.exactly(n)
+        data = bytearray(n)
+        self.into(memoryview(data))
+        return bytes(data)
+
+
+class Stream:
+    """One call: its headers, its request message as it arrives, its send window."""
+
+    def __init__(self, stream_id: int, headers: list[tuple[str, str]], send_window: int, max_message: int):
+        self.id = stream_id
+        self.headers = headers
+        self.send_window = send_window
+        self.max_message = max_message
+        self.prefix = bytearray()
+        self.message: bytearray | None = None
+        self.filled = 0
+        self.messages = 0
+        self.error: CallError | None = None
+        self.ended = False  # the client's side is closed (END_STREAM seen)
+        self.reset = False  # the client reset it, or the connection is gone
+        self.dispatched = False  # handed to a worker
+        self.answered = False  # its answer has begun
+        self.done = False  # its worker has finished
+
+    def receive(self, reader: FrameReader, count: int) -> None:
+        """``count`` bytes of the stream's DATA, read from ``reader`` into the message."""
+        while count:
+            if self.error is not None:
+                reader.skip(count)
+                return
+            if self.message is None or self.filled == len(self.message):
+                if self.message is not None:
+                    self.error = CallError("UNIMPLEMENTED", "this server takes one request message per call")
+                    continue
+                take = min(count, 5 - len(self.prefix))
+                self.prefix += reader.exactly(take)
+                count -= take
+                if len(self.prefix) < 5:
+                    continue
+                length = int.from_bytes(self.prefix[1:5], "big")
+                if length > self.max_message:
+                    self.error = CallError(
+                        "RESOURCE_EXHAUSTED",
+                        f"Received message larger than max ({length} vs. {self.max_message})",
+                    )
+                    continue
+                self.message = bytearray(length)
+                self.messages += 1
+                continue
+            take = min(count, len(self.message) - self.filled)
+            reader.into(memoryview(self.message)[self.filled : self.filled + take])
+            self.filled += take
+            count -= take
+
+    def request(self) -> bytes | bytearray:
+        """The complete request message (inflated).
+
+        Raises:
+            CallError: No message, a truncated one, or one compressed in a way this server cannot read.
+        """
+        if self.error is not None:
+            raise self.error
+        if self.message is None or self.filled < len(self.message):
+            raise CallError("INTERNAL", "the call ended before its request message was complete")
+        if not self.prefix[0]:
+            return self.message
+        encoding = self.header("grpc-encoding") or "identity"
+        if encoding not in ("gzip", "deflate"):
+            raise CallError(
+                "UNIMPLEMENTED",
+                f"the request message is compressed with {encoding!r}; this server reads gzip and deflate",
+            )
+        try:
+            return inflate(bytes(self.message), encoding, self.max_message)
+        except Exception as e:
+            raise CallError("INTERNAL", f"the request message cannot be inflated: {e}") from e
+
+    def header(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+class Call:
+    """One unary call as its handler sees it.
+
+    Attributes:
+        method: The full method name (``/package.Service/Method``).
+        metadata: The client's metadata (headers other than HTTP/2's and gRPC's own).
+    """
+
+    def __init__(self, connection: Any, stream: Stream) -> None:
+        self._connection = connection
+        self._stream = stream
+        self.method = stream.header(":path") or ""
+        self.metadata = metadata_of(stream.headers)
+
+    def request(self) -> bytes | bytearray:
+        """The request message's bytes.
+
+        Raises:
+            CallError: As :meth:`Stream.request`.
+        """
+        return self._stream.request()
+
+    def respond(self, parts: Sequence[bytes | memoryview]) -> None:
+        """Answer with one message made of ``parts`` (sent as they are), then status OK.
+
+        Raises:
+            StreamGone: The client reset the call or went away first.
+        """
+        self._connection.answer(self._stream, parts, "OK", "")
+
+    def abort(self, code: str, message: str) -> None:
+        """End the call with status ``code`` and ``message`` (no answer message)."""
+        with contextlib.suppress(StreamGone):
+            self._connection.answer(self._stream, None, code, message)
