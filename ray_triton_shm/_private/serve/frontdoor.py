@@ -7,7 +7,8 @@ among them, and any node's address works on a multi-node cluster (bind
 ``0.0.0.0`` there). A replica of another app given the same port refuses to
 start (:mod:`~ray_triton_shm._private.serve.port_claim`). The listeners run in
 the replica's process, in threads of their own (blocking sockets, one thread
-per HTTP connection; a gRPC thread pool), and close with the replica.
+per connection; gRPC calls that share a connection run on a thread pool), and
+close with the replica.
 
 HTTP inference (no version asked) is read from the socket straight into a
 leased slot (:class:`~ray_triton_shm._private.serve.frontdoor_http.Body`) and
@@ -287,6 +288,7 @@ class FrontDoor:
                     run=self._run,
                     app_name=app_name,
                     threads=config.grpc_threads,
+                    max_connections=config.max_connections,
                 )
                 if not config.grpc_port:
                     self._claims.append(PortClaim(self.grpc.port, app_name))

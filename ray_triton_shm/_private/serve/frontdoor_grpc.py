@@ -215,6 +215,7 @@ class GrpcDoor:
         run: Runs a coroutine on the front door's event loop and returns its result.
         app_name: This app's name (checked against the ``application`` metadata).
         threads: Requests served at once.
+        max_connections: Connections served at once (a thread each); more wait in the backlog.
 
     Raises:
         FrontDoorError: The address cannot be bound.
@@ -231,13 +232,16 @@ class GrpcDoor:
         run: Callable[[Any], Any],
         app_name: str,
         threads: int,
+        max_connections: int = 256,
     ) -> None:
         self._client = client
         self._servicer = servicer
         self._served_version = served_version
         self._run = run
         self.app_name = app_name
-        self._server = H2Listener(host, port, self.handle, refuse=self.refuse, threads=threads)
+        self._server = H2Listener(
+            host, port, self.handle, refuse=self.refuse, threads=threads, max_connections=max_connections
+        )
         self.host = host
         self.port = self._server.port
 
