@@ -46,6 +46,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from ray_triton_shm._private.bench import cpu_share
 from ray_triton_shm._private.bench.frontdoor_callers import CallerPool
 from ray_triton_shm._private.bench.servers import SERVERS, build_repository, parse_servers
 from ray_triton_shm._private.serve.frontdoor import FrontDoorConfig
@@ -97,6 +98,8 @@ class Row:
     rounds: list[float] = field(default_factory=list)
     error: str | None = None
     ratio: float = float("nan")
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+    """CPU milliseconds per call by process group (with ``--cpu``; see :mod:`.cpu_share`)."""
 
 
 def _free_range(width: int) -> int:
@@ -231,8 +234,9 @@ def measure(
     rounds: int,
     duration_s: float,
     replicas: int,
+    cpu: bool = False,
 ) -> list[Row]:
-    """Every cell, rounds rotating the paths; the rows with their ratios."""
+    """Every cell, rounds rotating the paths; the rows with their ratios (and CPU per call with ``cpu``)."""
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="rtshm-frontdoor-") as tmp:
         setup = _Setup(mode, servers, max(sizes), replicas, Path(tmp))
@@ -244,6 +248,7 @@ def measure(
                 for size in sizes:
                     for n in callers:
                         cells: dict[str, list[Any]] = {p: [] for p in paths}
+                        used: dict[str, dict[str, float]] = {p: {} for p in paths}
                         for r in range(rounds):
                             order = list(paths[r % len(paths) :] + paths[: r % len(paths)])
                             for path in order:
@@ -252,7 +257,13 @@ def measure(
                                     cells[path].append(None)
                                     continue
                                 protocol = path.rsplit("-", 1)[1]
+                                before = cpu_share.snapshot() if cpu else {}
                                 result = pool.run(protocol, urls, model, size, n, duration_s)
+                                if cpu:
+                                    spent = cpu_share.cpu_by_group(before, cpu_share.snapshot(), pool.pids)
+                                    for group, seconds in spent.items():
+                                        used[path][group] = used[path].get(group, 0.0) + seconds
+                                    used[path]["calls"] = used[path].get("calls", 0) + result.calls
                                 cells[path].append(result)
                                 print(
                                     f"  {server:<6} {_label(size):>6} x{n} {path:<15} "
@@ -264,7 +275,11 @@ def measure(
                                     flush=True,
                                 )
                         for path in paths:
-                            rows.append(_row(path, server, size, n, cells[path]))
+                            row = _row(path, server, size, n, cells[path])
+                            calls = used[path].pop("calls", 0)
+                            if calls:
+                                row.cpu_ms = {g: 1e3 * used[path][g] / calls for g in cpu_share.GROUPS}
+                            rows.append(row)
         finally:
             pool.close()
             setup.stop()
@@ -329,9 +344,11 @@ def _cell(row: Row) -> str:
 
 def table(rows: list[Row]) -> str:
     """The rows as a markdown table (MB/s, p50 ms, ratio to Triton's own endpoint of the protocol)."""
+    with_cpu = any(r.cpu_ms for r in rows)
+    cpu_head = " CPU ms per call: callers / replicas / Triton / rest |" if with_cpu else ""
     lines = [
-        "| server | path | payload | callers | MB/s | p50 ms | vs Triton's own | rounds MB/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| server | path | payload | callers | MB/s | p50 ms | vs Triton's own | rounds MB/s |" + cpu_head,
+        "|---|---|---|---|---|---|---|---|" + ("---|" if with_cpu else ""),
     ]
     for r in rows:
         if r.error:
@@ -342,6 +359,7 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.server} | {r.path} | {_label(r.size)} | {r.callers} | {r.mb_s:.0f} | {r.p50_ms:.1f}"
             f" | {r.ratio:.2f}x | {', '.join(str(x) for x in r.rounds)} |"
+            + (f" {' / '.join(f'{r.cpu_ms[g]:.2f}' for g in cpu_share.GROUPS)} |" if r.cpu_ms else "")
         )
     return "\n".join(lines)
 
@@ -360,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2, help="replicas of the app (as the shipped config)")
     parser.add_argument("--quick", action="store_true", help="1 MB, native, 8 callers, ours vs Triton's own")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--cpu", action="store_true", help="CPU ms per call of the callers, replicas, Triton and the rest"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -380,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds=args.rounds,
         duration_s=args.duration_s,
         replicas=args.replicas,
+        cpu=args.cpu,
     )
     print()
     print(table(rows))

@@ -156,6 +156,11 @@ class CallerPool:
         ended = max(end for _, end in results)
         return CellResult(len(latencies), ended - start_at, statistics.median(latencies) * 1e3, size, callers)
 
+    @property
+    def pids(self) -> list[int]:
+        """The caller processes' ids."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
     def close(self) -> None:
         for conn in self._conns:
             try:

@@ -78,7 +78,7 @@ class FrontDoorConfig:
             ``0.0.0.0`` (every interface: what a multi-node cluster needs).
         http_port: KServe v2 over HTTP (``tritonclient.http``); ``None``: none.
         grpc_port: KServe v2 over gRPC (``tritonclient.grpc``); ``None``: none.
-        max_connections: HTTP connections served at once per replica (a thread each).
+        max_connections: Connections served at once per replica on each port (a thread each).
         grpc_threads: gRPC requests served at once per replica.
     """
 
