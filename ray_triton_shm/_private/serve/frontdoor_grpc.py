@@ -29,22 +29,19 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.grpc_h2 import H2Connection, Refuse
 from ray_triton_shm._private.serve.h2_wire import Call, CallError
-from ray_triton_shm._private.serve.kserve import serialize_bytes
 from ray_triton_shm._private.serve.kserve_grpc import (
     SERVICE,
     GrpcAnswerError,
+    add_outputs,
     decode_infer_request,
     status_of,
 )
 from ray_triton_shm._private.serve.kserve_grpc_routes import STREAM_REFUSED
 from ray_triton_shm._private.serve.listener import TcpListener
-from ray_triton_shm._private.shm.cuda import to_host
-from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
 from ray_triton_shm.errors import InputError, LayoutError
 
 logger = logging.getLogger(__name__)
@@ -130,17 +127,10 @@ def encode_infer_response_parts(
     never joined into one message.
     """
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
-    blobs: list[bytes | memoryview] = []
-    for name, value in outputs.items():
-        array = np.ascontiguousarray(to_host(value))
-        is_bytes = array.dtype == object
-        tensor = response.outputs.add()
-        tensor.name = name
-        tensor.datatype = "BYTES" if is_bytes else NUMPY_TO_TRITON[array.dtype]
-        tensor.shape.extend(int(d) for d in array.shape)
-        blob = serialize_bytes(array) if is_bytes else memoryview(array.reshape(-1).view(np.uint8))
-        blobs.extend((_RAW_OUTPUT_KEY, encode_varint(len(blob)), blob))
-    return [response.SerializeToString(), *blobs]
+    parts: list[bytes | memoryview] = []
+    for blob in add_outputs(response, outputs):
+        parts.extend((_RAW_OUTPUT_KEY, encode_varint(len(blob)), blob))
+    return [response.SerializeToString(), *parts]
 
 
 class H2Listener(TcpListener):

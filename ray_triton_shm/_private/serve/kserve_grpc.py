@@ -190,11 +190,12 @@ def _from_contents(name: str, contents: Any, datatype: str, dtype: np.dtype | No
         raise InputError(f"input {name!r}: a value is out of range for {datatype}") from e
 
 
-def encode_infer_response(
-    model: str, version: str, request_id: str, outputs: Mapping[str, Any]
-) -> pb.ModelInferResponse:
-    """The ``ModelInferResponse`` of ``outputs``, tensor data in ``raw_output_contents`` (as Triton)."""
-    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
+def add_outputs(response: pb.ModelInferResponse, outputs: Mapping[str, Any]) -> list[bytes | memoryview]:
+    """Describe ``outputs`` in ``response`` (name, datatype, shape); returns their raw contents, in order.
+
+    A numeric output's contents are a view of its (contiguous, host) array, not a copy.
+    """
+    blobs: list[bytes | memoryview] = []
     for name, value in outputs.items():
         array = np.ascontiguousarray(to_host(value))
         is_bytes = array.dtype == object
@@ -202,7 +203,16 @@ def encode_infer_response(
         tensor.name = name
         tensor.datatype = "BYTES" if is_bytes else NUMPY_TO_TRITON[array.dtype]
         tensor.shape.extend(int(d) for d in array.shape)
-        response.raw_output_contents.append(serialize_bytes(array) if is_bytes else array.tobytes())
+        blobs.append(serialize_bytes(array) if is_bytes else memoryview(array.reshape(-1).view(np.uint8)))
+    return blobs
+
+
+def encode_infer_response(
+    model: str, version: str, request_id: str, outputs: Mapping[str, Any]
+) -> pb.ModelInferResponse:
+    """The ``ModelInferResponse`` of ``outputs``, tensor data in ``raw_output_contents`` (as Triton)."""
+    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
+    response.raw_output_contents.extend(bytes(blob) for blob in add_outputs(response, outputs))
     return response
 
 
