@@ -263,7 +263,6 @@ def measure(
                                     spent = cpu_share.cpu_by_group(before, cpu_share.snapshot(), pool.pids)
                                     for group, seconds in spent.items():
                                         used[path][group] = used[path].get(group, 0.0) + seconds
-                                    used[path]["calls"] = used[path].get("calls", 0) + result.calls
                                 cells[path].append(result)
                                 print(
                                     f"  {server:<6} {_label(size):>6} x{n} {path:<15} "
@@ -276,8 +275,8 @@ def measure(
                                 )
                         for path in paths:
                             row = _row(path, server, size, n, cells[path])
-                            calls = used[path].pop("calls", 0)
-                            if calls:
+                            calls = sum(r.calls for r in cells[path] if r is not None)
+                            if used[path] and calls:
                                 row.cpu_ms = {g: 1e3 * used[path][g] / calls for g in cpu_share.GROUPS}
                             rows.append(row)
         finally:

@@ -74,7 +74,6 @@ from ray_triton_shm._private.serve.h2_wire import (
     SEND_TIMEOUT_S,
     SETTING,
     SETTINGS,
-    STATUS_CODES,
     WINDOW_UPDATE,
     Call,
     CallError,
@@ -83,8 +82,8 @@ from ray_triton_shm._private.serve.h2_wire import (
     Stream,
     StreamGone,
     frame_header,
-    metadata_of,
     percent_encode,
+    status_number,
 )
 from ray_triton_shm._private.serve.listener import send_parts
 
@@ -288,7 +287,7 @@ class H2Connection:
                 return
             self._streams[stream_id] = stream
         if self._refuse is not None:
-            stream.error = self._refuse(stream.header(":path") or "", metadata_of(headers))
+            stream.error = self._refuse(stream.header(":path") or "", stream.metadata)
             if stream.error is not None:
                 self._dispatch(stream)
         if flags & END_STREAM:
@@ -436,7 +435,7 @@ class H2Connection:
         if stream.answered:
             return
         stream.answered = True
-        trailers = [("grpc-status", str(STATUS_CODES.get(code, 2)))]
+        trailers = [("grpc-status", str(status_number(code)))]
         if message:
             trailers.append(("grpc-message", percent_encode(message)))
         sid = stream.id

@@ -15,6 +15,8 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
+
 from ray_triton_shm._private.serve.kserve_limits import inflate
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -45,29 +47,15 @@ MAX_STREAMS = 1024
 SEND_TIMEOUT_S = 60.0
 """How long an answer may wait for the client to open its flow-control window."""
 
-# gRPC status codes (the gRPC spec's numbers).
-STATUS_CODES = {
-    "OK": 0,
-    "CANCELLED": 1,
-    "UNKNOWN": 2,
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "ABORTED": 10,
-    "OUT_OF_RANGE": 11,
-    "UNIMPLEMENTED": 12,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "DATA_LOSS": 15,
-    "UNAUTHENTICATED": 16,
-}
 
 FRAME_HEADER = struct.Struct(">HBBBI")  # length (24 bits, as 16 + 8), type, flags, stream id
 SETTING = struct.Struct(">HI")
+
+
+def status_number(code: str) -> int:
+    """The number of gRPC status ``code`` (a ``grpc.StatusCode`` name; UNKNOWN's for any other)."""
+    status = getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+    return status.value[0]
 
 
 def frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
@@ -188,6 +176,7 @@ class Stream:
     def __init__(self, stream_id: int, headers: list[tuple[str, str]], send_window: int, max_message: int):
         self.id = stream_id
         self.headers = headers
+        self.metadata = metadata_of(headers)
         self.send_window = send_window
         self.max_message = max_message
         self.prefix = bytearray()
@@ -273,7 +262,7 @@ class Call:
         self._connection = connection
         self._stream = stream
         self.method = stream.header(":path") or ""
-        self.metadata = metadata_of(stream.headers)
+        self.metadata = stream.metadata
 
     def request(self) -> bytes | bytearray:
         """The request message's bytes.
