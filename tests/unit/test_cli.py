@@ -176,3 +176,20 @@ def test_bench_docs_pastes_the_report_between_the_markers(tmp_path) -> None:
         "<!-- bench:end -->\ntail\n"
     )
     assert (tmp_path / "docs" / "img" / "bench-latency.png").read_bytes() == b"png"
+
+
+def test_bench_cuda_needs_neither_ray_nor_the_http_client() -> None:
+    # A GPU machine may carry only tritonclient's gRPC half (no gevent) and no Ray: the command
+    # line and the CUDA benchmark must load without them.
+    blocked = "tritonclient.http", "gevent", "ray"
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None\n"
+        "from ray_triton_shm._private.cli import cli\n"
+        "from ray_triton_shm._private.bench import cuda_paths\n"
+        "cli.build_parser().parse_args(['bench-cuda', '--mb', '1'])\n"
+        "print('loaded')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "loaded"

@@ -9,11 +9,6 @@ import os
 import sys
 from collections.abc import Iterator
 
-from ray_triton_shm._private.cli import soak
-from ray_triton_shm._private.cli.demo import run_demo
-from ray_triton_shm._private.cli.demo_log import quiet_logs
-from ray_triton_shm._private.cli.soak_faults import run_fault_soak
-from ray_triton_shm._private.cli.status import run as run_status
 from ray_triton_shm._private.shm import segment
 from ray_triton_shm._private.triton import server_env
 from ray_triton_shm.config import ServerConfig
@@ -29,6 +24,11 @@ def _setup(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    # Each command loads its own modules: one that needs neither Ray nor a protocol's client
+    # (``bench-cuda`` on a machine with only tritonclient's gRPC half) never imports them.
+    from ray_triton_shm._private.cli.demo import run_demo
+    from ray_triton_shm._private.cli.demo_log import quiet_logs
+
     if args.verbose:
         log = None
     else:
@@ -53,6 +53,8 @@ def _no_log() -> Iterator[None]:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.cli.status import run as run_status
+
     try:
         return run_status(args.address, as_json=args.json, write=print, timeout_s=args.timeout)
     except ConnectionError as e:
@@ -172,10 +174,14 @@ def _bench_docs(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.cli import soak
+
     return soak.command(args.duration, args.callers, args.slots, args.target)
 
 
 def _soak_faults(args: argparse.Namespace) -> int:
+    from ray_triton_shm._private.cli.soak_faults import run_fault_soak
+
     report = run_fault_soak(
         args.config,
         duration_s=args.duration,
