@@ -8,13 +8,20 @@ import threading
 import time
 
 import grpc
+import hpack
 import pytest
 
 from ray_triton_shm._private.serve.frontdoor_grpc import H2Listener
 from ray_triton_shm._private.serve.h2_wire import (
+    DATA,
+    END_HEADERS,
+    END_STREAM,
     GOAWAY,
+    HEADER_TABLE_SIZE,
+    HEADERS,
     PREFACE,
     PROTOCOL_ERROR,
+    SETTING,
     SETTINGS,
     Call,
     CallError,
@@ -209,6 +216,49 @@ def test_protocol_errors_end_the_connection_with_goaway(server) -> None:
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # not HTTP/2: closed without an answer
         assert _read_frames(sock) == []
+
+
+def test_a_client_that_sets_its_header_table_size_gets_a_size_update_first(server) -> None:
+    listener = server()
+    request = hpack.Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/pkg.Svc/Echo"),
+            (":authority", "x"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+    )
+    message = b"\x00" + (3).to_bytes(4, "big") + b"abc"
+    with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+        sock.sendall(
+            PREFACE
+            + frame_header(6, SETTINGS, 0, 0)
+            + SETTING.pack(HEADER_TABLE_SIZE, 0)
+            + frame_header(len(request), HEADERS, END_HEADERS, 1)
+            + request
+            + frame_header(len(message), DATA, END_STREAM, 1)
+            + message
+        )
+        sock.settimeout(5)
+        data, frames = b"", []
+        while sum(kind == HEADERS for kind, _ in frames) < 2:  # the answer's headers and its trailers
+            got = sock.recv(65536)
+            assert got, "the server closed the connection"
+            data += got
+            while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+                length = int.from_bytes(data[:3], "big")
+                frames.append((data[3], data[9 : 9 + length]))
+                data = data[9 + length :]
+    blocks = [payload for kind, payload in frames if kind == HEADERS]
+    assert blocks[0][:1] == b"\x20"  # a dynamic table size update to 0 opens the first block only
+    assert blocks[1][:1] != b"\x20"
+    decoder = hpack.Decoder()
+    decoder.header_table_size = 0
+    assert dict(decoder.decode(blocks[0]))[":status"] == "200"
+    assert dict(decoder.decode(blocks[1]))["grpc-status"] == "0"
+    assert next(payload for kind, payload in frames if kind == DATA)[5:] == b"cba"
 
 
 def test_close_stops_listening_and_ends_connections(server) -> None:

@@ -182,9 +182,11 @@ class KServeHttpHandler:
                     planned = kserve.plan_request(prefix, header_length, body_length)
                 except InputError:
                     planned = None  # the general path raises the same error
-            if planned is not None and planned[1] and shm_plan(client, model, planned[0]):
-                self._infer_in_slot(conn, model, planned[0], planned[1], body)
-                return
+            if planned is not None and planned[1]:
+                decoded, spans = planned
+                if shm_plan(client, model, decoded.inputs, decoded.outputs):
+                    self._infer_in_slot(conn, model, decoded, spans, body)
+                    return
         data = prefix + body.read_all(self._max_bytes - len(prefix))
         encoding = (head.headers.get("content-encoding") or "identity").strip().lower()
         if encoding != "identity":

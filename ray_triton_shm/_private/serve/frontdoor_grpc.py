@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.grpc_h2 import H2Connection, Refuse
@@ -41,8 +42,9 @@ from ray_triton_shm._private.serve.kserve_grpc import (
     status_of,
 )
 from ray_triton_shm._private.serve.kserve_grpc_routes import STREAM_REFUSED
+from ray_triton_shm._private.serve.kserve_http import shm_plan
 from ray_triton_shm._private.serve.listener import TcpListener
-from ray_triton_shm.errors import InputError, LayoutError
+from ray_triton_shm.errors import InputError, LayoutError, LayoutMismatchError, OutputTooLargeError
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +267,7 @@ class GrpcDoor:
         name = call.method[len(_PREFIX) :]
         try:
             if name == "ModelInfer":
-                call.respond(self.infer_parts(call.request()))
+                self.infer(call)
                 return
             request_cls, _ = _messages(name)  # type: ignore[misc]
             try:
@@ -284,26 +286,59 @@ class GrpcDoor:
                 logger.warning("front door gRPC: %s", message, exc_info=e)
             raise CallError(code, message) from e
 
-    def infer_parts(self, data: bytes | bytearray) -> list[bytes | memoryview]:
-        """The answer to a serialised ``ModelInferRequest``, as parts (the outputs' bytes not joined).
+    def infer(self, call: Call) -> None:
+        """Answer a ``ModelInfer`` call: through one slot, answered from it, where the request fits one.
 
         Raises:
             InputError, PoolTimeoutError, TritonCallError, UnavailableError, GrpcAnswerError.
         """
+        data = call.request()
         request, raw = split_infer_request(data)
         inputs, outputs = decode_infer_request(request, raw)
+        model = request.model_name
+        if not request.model_version and shm_plan(self._client, model, inputs, outputs):
+            self._infer_in_slot(call, request, inputs, outputs)
+            return
         if not request.model_version:
             try:
-                result = self._client.infer(request.model_name, inputs, outputs=outputs)
+                result = self._client.infer(model, inputs, outputs=outputs)
             except LayoutError:  # tensors that cannot live in slots: Triton's own answer
                 result = None
             if result is not None:
-                version = self._served_version(request.model_name)
-                return encode_infer_response_parts(request.model_name, version, request.id, result)
+                version = self._served_version(model)
+                call.respond(encode_infer_response_parts(model, version, request.id, result))
+                return
         # A version asked for (Triton honours it) or no slots: the ingress's own path.
-        del inputs
+        del inputs, raw
         full = pb.ModelInferRequest.FromString(bytes(data))
-        return [self._run(self._servicer.ModelInfer(full, None)).SerializeToString()]
+        call.respond([self._run(self._servicer.ModelInfer(full, None)).SerializeToString()])
+
+    def _infer_in_slot(
+        self,
+        call: Call,
+        request: pb.ModelInferRequest,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str] | None,
+    ) -> None:
+        """Lease a slot, copy the inputs in, run, answer from the slot (no copy of the outputs)."""
+        client = self._client
+        model = request.model_name
+        version = self._served_version(model)
+        with client.lease(model) as lease:
+            for name, array in inputs.items():
+                lease.input(name, array.shape)[...] = array
+            try:
+                result = client.run(lease, outputs)
+            except (LayoutMismatchError, OutputTooLargeError) as e:
+                # What infer handles itself (a reloaded model, an output over its slot).
+                lease.release()
+                if isinstance(e, LayoutMismatchError):
+                    client._layout_changed(e)
+                result = client.infer(model, inputs, outputs=outputs)
+            parts = encode_infer_response_parts(model, version, request.id, result)
+            del result
+            call.respond(parts)  # written from the slot, then it goes back
+            del parts  # no view of the slot outlives the lease
 
 
 def _messages(name: str) -> tuple[Any, Any] | None:

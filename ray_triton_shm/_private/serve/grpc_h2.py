@@ -37,8 +37,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import hpack
-
+from ray_triton_shm._private.serve.h2_headers import TABLE_SIZE_ZERO, HeaderDecoder, encode_block
 from ray_triton_shm._private.serve.h2_wire import (
     ACK,
     COMPRESSION_ERROR,
@@ -94,6 +93,8 @@ _RESPONSE_HEADERS = [
     ("content-type", "application/grpc"),
     ("grpc-accept-encoding", "identity,deflate,gzip"),
 ]
+_RESPONSE_BLOCK = encode_block(_RESPONSE_HEADERS)
+_OK_BLOCK = encode_block([("grpc-status", "0")])
 
 
 Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
@@ -128,9 +129,8 @@ class H2Connection:
         # Sends give up after SEND_TIMEOUT_S (a client that stopped reading); reads wait for ever.
         seconds = int(SEND_TIMEOUT_S)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
-        self._decoder = hpack.Decoder()
-        self._decoder.max_header_list_size = MAX_HEADER_BLOCK
-        self._encoder = hpack.Encoder()
+        self._decoder = HeaderDecoder(MAX_HEADER_BLOCK)
+        self._size_update = b""  # sent before the next header block, after the client sets a table size
         self._write = threading.Lock()  # frames are written whole, and header blocks encoded, one at a time
         self._flow = threading.Condition()  # guards the send windows and the streams
         self._streams: dict[int, Stream] = {}
@@ -268,7 +268,7 @@ class H2Connection:
             block += self._reader.payload(length)
             flags = head[4] | (flags & END_STREAM)
         try:
-            headers = [(str(k), str(v)) for k, v in self._decoder.decode(bytes(block))]
+            headers = self._decoder.decode(bytes(block))
         except Exception as e:  # hpack's errors
             raise H2ProtocolError(COMPRESSION_ERROR, f"an unreadable header block: {e}") from e
         stream = self._streams.get(stream_id)
@@ -354,7 +354,7 @@ class H2Connection:
                 self._peer_max_frame = value
             elif key == HEADER_TABLE_SIZE:
                 with self._write:
-                    self._encoder.header_table_size = value
+                    self._size_update = TABLE_SIZE_ZERO  # our blocks never use the table
         self._send([frame_header(0, SETTINGS, ACK, 0)])
 
     def _window_update(self, payload: bytes, stream_id: int) -> None:
@@ -410,9 +410,10 @@ class H2Connection:
                 self._sock.shutdown(socket.SHUT_RDWR)
             raise StreamGone() from e
 
-    def _header_frames(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> list[bytes]:
-        """``headers`` as HEADERS (+ CONTINUATION) frames; called with the write lock held."""
-        block = self._encoder.encode(headers)
+    def _header_frames(self, stream_id: int, block: bytes, end_stream: bool) -> list[bytes]:
+        """A header ``block`` as HEADERS (+ CONTINUATION) frames; called with the write lock held."""
+        if self._size_update:
+            block, self._size_update = self._size_update + block, b""
         size = self._peer_max_frame
         chunks = [block[i : i + size] for i in range(0, len(block), size)] or [b""]
         frames = []
@@ -435,14 +436,18 @@ class H2Connection:
         if stream.answered:
             return
         stream.answered = True
-        trailers = [("grpc-status", str(status_number(code)))]
-        if message:
-            trailers.append(("grpc-message", percent_encode(message)))
+        if code == "OK" and not message:
+            trailers = _OK_BLOCK
+        else:
+            status = [("grpc-status", str(status_number(code)))]
+            if message:
+                status.append(("grpc-message", percent_encode(message)))
+            trailers = encode_block(status)
         sid = stream.id
         if parts is None:  # trailers only
             self._check(stream)
             with self._write:
-                self._send_locked(self._header_frames(sid, _RESPONSE_HEADERS + trailers, True))
+                self._send_locked(self._header_frames(sid, _RESPONSE_BLOCK + trailers, True))
         else:
             length = sum(memoryview(p).nbytes for p in parts)
             views = [memoryview(b"\x00" + length.to_bytes(4, "big"))] + [
@@ -454,7 +459,7 @@ class H2Connection:
                 take = self._reserve(stream, remaining)
                 remaining -= take
                 with self._write:
-                    frames: list[Any] = self._header_frames(sid, _RESPONSE_HEADERS, False) if first else []
+                    frames: list[Any] = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
                     first = False
                     frames += self._data_frames(sid, views, take)
                     if not remaining:

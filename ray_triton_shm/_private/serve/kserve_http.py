@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -236,8 +236,8 @@ def _pool_at_hand(client: Any, model: str) -> bool:
     return pool is not None and not pool.retired
 
 
-def shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
-    """Whether ``client.ainfer`` would run ``decoded`` through one system-memory slot of ``model``.
+def shm_plan(client: Any, model: str, inputs: Mapping[str, Any], outputs: Sequence[str] | None) -> bool:
+    """Whether ``client.ainfer`` would run ``inputs`` through one system-memory slot of ``model``.
 
     Any doubt (no layout, inputs the model refuses, several slots, a payload
     small enough for gRPC, GPU memory) answers ``False``: the general path then
@@ -254,8 +254,8 @@ def shm_plan(client: Any, model: str, decoded: kserve.DecodedRequest) -> bool:
         return False
     try:
         pool = inner.pool(model)
-        checked = check_inputs(layout, decoded.inputs)
-        inner._wanted_outputs(layout, decoded.outputs)
+        checked = check_inputs(layout, inputs)
+        inner._wanted_outputs(layout, outputs)
     except RayTritonShmError:
         return False
     if pool.memory != "system" or checked.on_device or len(chunks(layout, checked.batch)) != 1:
@@ -304,9 +304,9 @@ async def http_infer(
             decoded, spans = planned
             # With the model's pool at hand the check is a few microseconds: no thread hop then.
             if (
-                shm_plan(client, model, decoded)
+                shm_plan(client, model, decoded.inputs, decoded.outputs)
                 if _pool_at_hand(client, model)
-                else (await asyncio.to_thread(shm_plan, client, model, decoded))
+                else (await asyncio.to_thread(shm_plan, client, model, decoded.inputs, decoded.outputs))
             ):
                 # The rest of the body arrives before a slot is leased: a slow upload holds no slot.
                 chunks = await _read_stream(stream, max_bytes - len(header), [rest])

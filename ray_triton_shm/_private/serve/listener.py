@@ -61,7 +61,7 @@ class TcpListener:
         self._serve_connection = serve
         self._protocol = protocol
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._open: set[socket.socket] = set()
         self._closed = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -109,6 +109,7 @@ class TcpListener:
                 conn.close()
             with self._lock:
                 self._open.discard(conn)
+                self._lock.notify_all()
             self._slots.release()
 
     def open_connections(self) -> list[socket.socket]:
@@ -116,8 +117,12 @@ class TcpListener:
         with self._lock:
             return list(self._open)
 
-    def close(self) -> None:
-        """Stop listening and shut every open connection; returns when the socket is closed."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop listening and shut every open connection.
+
+        Returns once every connection's thread has finished with it, or after
+        ``wait_s`` seconds (a call still running in one is left to end).
+        """
         with self._lock:
             if self._closed:
                 return
@@ -129,4 +134,6 @@ class TcpListener:
         for conn in open_now:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=wait_s)
+        with self._lock:
+            self._lock.wait_for(lambda: not self._open, timeout=wait_s)
