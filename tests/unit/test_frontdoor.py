@@ -15,16 +15,18 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.frontdoor import FrontDoor, FrontDoorConfig, KServeHttpHandler
-from ray_triton_shm._private.serve.frontdoor_grpc import (
-    encode_infer_response_parts,
-    encode_varint,
-    split_infer_request,
-)
 from ray_triton_shm._private.serve.frontdoor_http import (
     HttpListener,
     HttpParseError,
     parse_head,
     response_head,
+)
+from ray_triton_shm._private.serve.grpc_infer_codec import (
+    encode_infer_response_parts,
+    encode_varint,
+    plan_inputs,
+    raw_start,
+    split_infer_request,
 )
 from ray_triton_shm._private.serve.port_claim import PortClaim, app_digest, port_claims
 from ray_triton_shm.errors import ConfigError, FrontDoorError, InputError
@@ -291,6 +293,39 @@ def test_split_infer_request_keeps_raw_contents_as_views() -> None:
         split_infer_request(b"\x0f\x00")
 
 
+def test_raw_start_and_plan_inputs_read_a_requests_head() -> None:
+    request = pb.ModelInferRequest(model_name="identity", id="7")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+    request.inputs.add(name="INPUT1", datatype="INT8", shape=[3])
+    request.outputs.add(name="OUTPUT0")
+    request.raw_input_contents.extend([np.zeros(4, np.float32).tobytes(), b"abc"])
+    data = request.SerializeToString()
+    start = raw_start(data)
+    assert start is not None and data[start] == 0x3A
+    head = pb.ModelInferRequest.FromString(data[:start])
+    assert [t.name for t in head.inputs] == ["INPUT0", "INPUT1"] and not head.raw_input_contents
+    assert raw_start(data[: start - 1]) is None  # the head ends before the contents begin
+    placeholders, outputs = plan_inputs(head)
+    assert outputs == ["OUTPUT0"]
+    assert {n: (a.shape, a.dtype, a.nbytes) for n, a in placeholders.items()} == {
+        "INPUT0": ((1, 4), np.float32, 16),
+        "INPUT1": ((3,), np.int8, 3),
+    }
+    assert all(a.strides == (0,) * a.ndim for a in placeholders.values())  # no memory behind them
+    refused = [pb.ModelInferRequest(), pb.ModelInferRequest(), pb.ModelInferRequest(), pb.ModelInferRequest()]
+    refused[0].inputs.add(name="T", datatype="BYTES", shape=[1])
+    refused[1].inputs.add(name="A", datatype="FP32", shape=[1]).contents.fp32_contents.append(1.0)
+    refused[2].inputs.add(name="A", datatype="FP32", shape=[1]).parameters[
+        "shared_memory_region"
+    ].string_param = "r"
+    for name in ("A", "A"):
+        refused[3].inputs.add(name=name, datatype="FP32", shape=[1])
+    assert [plan_inputs(r) for r in refused] == [None] * 4
+    typed = pb.ModelInferRequest(model_name="m")
+    typed.inputs.add(name="A", datatype="FP32", shape=[1]).contents.fp32_contents.append(1.0)
+    assert raw_start(typed.SerializeToString()) is None
+
+
 def test_encode_infer_response_parts_are_the_message_triton_sends() -> None:
     outputs = {
         "OUTPUT0": np.arange(6, dtype=np.float32).reshape(2, 3),
@@ -311,7 +346,7 @@ def test_encode_infer_response_parts_are_the_message_triton_sends() -> None:
 
 @pytest.mark.parametrize("value", [0, 1, 127, 128, 300, 1 << 35])
 def test_varint(value: int) -> None:
-    from ray_triton_shm._private.serve.frontdoor_grpc import _varint
+    from ray_triton_shm._private.serve.grpc_infer_codec import _varint
 
     encoded = encode_varint(value)
     assert _varint(memoryview(encoded), 0) == (value, len(encoded))

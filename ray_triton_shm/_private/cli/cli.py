@@ -26,8 +26,8 @@ def _setup(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     # Each command loads its own modules: one that needs neither Ray nor a protocol's client
     # (``bench-cuda`` on a machine with only tritonclient's gRPC half) never imports them.
-    from ray_triton_shm._private.cli.demo import run_demo
-    from ray_triton_shm._private.cli.demo_log import quiet_logs
+    from ray_triton_shm._private.cli.demo import run_demo  # lazy: each command loads its own
+    from ray_triton_shm._private.cli.demo_log import quiet_logs  # lazy: with the demo
 
     if args.verbose:
         log = None
@@ -53,7 +53,7 @@ def _no_log() -> Iterator[None]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ray_triton_shm._private.cli.status import run as run_status
+    from ray_triton_shm._private.cli.status import run as run_status  # lazy: each command loads its own
 
     try:
         return run_status(args.address, as_json=args.json, write=print, timeout_s=args.timeout)
@@ -174,13 +174,13 @@ def _bench_docs(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from ray_triton_shm._private.cli import soak
+    from ray_triton_shm._private.cli import soak  # lazy: tritonclient.http
 
     return soak.command(args.duration, args.callers, args.slots, args.target)
 
 
 def _soak_faults(args: argparse.Namespace) -> int:
-    from ray_triton_shm._private.cli.soak_faults import run_fault_soak
+    from ray_triton_shm._private.cli.soak_faults import run_fault_soak  # lazy: tritonclient.http
 
     report = run_fault_soak(
         args.config,

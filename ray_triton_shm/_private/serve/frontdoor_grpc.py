@@ -33,11 +33,19 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.grpc_h2 import H2Connection, Refuse
+from ray_triton_shm._private.serve.grpc_infer_codec import (
+    RAW_INPUT_KEY,
+    encode_infer_response_parts,
+    encode_varint,
+    plan_inputs,
+    raw_start,
+    split_infer_request,
+)
+from ray_triton_shm._private.serve.grpc_message import Placement, Placer
 from ray_triton_shm._private.serve.h2_wire import Call, CallError
 from ray_triton_shm._private.serve.kserve_grpc import (
     SERVICE,
     GrpcAnswerError,
-    add_outputs,
     decode_infer_request,
     status_of,
 )
@@ -48,91 +56,7 @@ from ray_triton_shm.errors import InputError, LayoutError, LayoutMismatchError, 
 
 logger = logging.getLogger(__name__)
 
-_RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents
-_RAW_OUTPUT_KEY = bytes([(6 << 3) | 2])  # ModelInferResponse.raw_output_contents, length-delimited
 _PREFIX = f"/{SERVICE}/"
-
-
-def _varint(data: memoryview, pos: int) -> tuple[int, int]:
-    value = 0
-    shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise InputError("the ModelInferRequest message is malformed (a varint runs past its end)")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def encode_varint(value: int) -> bytes:
-    """``value`` as a protobuf varint."""
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def split_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryview]]:
-    """The request without its raw input contents, and those contents as views of ``data``.
-
-    Raises:
-        InputError: ``data`` is not a well-formed message.
-    """
-    view = memoryview(data)
-    kept: list[tuple[int, int]] = []
-    raw: list[memoryview] = []
-    pos = 0
-    while pos < len(view):
-        start = pos
-        key, pos = _varint(view, pos)
-        field, wire = key >> 3, key & 7
-        if wire == 2:
-            length, pos = _varint(view, pos)
-            end = pos + length
-            if end > len(view):
-                raise InputError("the ModelInferRequest message is malformed (a field runs past its end)")
-            if field == _RAW_INPUT_FIELD:
-                raw.append(view[pos:end])
-                pos = end
-                continue
-            pos = end
-        elif wire == 0:
-            _, pos = _varint(view, pos)
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise InputError(f"the ModelInferRequest message is malformed (wire type {wire})")
-        if kept and kept[-1][1] == start:
-            kept[-1] = (kept[-1][0], pos)
-        else:
-            kept.append((start, pos))
-    if pos > len(view):
-        raise InputError("the ModelInferRequest message is malformed (it ends inside a field)")
-    rest = b"".join(view[a:b] for a, b in kept)
-    try:
-        return pb.ModelInferRequest.FromString(rest), raw
-    except Exception as e:  # protobuf's DecodeError
-        raise InputError(f"the ModelInferRequest message is malformed: {e}") from e
-
-
-def encode_infer_response_parts(
-    model: str, version: str, request_id: str, outputs: Mapping[str, Any]
-) -> list[bytes | memoryview]:
-    """A ``ModelInferResponse`` of ``outputs`` (raw contents) as parts: its small fields, then each output.
-
-    The outputs' parts are views of their arrays: sent as they are, they are
-    never joined into one message.
-    """
-    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
-    parts: list[bytes | memoryview] = []
-    for blob in add_outputs(response, outputs):
-        parts.extend((_RAW_OUTPUT_KEY, encode_varint(len(blob)), blob))
-    return [response.SerializeToString(), *parts]
 
 
 class H2Listener(TcpListener):
@@ -143,6 +67,7 @@ class H2Listener(TcpListener):
         port: Port to bind (``0``: one the OS picks; see :attr:`port`).
         handler: Runs each call (a :class:`Call`), in one of ``threads`` worker threads.
         refuse: See :class:`H2Connection`.
+        place: See :class:`H2Connection`.
         threads: Calls run at once.
         max_message: Largest request message accepted.
         max_connections: Connections served at once; more wait in the backlog.
@@ -158,6 +83,7 @@ class H2Listener(TcpListener):
         handler: Callable[[Call], None],
         *,
         refuse: Refuse | None = None,
+        place: Callable[[str], Placer | None] | None = None,
         threads: int = 16,
         max_message: int = 2**31 - 1,
         max_connections: int = 256,
@@ -167,7 +93,7 @@ class H2Listener(TcpListener):
         self._connections_lock = threading.Lock()
 
         def serve(sock: socket.socket) -> None:
-            connection = H2Connection(sock, handler, refuse, self._pool, max_message)
+            connection = H2Connection(sock, handler, refuse, self._pool, max_message, place)
             with self._connections_lock:
                 self._connections.add(connection)
             try:
@@ -232,7 +158,13 @@ class GrpcDoor:
         self._run = run
         self.app_name = app_name
         self._server = H2Listener(
-            host, port, self.handle, refuse=self.refuse, threads=threads, max_connections=max_connections
+            host,
+            port,
+            self.handle,
+            refuse=self.refuse,
+            place=self.placer,
+            threads=threads,
+            max_connections=max_connections,
         )
         self.host = host
         self.port = self._server.port
@@ -261,6 +193,47 @@ class GrpcDoor:
         if name is None or (name != "ModelInfer" and _messages(name) is None):
             return CallError("UNIMPLEMENTED", f"Method not found: {method}")
         return None
+
+    def placer(self, method: str) -> Placer | None:
+        """``ModelInfer``'s requests are placed by :meth:`place`; other methods' are read into buffers."""
+        return self.place if method == _PREFIX + "ModelInfer" else None
+
+    def place(self, head: bytes, length: int) -> Placement | None:
+        """Where a ``ModelInfer`` message's raw input contents go: a slot of its model, free now.
+
+        ``head`` holds the fields before the first raw input (the request's
+        description). ``None`` (the message is read into a buffer, and the
+        call answered as any other) for anything but a request a slot serves
+        as it is: no raw contents after the description, a version asked
+        for, inputs the model refuses, no slot free this moment.
+        """
+        start = raw_start(head)
+        if start is None:
+            return None
+        try:
+            request = pb.ModelInferRequest.FromString(head[:start])
+            planned = plan_inputs(request)
+            if planned is None or request.model_version:
+                return None
+            placeholders, outputs = planned
+            model = request.model_name
+            if not shm_plan(self._client, model, placeholders, outputs):
+                return None
+            lease = self._client.client.pool(model).try_acquire()
+        except Exception:  # anything the call itself would refuse: it is refused there, in Triton's words
+            return None
+        if lease is None:
+            return None
+        try:
+            parts: list[bytes | memoryview] = []
+            for name, placeholder in placeholders.items():
+                target = lease.input(name, placeholder.shape)
+                parts += [RAW_INPUT_KEY + encode_varint(placeholder.nbytes), memoryview(target).cast("B")]
+                del target
+            return Placement(lease, head[:start], parts, (request, outputs))
+        except Exception:
+            lease.release()
+            return None
 
     def handle(self, call: Call) -> None:
         """Answer one call (its method was accepted by :meth:`refuse`)."""
@@ -292,6 +265,10 @@ class GrpcDoor:
         Raises:
             InputError, PoolTimeoutError, TritonCallError, UnavailableError, GrpcAnswerError.
         """
+        placement = call.placement()
+        if placement is not None:
+            self._infer_placed(call, placement)
+            return
         data = call.request()
         request, raw = split_infer_request(data)
         inputs, outputs = decode_infer_request(request, raw)
@@ -313,6 +290,14 @@ class GrpcDoor:
         full = pb.ModelInferRequest.FromString(bytes(data))
         call.respond([self._run(self._servicer.ModelInfer(full, None)).SerializeToString()])
 
+    def _infer_placed(self, call: Call, placement: Placement) -> None:
+        """Run a request whose inputs were read into a slot; answer from the slot."""
+        request, outputs = placement.request
+        lease = placement.lease
+        with lease:
+            placement.parts.clear()  # no view of the slot outlives the lease
+            self._run_and_answer(call, request, lease, outputs, None)
+
     def _infer_in_slot(
         self,
         call: Call,
@@ -321,24 +306,42 @@ class GrpcDoor:
         outputs: Sequence[str] | None,
     ) -> None:
         """Lease a slot, copy the inputs in, run, answer from the slot (no copy of the outputs)."""
+        with self._client.lease(request.model_name) as lease:
+            for name, array in inputs.items():
+                lease.input(name, array.shape)[...] = array
+            self._run_and_answer(call, request, lease, outputs, inputs)
+
+    def _run_and_answer(
+        self,
+        call: Call,
+        request: pb.ModelInferRequest,
+        lease: Any,
+        outputs: Sequence[str] | None,
+        inputs: Mapping[str, np.ndarray] | None,
+    ) -> None:
+        """Run the model on the inputs in ``lease``'s slot and answer from the slot.
+
+        ``inputs`` are the request's own arrays (``None``: they are only in the slot).
+        """
         client = self._client
         model = request.model_name
         version = self._served_version(model)
-        with client.lease(model) as lease:
-            for name, array in inputs.items():
-                lease.input(name, array.shape)[...] = array
-            try:
-                result = client.run(lease, outputs)
-            except (LayoutMismatchError, OutputTooLargeError) as e:
-                # What infer handles itself (a reloaded model, an output over its slot).
-                lease.release()
-                if isinstance(e, LayoutMismatchError):
-                    client._layout_changed(e)
-                result = client.infer(model, inputs, outputs=outputs)
-            parts = encode_infer_response_parts(model, version, request.id, result)
-            del result
-            call.respond(parts)  # written from the slot, then it goes back
-            del parts  # no view of the slot outlives the lease
+        try:
+            result = client.run(lease, outputs)
+        except (LayoutMismatchError, OutputTooLargeError) as e:
+            # What infer handles itself (a reloaded model, an output over its slot).
+            if inputs is None:
+                inputs = {
+                    name: np.array(lease.input(name, shape)) for name, shape in lease.input_shapes.items()
+                }
+            lease.release()
+            if isinstance(e, LayoutMismatchError):
+                client._layout_changed(e)
+            result = client.infer(model, inputs, outputs=outputs)
+        parts = encode_infer_response_parts(model, version, request.id, result)
+        del result
+        call.respond(parts)  # written from the slot, then it goes back
+        del parts  # no view of the slot outlives the lease
 
 
 def _messages(name: str) -> tuple[Any, Any] | None:

@@ -20,8 +20,11 @@ numbers and the per-stream pieces are in :mod:`~ray_triton_shm._private.serve.h2
   connection's thread reads the client's frames itself while it waits for a
   flow-control window.
 
-Header blocks are (de)compressed with ``hpack``. Request messages compressed
-with ``gzip`` or ``deflate`` are inflated; answers are sent uncompressed.
+Header blocks are read with ``hpack`` (:mod:`~ray_triton_shm._private.serve.h2_headers`);
+answers are written by :class:`~ray_triton_shm._private.serve.h2_send.AnswerWriter`. Request
+messages compressed with ``gzip`` or ``deflate`` are inflated; answers are sent uncompressed.
+A method may have a *placer*: its messages' tensors are then read straight into a slot
+(:mod:`~ray_triton_shm._private.serve.grpc_message`).
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ import select
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from ray_triton_shm._private.serve.h2_headers import TABLE_SIZE_ZERO, HeaderDecoder, encode_block
+from ray_triton_shm._private.serve.grpc_message import Placer
+from ray_triton_shm._private.serve.h2_headers import TABLE_SIZE_ZERO, HeaderDecoder
+from ray_triton_shm._private.serve.h2_send import AnswerWriter
 from ray_triton_shm._private.serve.h2_wire import (
     ACK,
     COMPRESSION_ERROR,
@@ -63,6 +66,7 @@ from ray_triton_shm._private.serve.h2_wire import (
     OUR_MAX_FRAME,
     PADDED,
     PING,
+    PLACED_READ_TIMEOUT_S,
     PREFACE,
     PRIORITY,
     PRIORITY_FLAG,
@@ -81,26 +85,15 @@ from ray_triton_shm._private.serve.h2_wire import (
     Stream,
     StreamGone,
     frame_header,
-    percent_encode,
-    status_number,
 )
-from ray_triton_shm._private.serve.listener import send_parts
 
 logger = logging.getLogger(__name__)
-
-_RESPONSE_HEADERS = [
-    (":status", "200"),
-    ("content-type", "application/grpc"),
-    ("grpc-accept-encoding", "identity,deflate,gzip"),
-]
-_RESPONSE_BLOCK = encode_block(_RESPONSE_HEADERS)
-_OK_BLOCK = encode_block([("grpc-status", "0")])
 
 
 Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
 
 
-class H2Connection:
+class H2Connection(AnswerWriter):
     """One client connection: reads frames, runs each complete call on ``pool``, writes the answers.
 
     Args:
@@ -110,6 +103,8 @@ class H2Connection:
             that ends it at once (the client need not send its message), or ``None``.
         pool: Where calls run.
         max_message: Largest request message accepted (larger: ``RESOURCE_EXHAUSTED``).
+        place: Given a call's method, the placer of its request message, or ``None``
+            (see :mod:`~ray_triton_shm._private.serve.grpc_message`).
     """
 
     def __init__(
@@ -119,8 +114,11 @@ class H2Connection:
         refuse: Refuse | None,
         pool: ThreadPoolExecutor,
         max_message: int,
+        place: Callable[[str], Placer | None] | None = None,
     ) -> None:
         self._sock = sock
+        self._place = place
+        self._read_timeout = False  # set while a slot waits for a message's bytes
         self._handler = handler
         self._refuse = refuse
         self._pool = pool
@@ -202,7 +200,11 @@ class H2Connection:
                 stream = self._streams.pop(stream_id, None)
                 if stream is not None:
                     stream.reset = True
+                    if not stream.dispatched:
+                        stream.release()
                     self._flow.notify_all()
+            if stream is not None and self._read_timeout:
+                self._update_read_timeout()
         elif kind == GOAWAY:
             self._reader.payload(length)
             self._going_away = True
@@ -232,7 +234,10 @@ class H2Connection:
         elif stream.ended:
             raise H2ProtocolError(PROTOCOL_ERROR, f"DATA after the end of stream {stream_id}")
         else:
+            placing = stream.placing()
             stream.receive(self._reader, count)
+            if stream.placing() != placing:
+                self._update_read_timeout()
             if stream.error is not None and not stream.dispatched:
                 self._dispatch(stream)  # answered now, so that the client stops sending
         self._reader.skip(pad)
@@ -280,14 +285,16 @@ class H2Connection:
         if stream_id <= self._last_stream:
             raise H2ProtocolError(PROTOCOL_ERROR, f"HEADERS on closed stream {stream_id}")
         self._last_stream = stream_id
+        path = next((v for k, v in headers if k == ":path"), "")
+        placer = self._place(path) if self._place is not None else None
         with self._flow:
-            stream = Stream(stream_id, headers, self._peer_initial_window, self._max_message)
+            stream = Stream(stream_id, headers, self._peer_initial_window, self._max_message, placer)
             if len(self._streams) >= MAX_STREAMS:
                 self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
                 return
             self._streams[stream_id] = stream
         if self._refuse is not None:
-            stream.error = self._refuse(stream.header(":path") or "", stream.metadata)
+            stream.error = self._refuse(path, stream.metadata)
             if stream.error is not None:
                 self._dispatch(stream)
         if flags & END_STREAM:
@@ -329,6 +336,15 @@ class H2Connection:
             return True  # nothing waiting on the socket
         except OSError:
             return False
+
+    def _update_read_timeout(self) -> None:
+        """Bound reads by :data:`PLACED_READ_TIMEOUT_S` while a slot waits for a message's bytes."""
+        with self._flow:
+            want = any(stream.placing() for stream in self._streams.values())
+        if want != self._read_timeout:
+            seconds = int(PLACED_READ_TIMEOUT_S) if want else 0
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, 0))
+            self._read_timeout = want
 
     def _settings(self, payload: bytes, flags: int, stream_id: int) -> None:
         if stream_id:
@@ -391,109 +407,11 @@ class H2Connection:
         finally:
             if not stream.answered:
                 call.abort("INTERNAL", "the server did not answer the call")
+            stream.release()  # a placement the handler did not take
             with self._flow:
                 stream.done = True
                 if stream.ended:
                     self._streams.pop(stream.id, None)
-
-    # -- writing -------------------------------------------------------------------------
-    def _send(self, parts: Sequence[bytes | memoryview]) -> None:
-        with self._write:
-            self._send_locked(parts)
-
-    def _send_locked(self, parts: Sequence[Any]) -> None:
-        """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``)."""
-        try:
-            send_parts(self._sock, parts)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-            raise StreamGone() from e
-
-    def _header_frames(self, stream_id: int, block: bytes, end_stream: bool) -> list[bytes]:
-        """A header ``block`` as HEADERS (+ CONTINUATION) frames; called with the write lock held."""
-        if self._size_update:
-            block, self._size_update = self._size_update + block, b""
-        size = self._peer_max_frame
-        chunks = [block[i : i + size] for i in range(0, len(block), size)] or [b""]
-        frames = []
-        for index, chunk in enumerate(chunks):
-            kind = HEADERS if index == 0 else CONTINUATION
-            flags = (END_STREAM if end_stream and index == 0 else 0) | (
-                END_HEADERS if index == len(chunks) - 1 else 0
-            )
-            frames += [frame_header(len(chunk), kind, flags, stream_id), chunk]
-        return frames
-
-    def answer(
-        self, stream: Stream, parts: Sequence[bytes | memoryview] | None, code: str, message: str
-    ) -> None:
-        """Send the answer of ``stream``: headers, the message of ``parts`` (if any), and the status.
-
-        Raises:
-            StreamGone: The client reset the stream, or the connection closed.
-        """
-        if stream.answered:
-            return
-        stream.answered = True
-        if code == "OK" and not message:
-            trailers = _OK_BLOCK
-        else:
-            status = [("grpc-status", str(status_number(code)))]
-            if message:
-                status.append(("grpc-message", percent_encode(message)))
-            trailers = encode_block(status)
-        sid = stream.id
-        if parts is None:  # trailers only
-            self._check(stream)
-            with self._write:
-                self._send_locked(self._header_frames(sid, _RESPONSE_BLOCK + trailers, True))
-        else:
-            length = sum(memoryview(p).nbytes for p in parts)
-            views = [memoryview(b"\x00" + length.to_bytes(4, "big"))] + [
-                memoryview(p).cast("B") for p in parts
-            ]
-            remaining = length + 5
-            first = True
-            while remaining:
-                take = self._reserve(stream, remaining)
-                remaining -= take
-                with self._write:
-                    frames: list[Any] = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
-                    first = False
-                    frames += self._data_frames(sid, views, take)
-                    if not remaining:
-                        frames += self._header_frames(sid, trailers, True)
-                    self._send_locked(frames)
-        if not stream.ended:  # answered before the client finished sending: stop it
-            self._send([frame_header(4, RST_STREAM, 0, sid), NO_ERROR.to_bytes(4, "big")])
-
-    def _check(self, stream: Stream) -> None:
-        if stream.reset or self._closed:
-            raise StreamGone()
-
-    def _reserve(self, stream: Stream, want: int) -> int:
-        """Take up to ``want`` bytes of both send windows, waiting while either is closed.
-
-        A call running in the reader's thread reads the client's frames itself
-        meanwhile (its window updates among them).
-        """
-        deadline = time.monotonic() + SEND_TIMEOUT_S
-        while True:
-            with self._flow:
-                self._check(stream)
-                take = min(want, stream.send_window, self._send_window)
-                if take > 0:
-                    stream.send_window -= take
-                    self._send_window -= take
-                    return take
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StreamGone()
-                if threading.current_thread() is not self._reader_thread:
-                    self._flow.wait(remaining)
-                    continue
-            self._read_one_frame(remaining)
 
     def _read_one_frame(self, timeout: float) -> None:
         """Read one frame in the reader's thread while its call waits (the connection's end ends the call)."""
@@ -507,26 +425,6 @@ class H2Connection:
             self._fatal = e
             self._close()
             raise StreamGone() from e
-
-    def _data_frames(self, stream_id: int, views: list[memoryview], count: int) -> list[Any]:
-        """DATA frames of the next ``count`` bytes of ``views`` (consumed from its front)."""
-        frames: list[Any] = []
-        size = self._peer_max_frame
-        while count:
-            frame = min(count, size)
-            count -= frame
-            frames.append(frame_header(frame, DATA, 0, stream_id))
-            while frame:
-                view = views[0]
-                if len(view) <= frame:
-                    frames.append(view)
-                    frame -= len(view)
-                    views.pop(0)
-                else:
-                    frames.append(view[:frame])
-                    views[0] = view[frame:]
-                    frame = 0
-        return frames
 
     # -- closing -------------------------------------------------------------------------
     def _goaway(self, code: int, message: str) -> None:
@@ -546,6 +444,8 @@ class H2Connection:
             self._closed = True
             for stream in self._streams.values():
                 stream.reset = True
+                if not stream.dispatched:
+                    stream.release()
             self._flow.notify_all()
 
     def go_away(self) -> None:

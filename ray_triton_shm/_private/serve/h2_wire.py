@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from ray_triton_shm._private.serve.grpc_message import MessageBuffer, PlacedMessage, Placement, Placer
 from ray_triton_shm._private.serve.kserve_limits import inflate
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -46,6 +47,8 @@ MAX_STREAMS = 1024
 """Streams a connection may have open at once (announced in the settings)."""
 SEND_TIMEOUT_S = 60.0
 """How long an answer may wait for the client to open its flow-control window."""
+PLACED_READ_TIMEOUT_S = 30.0
+"""How long a message being read into a slot may go without a byte before its connection is closed."""
 
 
 FRAME_HEADER = struct.Struct(">HBBBI")  # length (24 bits, as 16 + 8), type, flags, stream id
@@ -173,15 +176,22 @@ class FrameReader:
 class Stream:
     """One call: its headers, its request message as it arrives, its send window."""
 
-    def __init__(self, stream_id: int, headers: list[tuple[str, str]], send_window: int, max_message: int):
+    def __init__(
+        self,
+        stream_id: int,
+        headers: list[tuple[str, str]],
+        send_window: int,
+        max_message: int,
+        placer: Placer | None = None,
+    ):
         self.id = stream_id
         self.headers = headers
         self.metadata = metadata_of(headers)
         self.send_window = send_window
         self.max_message = max_message
+        self.placer = placer  # where an uncompressed message's bytes go (None: a plain buffer)
         self.prefix = bytearray()
-        self.message: bytearray | None = None
-        self.filled = 0
+        self.message: MessageBuffer | PlacedMessage | None = None
         self.messages = 0
         self.error: CallError | None = None
         self.ended = False  # the client's side is closed (END_STREAM seen)
@@ -196,7 +206,7 @@ class Stream:
             if self.error is not None:
                 reader.skip(count)
                 return
-            if self.message is None or self.filled == len(self.message):
+            if self.message is None or self.message.full():
                 if self.message is not None:
                     self.error = CallError("UNIMPLEMENTED", "this server takes one request message per call")
                     continue
@@ -212,13 +222,31 @@ class Stream:
                         f"Received message larger than max ({length} vs. {self.max_message})",
                     )
                     continue
-                self.message = bytearray(length)
+                if self.placer is not None and not self.prefix[0] and length:
+                    self.message = PlacedMessage(length, self.placer)
+                else:
+                    self.message = MessageBuffer(length)
                 self.messages += 1
                 continue
-            take = min(count, len(self.message) - self.filled)
-            reader.into(memoryview(self.message)[self.filled : self.filled + take])
-            self.filled += take
-            count -= take
+            count -= self.message.take(reader, count)
+
+    def placing(self) -> bool:
+        """Whether a slot is held for the message while its bytes still arrive."""
+        return isinstance(self.message, PlacedMessage) and self.message.placing()
+
+    def placement(self) -> Placement | None:
+        """The complete message's placement (its slot now the caller's to give back), or ``None``."""
+        if self.error is None and isinstance(self.message, PlacedMessage) and self.message.full():
+            placement, self.message.placement = self.message.placement, None
+            if placement is not None:
+                self.message.buffer = None
+            return placement
+        return None
+
+    def release(self) -> None:
+        """Give back the slot of a placement no call took (idempotent)."""
+        if isinstance(self.message, PlacedMessage):
+            self.message.release()
 
     def request(self) -> bytes | bytearray:
         """The complete request message (inflated).
@@ -228,10 +256,11 @@ class Stream:
         """
         if self.error is not None:
             raise self.error
-        if self.message is None or self.filled < len(self.message):
+        if self.message is None or not self.message.full():
             raise CallError("INTERNAL", "the call ended before its request message was complete")
+        data = self.message.message() if isinstance(self.message, PlacedMessage) else self.message.data
         if not self.prefix[0]:
-            return self.message
+            return data
         encoding = self.header("grpc-encoding") or "identity"
         if encoding not in ("gzip", "deflate"):
             raise CallError(
@@ -239,7 +268,7 @@ class Stream:
                 f"the request message is compressed with {encoding!r}; this server reads gzip and deflate",
             )
         try:
-            return inflate(bytes(self.message), encoding, self.max_message)
+            return inflate(bytes(data), encoding, self.max_message)
         except Exception as e:
             raise CallError("INTERNAL", f"the request message cannot be inflated: {e}") from e
 
@@ -271,6 +300,13 @@ class Call:
             CallError: As :meth:`Stream.request`.
         """
         return self._stream.request()
+
+    def placement(self) -> Placement | None:
+        """Where the request message was read into, if its method's placer placed it (see
+        :mod:`~ray_triton_shm._private.serve.grpc_message`); the slot is then the caller's to give back.
+        ``None``: read the message with :meth:`request`.
+        """
+        return self._stream.placement()
 
     def respond(self, parts: Sequence[bytes | memoryview]) -> None:
         """Answer with one message made of ``parts`` (sent as they are), then status OK.

@@ -237,6 +237,80 @@ def test_callers_gone_mid_answer_give_their_slots_back(apps) -> None:
     assert np.array_equal(_http_identity(http_url, np.ones((1, n), np.float32)), np.ones((1, n), np.float32))
 
 
+def _infer_message(n: int, raw: bytes, tail: bytes = b"") -> bytes:
+    """A serialised ``ModelInferRequest`` of identity, an FP32 ``[1, n]`` input with ``raw`` as contents."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="identity")
+    tensor = request.inputs.add(name="INPUT0", datatype="FP32")
+    tensor.shape.extend([1, n])
+    request.raw_input_contents.append(raw)
+    return request.SerializeToString() + tail
+
+
+def test_grpc_requests_read_into_a_slot_odd_or_cut_short_lose_nothing(apps) -> None:
+    """The gRPC front door reads a request's raw contents into a slot as they arrive; a message
+    that turns out otherwise gets the answer of the same message read whole, and a call cut
+    short mid-message gives its slot back."""
+    import grpc
+
+    _, _, grpc_url = apps["apps"]["triton-a"]
+    n = 262144
+    x = np.arange(n, dtype=np.float32)
+    with grpc.insecure_channel(grpc_url, options=[("grpc.max_receive_message_length", -1)]) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        answer = infer(_infer_message(n, x.tobytes()), timeout=60)
+        from tritonclient.grpc import service_pb2 as pb
+
+        out = pb.ModelInferResponse.FromString(answer)
+        assert np.array_equal(np.frombuffer(out.raw_output_contents[0], np.float32), x)
+        # 4 bytes short, with a 4-byte field after: as long as expected, but its length differs.
+        odd = _infer_message(n, x.tobytes()[:-4], tail=b"\x1a\x02id")
+        assert len(odd) == len(_infer_message(n, x.tobytes()))
+        errors = []
+        for compression in (None, grpc.Compression.Gzip):  # compressed: read whole, never placed
+            with pytest.raises(grpc.RpcError) as info:
+                infer(odd, timeout=60, compression=compression)
+            errors.append((info.value.code(), info.value.details()))
+        assert errors[0] == errors[1] and errors[0][0] == grpc.StatusCode.INVALID_ARGUMENT
+    # Cut short: the head and part of the contents, then the stream is reset (or the connection closed).
+    import hpack
+
+    host, port = grpc_url.rsplit(":", 1)
+    block = hpack.Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/inference.GRPCInferenceService/ModelInfer"),
+            (":authority", "x"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+    )
+    message = _infer_message(n, x.tobytes())
+    framed = b"\x00" + len(message).to_bytes(4, "big") + message[: len(message) // 2]
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0, 4, 0, 0)
+    for reset in (True, False):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(preface + _frame(len(block), 1, 4, 1) + block + _frame(len(framed), 0, 0, 1) + framed)
+            deadline = time.monotonic() + 30
+            while not _busy_slots() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _busy_slots(), "no slot was leased for the message while it arrived"
+            if reset:
+                s.sendall(_frame(4, 3, 0, 1) + (8).to_bytes(4, "big"))  # RST_STREAM, CANCEL
+                time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while _busy_slots() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _busy_slots(), "a slot held after its call was cut short"
+    assert np.array_equal(_grpc_identity(grpc_url, x.reshape(1, n)), x.reshape(1, n))
+
+
+def _frame(length: int, kind: int, flags: int, stream: int) -> bytes:
+    return length.to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big")
+
+
 def test_after_shutdown_nothing_listens_and_nothing_is_left(apps) -> None:
     """Last in this module: it shuts the apps down."""
     import ray

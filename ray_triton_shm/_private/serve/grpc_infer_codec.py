@@ -1,0 +1,168 @@
+"""``ModelInfer`` messages as bytes: the raw tensors found, placed and written without a parse or a join.
+
+* :func:`split_infer_request`: a request's description parsed, its raw input
+  contents left as views of the message's bytes;
+* :func:`raw_start` and :func:`plan_inputs`: where a request's raw inputs begin,
+  and what they are, from the message's head alone (to read them into a slot);
+* :func:`encode_infer_response_parts`: an answer as its small fields followed by
+  the outputs' bytes, sent as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+
+from ray_triton_shm._private.serve.kserve import SHM_PARAMETERS
+from ray_triton_shm._private.serve.kserve_grpc import add_outputs
+from ray_triton_shm._private.serve.kserve_limits import check_shape
+from ray_triton_shm._private.shm.layout import TRITON_TO_NUMPY
+from ray_triton_shm.errors import InputError
+
+_RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents
+RAW_INPUT_KEY = bytes([(_RAW_INPUT_FIELD << 3) | 2])
+_RAW_OUTPUT_KEY = bytes([(6 << 3) | 2])  # ModelInferResponse.raw_output_contents, length-delimited
+
+
+def _varint(data: memoryview, pos: int) -> tuple[int, int]:
+    value = 0
+    shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise InputError("the ModelInferRequest message is malformed (a varint runs past its end)")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def raw_start(head: bytes) -> int | None:
+    """Where the first raw input's field begins in ``head`` (the start of a ``ModelInferRequest``).
+
+    ``None``: ``head`` ends first, has no raw input, or is not a well-formed message.
+    """
+    view = memoryview(head)
+    pos = 0
+    try:
+        while pos < len(view):
+            start = pos
+            key, pos = _varint(view, pos)
+            field, wire = key >> 3, key & 7
+            if field == _RAW_INPUT_FIELD and wire == 2:
+                return start
+            if wire == 2:
+                length, pos = _varint(view, pos)
+                pos += length
+            elif wire == 0:
+                _, pos = _varint(view, pos)
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:
+                return None
+    except InputError:
+        return None
+    return None
+
+
+def plan_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], list[str] | None] | None:
+    """Placeholders (no memory behind them) of a request's raw inputs, and the outputs it asks for.
+
+    ``None`` for a request :func:`decode_infer_request` would refuse or
+    read otherwise: typed contents, shared-memory parameters, an unknown or
+    BYTES datatype, a shape no tensor has, an input given twice.
+    """
+    placeholders: dict[str, np.ndarray] = {}
+    for tensor in request.inputs:
+        dtype = TRITON_TO_NUMPY.get(tensor.datatype)
+        if (
+            dtype is None
+            or tensor.name in placeholders
+            or tensor.HasField("contents")
+            or any(key in tensor.parameters for key in SHM_PARAMETERS)
+        ):
+            return None
+        shape = [int(d) for d in tensor.shape]
+        try:
+            check_shape(tensor.name, shape)
+        except InputError:
+            return None
+        placeholders[tensor.name] = np.broadcast_to(np.zeros((), dtype), shape)
+    outputs = None
+    if request.outputs:
+        if any(key in t.parameters for t in request.outputs for key in SHM_PARAMETERS):
+            return None
+        outputs = [t.name for t in request.outputs]
+    return placeholders, outputs
+
+
+def encode_varint(value: int) -> bytes:
+    """``value`` as a protobuf varint."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def split_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryview]]:
+    """The request without its raw input contents, and those contents as views of ``data``.
+
+    Raises:
+        InputError: ``data`` is not a well-formed message.
+    """
+    view = memoryview(data)
+    kept: list[tuple[int, int]] = []
+    raw: list[memoryview] = []
+    pos = 0
+    while pos < len(view):
+        start = pos
+        key, pos = _varint(view, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 2:
+            length, pos = _varint(view, pos)
+            end = pos + length
+            if end > len(view):
+                raise InputError("the ModelInferRequest message is malformed (a field runs past its end)")
+            if field == _RAW_INPUT_FIELD:
+                raw.append(view[pos:end])
+                pos = end
+                continue
+            pos = end
+        elif wire == 0:
+            _, pos = _varint(view, pos)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise InputError(f"the ModelInferRequest message is malformed (wire type {wire})")
+        if kept and kept[-1][1] == start:
+            kept[-1] = (kept[-1][0], pos)
+        else:
+            kept.append((start, pos))
+    if pos > len(view):
+        raise InputError("the ModelInferRequest message is malformed (it ends inside a field)")
+    rest = b"".join(view[a:b] for a, b in kept)
+    try:
+        return pb.ModelInferRequest.FromString(rest), raw
+    except Exception as e:  # protobuf's DecodeError
+        raise InputError(f"the ModelInferRequest message is malformed: {e}") from e
+
+
+def encode_infer_response_parts(
+    model: str, version: str, request_id: str, outputs: Mapping[str, Any]
+) -> list[bytes | memoryview]:
+    """A ``ModelInferResponse`` of ``outputs`` (raw contents) as parts: its small fields, then each output.
+
+    The outputs' parts are views of their arrays: sent as they are, they are
+    never joined into one message.
+    """
+    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
+    parts: list[bytes | memoryview] = []
+    for blob in add_outputs(response, outputs):
+        parts.extend((_RAW_OUTPUT_KEY, encode_varint(len(blob)), blob))
+    return [response.SerializeToString(), *parts]

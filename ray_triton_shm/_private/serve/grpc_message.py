@@ -1,0 +1,242 @@
+"""Where a gRPC request message's bytes go as they arrive: a buffer, or partly a shared-memory slot.
+
+A message is read into a :class:`MessageBuffer` unless the call's method has a
+*placer* (``ModelInfer`` on the front door). Then a :class:`PlacedMessage`
+first reads the message's head (its first :data:`HEAD_BYTES`) and asks the
+placer where the rest goes: a :class:`Placement` lists the byte strings the
+rest must be (each raw input's field key and length) and the views it fills
+(the inputs' regions in a leased slot), so the tensors are read from the
+socket straight into the slot. Bytes that differ from what the placement
+expects turn the message back into a plain buffer, the bytes read so far
+copied into it and the slot given back: the call then sees the message as
+it was sent, and gets the answer any other message gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+HEAD_BYTES = 4096
+"""Bytes of a message read before its placer is asked (a ``ModelInfer`` head is a few hundred)."""
+
+
+class Source(Protocol):
+    """What a message reads from: the connection's frame reader."""
+
+    def exactly(self, n: int) -> bytes: ...
+
+    def into(self, target: memoryview) -> None: ...
+
+
+class MessageBuffer:
+    """A message of ``length`` bytes read into one buffer."""
+
+    def __init__(self, length: int) -> None:
+        self.data = bytearray(length)
+        self.filled = 0
+
+    def full(self) -> bool:
+        return self.filled == len(self.data)
+
+    def take(self, source: Source, count: int) -> int:
+        """Read up to ``count`` of the message's bytes from ``source``; returns how many."""
+        n = min(count, len(self.data) - self.filled)
+        source.into(memoryview(self.data)[self.filled : self.filled + n])
+        self.filled += n
+        return n
+
+
+class Placement:
+    """Where the rest of a message goes, after its ``head`` (the bytes before the first placed part).
+
+    Args:
+        lease: The slot the views are in (given back by :meth:`release`).
+        head: The message's bytes before ``parts``.
+        parts: In order: byte strings the message must go on with, and writable views it fills.
+        request: What the placer made of the head (for the call).
+    """
+
+    def __init__(self, lease: Any, head: bytes, parts: list[bytes | memoryview], request: Any) -> None:
+        self.lease = lease
+        self.head = head
+        self.parts = parts
+        self.request = request
+        self._index = 0
+        self._offset = 0
+
+    def length(self) -> int:
+        """The whole message's length as placed."""
+        return len(self.head) + sum(len(p) for p in self.parts)
+
+    def full(self) -> bool:
+        return self._index == len(self.parts)
+
+    def take(self, source: Source, count: int) -> int:
+        """Read up to ``count`` bytes from ``source`` into place; returns how many.
+
+        Raises:
+            Mismatch: The message differs from what was expected (with the bytes read meanwhile).
+        """
+        done = 0
+        while done < count and self._index < len(self.parts):
+            part = self.parts[self._index]
+            n = min(count - done, len(part) - self._offset)
+            if isinstance(part, memoryview):
+                source.into(part[self._offset : self._offset + n])
+            else:
+                got = source.exactly(n)
+                if got != part[self._offset : self._offset + n]:
+                    raise Mismatch(done, got)
+            done += n
+            self._advance(n)
+        return done
+
+    def take_bytes(self, data: bytes) -> int:
+        """Place ``data`` (bytes already read); returns how many were taken.
+
+        Raises:
+            Mismatch: As :meth:`take`.
+        """
+        return self.take(_BytesSource(data), len(data))
+
+    def _advance(self, n: int) -> None:
+        self._offset += n
+        while self._index < len(self.parts) and self._offset == len(self.parts[self._index]):
+            self._index += 1
+            self._offset = 0
+
+    def read_so_far(self) -> bytes:
+        """The message's bytes placed so far, head included (a copy)."""
+        out = bytearray(self.head)
+        for part in self.parts[: self._index]:
+            out += part
+        if self._index < len(self.parts):
+            out += self.parts[self._index][: self._offset]
+        return bytes(out)
+
+    def message(self) -> bytearray:
+        """The whole message, copied out of place (the placement must be full)."""
+        return bytearray(self.read_so_far())
+
+    def release(self) -> None:
+        """Drop the views and give the slot back (idempotent)."""
+        self.parts = []
+        self.lease.release()
+
+
+class Mismatch(Exception):
+    """Bytes that differ from a placement's: ``taken`` bytes of this read went into place, then ``got``."""
+
+    def __init__(self, taken: int, got: bytes) -> None:
+        super().__init__(taken, got)
+        self.taken = taken
+        self.got = got
+
+
+class _BytesSource:
+    def __init__(self, data: bytes) -> None:
+        self._view = memoryview(data)
+        self._pos = 0
+
+    def exactly(self, n: int) -> bytes:
+        out = bytes(self._view[self._pos : self._pos + n])
+        self._pos += n
+        return out
+
+    def into(self, target: memoryview) -> None:
+        n = len(target)
+        target[:] = self._view[self._pos : self._pos + n]
+        self._pos += n
+
+
+Placer = Callable[[bytes, int], "Placement | None"]
+"""Given a message's head and its length: where the rest goes, or ``None`` (a plain buffer then)."""
+
+
+class PlacedMessage:
+    """A message whose head is read first; then the rest goes where the placer says, or into a buffer.
+
+    Args:
+        length: The message's length.
+        placer: See :data:`Placer`; it must not block.
+    """
+
+    def __init__(self, length: int, placer: Placer) -> None:
+        self.length = length
+        self._placer = placer
+        self._head = bytearray()
+        self.placement: Placement | None = None
+        self.buffer: MessageBuffer | None = None
+
+    def full(self) -> bool:
+        if self.placement is not None:
+            return self.placement.full()
+        if self.buffer is not None:
+            return self.buffer.full()
+        return False
+
+    def placing(self) -> bool:
+        """Whether a slot is held for the message while its bytes still arrive."""
+        return self.placement is not None and not self.placement.full()
+
+    def take(self, source: Source, count: int) -> int:
+        """Read up to ``count`` of the message's bytes from ``source``; returns how many."""
+        if self.buffer is not None:
+            return self.buffer.take(source, count)
+        if self.placement is not None:
+            try:
+                return self.placement.take(source, count)
+            except Mismatch as e:
+                self._unplace(e.got)
+                return e.taken + len(e.got)
+        n = min(count, min(self.length, HEAD_BYTES) - len(self._head))
+        self._head += source.exactly(n)
+        if len(self._head) == min(self.length, HEAD_BYTES):
+            self._place()
+        return n
+
+    def _place(self) -> None:
+        head = bytes(self._head)
+        placement = self._placer(head, self.length)
+        if placement is None or placement.length() != self.length:
+            if placement is not None:
+                placement.release()
+            self._to_buffer(head)
+            return
+        try:
+            placement.take_bytes(head[len(placement.head) :])
+        except Mismatch:
+            placement.release()
+            self._to_buffer(head)
+            return
+        self.placement = placement
+
+    def _unplace(self, got: bytes) -> None:
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            so_far = placement.read_so_far() + got
+            placement.release()
+            self._to_buffer(so_far)
+
+    def _to_buffer(self, data: bytes) -> None:
+        self.buffer = MessageBuffer(self.length)
+        self.buffer.data[: len(data)] = data
+        self.buffer.filled = len(data)
+
+    def release(self) -> None:
+        """Give back the slot of a placement the call did not take (idempotent)."""
+        if self.placement is not None:
+            self.placement.release()
+
+    def message(self) -> bytearray:
+        """The whole message's bytes (copied out of place if it was placed; the slot goes back then)."""
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            self.buffer = MessageBuffer(0)
+            self.buffer.data = placement.message()
+            self.buffer.filled = len(self.buffer.data)
+            placement.release()
+        if self.buffer is None:
+            raise ValueError("the message is not complete")
+        return self.buffer.data

@@ -1,0 +1,175 @@
+"""Writing a connection's answers: header blocks, and DATA frames within the client's windows.
+
+:class:`AnswerWriter` is the writing half of
+:class:`~ray_triton_shm._private.serve.grpc_h2.H2Connection`, which sets up the
+state it uses (the socket, the write lock, the send windows, the streams).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ray_triton_shm._private.serve.h2_headers import encode_block
+from ray_triton_shm._private.serve.h2_wire import (
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    NO_ERROR,
+    RST_STREAM,
+    SEND_TIMEOUT_S,
+    Stream,
+    StreamGone,
+    frame_header,
+    percent_encode,
+    status_number,
+)
+from ray_triton_shm._private.serve.listener import send_parts
+
+_RESPONSE_HEADERS = [
+    (":status", "200"),
+    ("content-type", "application/grpc"),
+    ("grpc-accept-encoding", "identity,deflate,gzip"),
+]
+_RESPONSE_BLOCK = encode_block(_RESPONSE_HEADERS)
+_OK_BLOCK = encode_block([("grpc-status", "0")])
+
+
+class AnswerWriter:
+    """Writes answers on a connection (a base of ``H2Connection``, which sets its state up)."""
+
+    _sock: socket.socket
+    _write: threading.Lock
+    _flow: threading.Condition
+    _size_update: bytes
+    _peer_max_frame: int
+    _send_window: int
+    _closed: bool
+    _reader_thread: threading.Thread | None
+
+    def _read_one_frame(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def _send(self, parts: Sequence[bytes | memoryview]) -> None:
+        with self._write:
+            self._send_locked(parts)
+
+    def _send_locked(self, parts: Sequence[Any]) -> None:
+        """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``)."""
+        try:
+            send_parts(self._sock, parts)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            raise StreamGone() from e
+
+    def _header_frames(self, stream_id: int, block: bytes, end_stream: bool) -> list[bytes]:
+        """A header ``block`` as HEADERS (+ CONTINUATION) frames; called with the write lock held."""
+        if self._size_update:
+            block, self._size_update = self._size_update + block, b""
+        size = self._peer_max_frame
+        chunks = [block[i : i + size] for i in range(0, len(block), size)] or [b""]
+        frames = []
+        for index, chunk in enumerate(chunks):
+            kind = HEADERS if index == 0 else CONTINUATION
+            flags = (END_STREAM if end_stream and index == 0 else 0) | (
+                END_HEADERS if index == len(chunks) - 1 else 0
+            )
+            frames += [frame_header(len(chunk), kind, flags, stream_id), chunk]
+        return frames
+
+    def answer(
+        self, stream: Stream, parts: Sequence[bytes | memoryview] | None, code: str, message: str
+    ) -> None:
+        """Send the answer of ``stream``: headers, the message of ``parts`` (if any), and the status.
+
+        Raises:
+            StreamGone: The client reset the stream, or the connection closed.
+        """
+        if stream.answered:
+            return
+        stream.answered = True
+        if code == "OK" and not message:
+            trailers = _OK_BLOCK
+        else:
+            status = [("grpc-status", str(status_number(code)))]
+            if message:
+                status.append(("grpc-message", percent_encode(message)))
+            trailers = encode_block(status)
+        sid = stream.id
+        if parts is None:  # trailers only
+            self._check(stream)
+            with self._write:
+                self._send_locked(self._header_frames(sid, _RESPONSE_BLOCK + trailers, True))
+        else:
+            length = sum(memoryview(p).nbytes for p in parts)
+            views = [memoryview(b"\x00" + length.to_bytes(4, "big"))] + [
+                memoryview(p).cast("B") for p in parts
+            ]
+            remaining = length + 5
+            first = True
+            while remaining:
+                take = self._reserve(stream, remaining)
+                remaining -= take
+                with self._write:
+                    frames: list[Any] = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
+                    first = False
+                    frames += self._data_frames(sid, views, take)
+                    if not remaining:
+                        frames += self._header_frames(sid, trailers, True)
+                    self._send_locked(frames)
+        if not stream.ended:  # answered before the client finished sending: stop it
+            self._send([frame_header(4, RST_STREAM, 0, sid), NO_ERROR.to_bytes(4, "big")])
+
+    def _check(self, stream: Stream) -> None:
+        if stream.reset or self._closed:
+            raise StreamGone()
+
+    def _reserve(self, stream: Stream, want: int) -> int:
+        """Take up to ``want`` bytes of both send windows, waiting while either is closed.
+
+        A call running in the reader's thread reads the client's frames itself
+        meanwhile (its window updates among them).
+        """
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        while True:
+            with self._flow:
+                self._check(stream)
+                take = min(want, stream.send_window, self._send_window)
+                if take > 0:
+                    stream.send_window -= take
+                    self._send_window -= take
+                    return take
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StreamGone()
+                if threading.current_thread() is not self._reader_thread:
+                    self._flow.wait(remaining)
+                    continue
+            self._read_one_frame(remaining)
+
+    def _data_frames(self, stream_id: int, views: list[memoryview], count: int) -> list[Any]:
+        """DATA frames of the next ``count`` bytes of ``views`` (consumed from its front)."""
+        frames: list[Any] = []
+        size = self._peer_max_frame
+        while count:
+            frame = min(count, size)
+            count -= frame
+            frames.append(frame_header(frame, DATA, 0, stream_id))
+            while frame:
+                view = views[0]
+                if len(view) <= frame:
+                    frames.append(view)
+                    frame -= len(view)
+                    views.pop(0)
+                else:
+                    frames.append(view[:frame])
+                    views[0] = view[frame:]
+                    frame = 0
+        return frames
