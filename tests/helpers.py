@@ -96,3 +96,13 @@ def stop_process(pid: int, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"pid {pid} did not stop within {timeout_s} s: thread states {states}")
         time.sleep(0.001)
+
+
+def wait_for(predicate, timeout_s: float = 10.0, poll_s: float = 0.02) -> bool:
+    """Whether ``predicate()`` became true within ``timeout_s`` (asked every ``poll_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll_s)
+    return bool(predicate())

@@ -28,6 +28,7 @@ from ray_triton_shm._private.serve.h2_wire import (
     Call,
     frame_header,
 )
+from tests.helpers import wait_for
 
 HEAD = b"HEAD"
 TWO = b"TWO:"
@@ -159,23 +160,14 @@ def _start_put(sock: socket.socket, body_sent: bytes, total: int) -> None:
     )
 
 
-def _wait_for(predicate, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def test_a_stream_reset_mid_message_gives_the_slot_back(placed) -> None:
     listener, leases = placed
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
         _start_put(sock, HEAD + KEY + b"a" * 5000, len(HEAD + KEY) + 100_000)
-        assert _wait_for(lambda: leases.taken == 1)
+        assert wait_for(lambda: leases.taken == 1)
         assert leases.out() == 1  # held while the rest arrives
         sock.sendall(frame_header(4, RST_STREAM, 0, 1) + (8).to_bytes(4, "big"))  # CANCEL
-        assert _wait_for(lambda: leases.out() == 0)
+        assert wait_for(lambda: leases.out() == 0)
         assert _put(listener, HEAD + KEY + b"after") == b"placed:after"  # the server goes on
 
 
@@ -183,8 +175,8 @@ def test_a_connection_closed_mid_message_gives_the_slot_back(placed) -> None:
     listener, leases = placed
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
         _start_put(sock, HEAD + KEY + b"a" * 5000, len(HEAD + KEY) + 100_000)
-        assert _wait_for(lambda: leases.taken == 1)
-    assert _wait_for(lambda: leases.out() == 0)
+        assert wait_for(lambda: leases.taken == 1)
+    assert wait_for(lambda: leases.out() == 0)
 
 
 def test_a_client_that_stalls_mid_message_loses_its_connection_and_the_slot(placed, monkeypatch) -> None:
@@ -192,9 +184,9 @@ def test_a_client_that_stalls_mid_message_loses_its_connection_and_the_slot(plac
     monkeypatch.setattr(grpc_h2, "PLACED_READ_TIMEOUT_S", 1.0)
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
         _start_put(sock, HEAD + KEY + b"a" * 5000, len(HEAD + KEY) + 100_000)
-        assert _wait_for(lambda: leases.taken == 1)
+        assert wait_for(lambda: leases.taken == 1)
         started = time.monotonic()
-        assert _wait_for(lambda: leases.out() == 0, 10)
+        assert wait_for(lambda: leases.out() == 0, 10)
         assert 0.8 < time.monotonic() - started < 5
         sock.settimeout(5)
         closed = False
