@@ -26,6 +26,7 @@ from ray_triton_shm import (
     TritonShmClient,
     UnavailableError,
 )
+from tests.helpers import wait_for
 
 from .conftest import close_and_check
 
@@ -85,15 +86,6 @@ def shm_names() -> set[str]:
 def assert_all_free(client: TritonShmClient, model: str) -> None:
     stats = client.pool(model).stats()
     assert (stats.free, stats.busy, stats.pinned, stats.quarantined) == (stats.slots, 0, 0, 0), stats
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 # -- round trips -------------------------------------------------------------
@@ -312,7 +304,7 @@ def test_pool_exhaustion_raises_pool_timeout(client: TritonShmClient) -> None:
     holder = threading.Thread(target=hold_the_slot)
     holder.start()
     try:
-        assert wait_until(lambda: pool.stats().busy == 1, 30), "the holder never got the slot"
+        assert wait_for(lambda: pool.stats().busy == 1, 30), "the holder never got the slot"
         started = time.monotonic()
         with pytest.raises(PoolTimeoutError) as info:
             client.infer("sleep", {"INPUT0": np.zeros((1, 1), np.float32)}, timeout=0.3)
@@ -571,7 +563,7 @@ def test_client_timeout_raises_deadline_exceeded_and_quarantines_the_slot(
         client.infer("sleep", {"INPUT0": np.zeros((1, 1), np.float32)}, timeout=0.2)
     assert pool.stats().quarantined == 1
     # Let the server finish the abandoned request (its count goes up) before unregistering.
-    assert wait_until(lambda: _sleep_successes(triton_server) > done_before, 60), "the request never ended"
+    assert wait_for(lambda: _sleep_successes(triton_server) > done_before, 60), "the request never ended"
     close_and_check(client, allow_quarantined=True)
 
 

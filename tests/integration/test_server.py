@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 from ray_triton_shm import ServerConfig, ServerNotFoundError, ServerStartError, TritonServer
 from ray_triton_shm._private.shm import segment
 from ray_triton_shm.server import find_tritonserver
+from tests.helpers import wait_for
 
 from .footprint import fd_targets
 
@@ -81,15 +81,6 @@ def _pids_mentioning(text: str) -> list[int]:
             if any(text in arg for arg in _cmdline(int(entry))) and _running(int(entry)):
                 found.append(int(entry))
     return found
-
-
-def _wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def _listening_addresses(port: int) -> set[str]:
@@ -197,7 +188,7 @@ def test_stop_removes_backend_segments_and_is_idempotent() -> None:
     assert not _running(pid)
     assert segment.list_segments(prefix) == []
     assert not os.path.exists(guard_path), "the guard outlived the server"
-    assert _wait_until(lambda: not _pids_mentioning(prefix), 15), "Python-backend stubs outlived the server"
+    assert wait_for(lambda: not _pids_mentioning(prefix), 15), "Python-backend stubs outlived the server"
     server.stop()
     assert not server.is_alive() and server.pid is None
 
@@ -329,7 +320,7 @@ def test_server_survives_the_thread_that_started_it(empty_repository: str) -> No
     starter.join(60)
     try:
         assert not errors, errors
-        assert not _wait_until(lambda: not server.is_alive(), 1.5), "server died with its starting thread"
+        assert not wait_for(lambda: not server.is_alive(), 1.5), "server died with its starting thread"
         assert _ready(server)
     finally:
         server.stop()
@@ -367,8 +358,8 @@ def test_server_dies_with_parent_and_leftovers_are_swept(tmp_path: Path, empty_r
         child.send_signal(signal.SIGKILL)
         child.wait(10)
         child.stdout.close()
-    assert _wait_until(lambda: not _running(server_pid), 15), "tritonserver outlived its parent"
-    assert _wait_until(lambda: not _pids_mentioning(prefix), 15), "Python-backend stubs outlived the server"
+    assert wait_for(lambda: not _running(server_pid), 15), "tritonserver outlived its parent"
+    assert wait_for(lambda: not _pids_mentioning(prefix), 15), "Python-backend stubs outlived the server"
 
     # Whatever the killed parent left is stale now; plant leftovers of it so there surely are some.
     def plant(name: str) -> str:

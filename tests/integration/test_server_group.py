@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ray_triton_shm import ServerConfig, TritonServer
+from tests.helpers import wait_for
 
 MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "deployments" / "models"
 
@@ -29,15 +30,6 @@ def _group_members(pgid: int) -> list[int]:
         if fields[0] not in (b"Z", b"X") and int(fields[2]) == pgid:
             found.append(int(entry))
     return found
-
-
-def _wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.fixture
@@ -60,7 +52,7 @@ def test_close_after_the_server_crashed_kills_its_backend_stubs(python_model_rep
         stubs = [pid for pid in _group_members(leader) if pid != leader]
         assert stubs, "the Python backend started no stub in the server's group"
         os.kill(leader, signal.SIGKILL)  # a crash: the leader dies, its stubs do not
-        assert _wait_until(lambda: not server.is_alive(), 30), "the killed server still runs"
+        assert wait_for(lambda: not server.is_alive(), 30), "the killed server still runs"
         server.close()
         left = _group_members(leader)
         assert not left, f"backend stubs {left} outlived their crashed server's close()"

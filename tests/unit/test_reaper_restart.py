@@ -6,9 +6,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from ray_triton_shm._private.node.node_registry import Reaper
+from tests.helpers import wait_for
 
 
 def _alive(pid: int) -> bool:
@@ -17,15 +17,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except OSError:
         return False
-
-
-def _wait(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_a_dead_reaper_is_restarted_and_still_kills_the_triton_it_was_told_about() -> None:
@@ -38,7 +29,7 @@ def test_a_dead_reaper_is_restarted_and_still_kills_the_triton_it_was_told_about
         reaper.watch_triton(triton.pid, marker)
         first = reaper.pid
         os.kill(first, signal.SIGKILL)  # as the OOM killer would
-        assert _wait(lambda: not _alive(first))
+        assert wait_for(lambda: not _alive(first))
         assert reaper.state()["alive"] is False
         assert reaper.check(), "a dead reaper was not started again"
         state = reaper.state()
@@ -49,7 +40,7 @@ def test_a_dead_reaper_is_restarted_and_still_kills_the_triton_it_was_told_about
         # was told about ("done": it need not wait for this process, which lives on, to exit).
         reaper._stdin.write(b"done\n")
         reaper._stdin.close()
-        assert _wait(lambda: triton.poll() is not None), "the restarted reaper did not kill the Triton"
+        assert wait_for(lambda: triton.poll() is not None), "the restarted reaper did not kill the Triton"
     finally:
         if triton.poll() is None:
             triton.kill()

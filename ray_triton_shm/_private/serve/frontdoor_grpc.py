@@ -4,12 +4,16 @@ A lean gRPC server of our own (:mod:`~ray_triton_shm._private.serve.grpc_h2`:
 HTTP/2 on blocking sockets, a thread per connection, calls on a thread pool;
 ``SO_REUSEPORT``, so every replica of the app on a node shares the port):
 
-* ``ModelInfer`` takes the request's bytes as they came off the socket: the raw
-  input contents are never parsed into a message (:func:`split_infer_request`
-  leaves them as views of those bytes); each is copied once, into the slot. The
-  outputs are copied once out of the slot (so that it goes back at once, before
-  the answer is sent), and the answer is the response message's small fields
-  followed by those copies, sent as they are (:func:`encode_infer_response_parts`).
+* ``ModelInfer``: the request's description (the fields before its raw input
+  contents) is read first, and :meth:`GrpcDoor.place` leases a slot of the model
+  if one is free that moment; the raw contents are then read from the socket
+  straight into the slot (:mod:`~ray_triton_shm._private.serve.grpc_message`).
+  Otherwise the message is read into a buffer, its raw contents kept as views of
+  it (:func:`~ray_triton_shm._private.serve.grpc_infer_codec.split_infer_request`):
+  a request that fits one slot is copied into it, any other takes the node
+  client's general path. A request run in a slot is answered from it: the
+  response's small fields followed by the outputs' bytes in the slot, sent as
+  they are; the slot goes back once they are sent.
 * Every other RPC is the Serve ingress's own method (of
   :class:`~ray_triton_shm._private.serve.kserve_grpc.KServeGrpcMixin`), run on the
   front door's event loop, so both ingresses answer alike.
