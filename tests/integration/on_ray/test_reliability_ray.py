@@ -83,7 +83,9 @@ def test_sigkilled_replica_holding_leases_is_replaced_and_its_slots_reclaimed(ra
         victim = handle.whereami.remote().result()["pid"]
         one = {"INPUT0": np.full((1, 1), 0.01, np.float32)}
         handle.infer.remote("sleep", one).result()
-        assert _pool_stats("sleep", config)["in_use"] == 0  # nobody keeps idle slots
+        # Nobody keeps idle slots: the answer's views pin its slot only until Ray has sent them,
+        # which can end a moment after the caller has its result.
+        _wait_for(lambda: _pool_stats("sleep", config)["in_use"] == 0, 10, "the answered request's slot back")
         # Both of its slots are leased by requests that sleep on the server when it dies.
         slow = {"INPUT0": np.full((1, 1), 3.0, np.float32)}
         in_flight = [handle.infer.remote("sleep", slow) for _ in range(PER_REPLICA)]
