@@ -47,15 +47,13 @@ from ray_triton_shm._private.serve.frontdoor_http import (
     HttpListener,
     RequestHead,
 )
-from ray_triton_shm._private.serve.kserve_http import fast_path_lengths, shm_plan
+from ray_triton_shm._private.serve.kserve_http import fast_path_lengths, run_leased, shm_plan
 from ray_triton_shm._private.serve.port_claim import PortClaim
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm.config import env_field
 from ray_triton_shm.errors import (
     ConfigError,
     InputError,
-    LayoutMismatchError,
-    OutputTooLargeError,
     RequestTooLargeError,
 )
 
@@ -221,15 +219,7 @@ class KServeHttpHandler:
                 del target
             if body.remaining:
                 raise InputError("the request body is longer than its tensors")
-            try:
-                outputs = client.run(lease, decoded.outputs)
-            except (LayoutMismatchError, OutputTooLargeError) as e:
-                # What infer handles itself (a reloaded model, an output over its slot).
-                inputs = {name: np.array(lease.input(name, a.shape)) for name, a in decoded.inputs.items()}
-                lease.release()
-                if isinstance(e, LayoutMismatchError):
-                    client._layout_changed(e)
-                outputs = client.infer(model, inputs, outputs=decoded.outputs)
+            outputs = run_leased(client, model, lease, decoded.outputs)
             parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
             del outputs
             conn.respond(200, list(headers.items()), parts)  # written from the slot, then it goes back

@@ -54,9 +54,9 @@ from ray_triton_shm._private.serve.kserve_grpc import (
     status_of,
 )
 from ray_triton_shm._private.serve.kserve_grpc_routes import STREAM_REFUSED
-from ray_triton_shm._private.serve.kserve_http import shm_plan
+from ray_triton_shm._private.serve.kserve_http import run_leased, shm_plan
 from ray_triton_shm._private.serve.listener import TcpListener
-from ray_triton_shm.errors import InputError, LayoutError, LayoutMismatchError, OutputTooLargeError
+from ray_triton_shm.errors import InputError, LayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -300,7 +300,7 @@ class GrpcDoor:
         lease = placement.lease
         with lease:
             placement.parts.clear()  # no view of the slot outlives the lease
-            self._run_and_answer(call, request, lease, outputs, None)
+            self._run_and_answer(call, request, lease, outputs)
 
     def _infer_in_slot(
         self,
@@ -313,35 +313,15 @@ class GrpcDoor:
         with self._client.lease(request.model_name) as lease:
             for name, array in inputs.items():
                 lease.input(name, array.shape)[...] = array
-            self._run_and_answer(call, request, lease, outputs, inputs)
+            self._run_and_answer(call, request, lease, outputs)
 
     def _run_and_answer(
-        self,
-        call: Call,
-        request: pb.ModelInferRequest,
-        lease: Any,
-        outputs: Sequence[str] | None,
-        inputs: Mapping[str, np.ndarray] | None,
+        self, call: Call, request: pb.ModelInferRequest, lease: Any, outputs: Sequence[str] | None
     ) -> None:
-        """Run the model on the inputs in ``lease``'s slot and answer from the slot.
-
-        ``inputs`` are the request's own arrays (``None``: they are only in the slot).
-        """
-        client = self._client
+        """Run the model on the inputs in ``lease``'s slot and answer from the slot."""
         model = request.model_name
         version = self._served_version(model)
-        try:
-            result = client.run(lease, outputs)
-        except (LayoutMismatchError, OutputTooLargeError) as e:
-            # What infer handles itself (a reloaded model, an output over its slot).
-            if inputs is None:
-                inputs = {
-                    name: np.array(lease.input(name, shape)) for name, shape in lease.input_shapes.items()
-                }
-            lease.release()
-            if isinstance(e, LayoutMismatchError):
-                client._layout_changed(e)
-            result = client.infer(model, inputs, outputs=outputs)
+        result = run_leased(self._client, model, lease, outputs)
         parts = encode_infer_response_parts(model, version, request.id, result)
         del result
         call.respond(parts)  # written from the slot, then it goes back

@@ -30,11 +30,12 @@ class Source(Protocol):
 
 
 class MessageBuffer:
-    """A message of ``length`` bytes read into one buffer."""
+    """A message of ``length`` bytes read into one buffer, the first ``len(start)`` of them ``start``."""
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: int, start: bytes | bytearray = b"") -> None:
         self.data = bytearray(length)
-        self.filled = 0
+        self.data[: len(start)] = start
+        self.filled = len(start)
 
     def full(self) -> bool:
         return self.filled == len(self.data)
@@ -106,18 +107,14 @@ class Placement:
             self._index += 1
             self._offset = 0
 
-    def read_so_far(self) -> bytes:
+    def read_so_far(self) -> bytearray:
         """The message's bytes placed so far, head included (a copy)."""
         out = bytearray(self.head)
         for part in self.parts[: self._index]:
             out += part
         if self._index < len(self.parts):
             out += self.parts[self._index][: self._offset]
-        return bytes(out)
-
-    def message(self) -> bytearray:
-        """The whole message, copied out of place (the placement must be full)."""
-        return bytearray(self.read_so_far())
+        return out
 
     def release(self) -> None:
         """Drop the views and give the slot back (idempotent)."""
@@ -219,10 +216,8 @@ class PlacedMessage:
             placement.release()
             self._to_buffer(so_far)
 
-    def _to_buffer(self, data: bytes) -> None:
-        self.buffer = MessageBuffer(self.length)
-        self.buffer.data[: len(data)] = data
-        self.buffer.filled = len(data)
+    def _to_buffer(self, data: bytes | bytearray) -> None:
+        self.buffer = MessageBuffer(self.length, data)
 
     def release(self) -> None:
         """Give back the slot of a placement the call did not take (idempotent)."""
@@ -233,9 +228,7 @@ class PlacedMessage:
         """The whole message's bytes (copied out of place if it was placed; the slot goes back then)."""
         placement, self.placement = self.placement, None
         if placement is not None:
-            self.buffer = MessageBuffer(0)
-            self.buffer.data = placement.message()
-            self.buffer.filled = len(self.buffer.data)
+            self._to_buffer(placement.read_so_far())
             placement.release()
         if self.buffer is None:
             raise ValueError("the message is not complete")

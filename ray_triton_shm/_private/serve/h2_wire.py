@@ -238,8 +238,6 @@ class Stream:
         """The complete message's placement (its slot now the caller's to give back), or ``None``."""
         if self.error is None and isinstance(self.message, PlacedMessage) and self.message.full():
             placement, self.message.placement = self.message.placement, None
-            if placement is not None:
-                self.message.buffer = None
             return placement
         return None
 

@@ -264,6 +264,27 @@ def shm_plan(client: Any, model: str, inputs: Mapping[str, Any], outputs: Sequen
     return checked.nbytes >= threshold
 
 
+def run_leased(client: Any, model: str, lease: Any, outputs: Sequence[str] | None) -> Mapping[str, Any]:
+    """``client.run`` on the inputs already in ``lease``'s slot, with what ``infer`` handles itself.
+
+    A reloaded model (``LayoutMismatchError``) or an output over its slot
+    (``OutputTooLargeError``): the inputs are copied out of the slot, the slot
+    given back, and ``client.infer`` runs them its own way.
+
+    Raises:
+        As ``client.run`` and ``client.infer``.
+    """
+    try:
+        return client.run(lease, outputs)
+    except (LayoutMismatchError, OutputTooLargeError) as e:
+        shapes = list(lease.input_shapes.items())
+        inputs = {name: np.array(lease.input(name, shape)) for name, shape in shapes}
+        lease.release()
+        if isinstance(e, LayoutMismatchError):
+            client._layout_changed(e)
+        return client.infer(model, inputs, outputs=outputs)
+
+
 async def http_infer(
     client: Any,
     model: str,
