@@ -23,9 +23,11 @@ from ray_triton_shm._private.serve.h2_wire import (
     END_HEADERS,
     HEADERS,
     PREFACE,
+    READ_AHEAD,
     RST_STREAM,
     SETTINGS,
     Call,
+    FrameReader,
     frame_header,
 )
 from tests.helpers import wait_for
@@ -198,3 +200,25 @@ def test_a_client_that_stalls_mid_message_loses_its_connection_and_the_slot(plac
         assert put(HEAD + KEY + b"1", timeout=10) == b"placed:1"
         time.sleep(1.5)
         assert put(HEAD + KEY + b"2", timeout=10) == b"placed:2"
+
+
+def test_a_frame_head_reads_little_of_the_payload_behind_it() -> None:
+    """The bytes behind a frame's head mostly go from the socket straight to their target."""
+    a, b = socket.socketpair()
+    try:
+        payload = bytes(range(256)) * 4096  # 1 MB
+        a.sendall(frame_header(len(payload), DATA, 0, 1))
+        sender = threading.Thread(target=a.sendall, args=(payload,))
+        sender.start()
+        time.sleep(0.2)  # the payload waits in the socket when the head is read
+        reader = FrameReader(b)
+        assert reader.exactly(9)[:3] == len(payload).to_bytes(3, "big")
+        assert reader.buffered() <= READ_AHEAD
+        target = bytearray(len(payload))
+        reader.into(memoryview(target))
+        sender.join()
+        assert target == payload
+        assert reader.buffered() == 0
+    finally:
+        a.close()
+        b.close()

@@ -41,6 +41,9 @@ OUR_MAX_FRAME = 2**24 - 1
 """The largest frame this server accepts (HTTP/2's own limit): big messages come in few frames."""
 DEFAULT_FRAME = 16384
 """A peer's frame size limit until its settings say otherwise."""
+READ_AHEAD = 16384
+"""The most a frame reader asks the socket for beyond the bytes it needs (what it reads ahead of a
+large DATA payload is copied once more, from its buffer into the payload's target)."""
 MAX_HEADER_BLOCK = 1 << 20
 """Longest header block (request headers and metadata) accepted; longer ends the connection."""
 MAX_STREAMS = 1024
@@ -125,7 +128,7 @@ class FrameReader:
             self._buf[:n] = self._buf[self._start : self._end]
             self._start, self._end = 0, n
         while self._end < want:
-            got = self._sock.recv_into(self._view[self._end :])
+            got = self._sock.recv_into(self._view[self._end : max(want, self._end + READ_AHEAD)])
             if not got:
                 raise EOFError
             self._end += got
