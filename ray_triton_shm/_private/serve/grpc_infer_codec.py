@@ -16,10 +16,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.kserve import SHM_PARAMETERS
-from ray_triton_shm._private.serve.kserve_grpc import add_outputs
-from ray_triton_shm._private.serve.kserve_limits import check_shape
-from ray_triton_shm._private.shm.layout import TRITON_TO_NUMPY
+from ray_triton_shm._private.serve.kserve_grpc import add_outputs, input_spec, output_names
 from ray_triton_shm.errors import InputError
 
 _RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents
@@ -41,6 +38,24 @@ def _varint(data: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def _field(view: memoryview, pos: int) -> tuple[int, int, int, int]:
+    """The field at ``pos``: its number, its wire type, where its value starts and where it ends.
+
+    Raises:
+        InputError: A varint runs past the end, or a wire type protobuf does not use.
+    """
+    key, pos = _varint(view, pos)
+    field, wire = key >> 3, key & 7
+    if wire == 2:
+        length, pos = _varint(view, pos)
+        return field, wire, pos, pos + length
+    if wire == 0:
+        return field, wire, pos, _varint(view, pos)[1]
+    if wire in (1, 5):
+        return field, wire, pos, pos + (8 if wire == 1 else 4)
+    raise InputError(f"the ModelInferRequest message is malformed (wire type {wire})")
+
+
 def raw_start(head: bytes) -> int | None:
     """Where the first raw input's field begins in ``head`` (the start of a ``ModelInferRequest``).
 
@@ -50,20 +65,10 @@ def raw_start(head: bytes) -> int | None:
     pos = 0
     try:
         while pos < len(view):
-            start = pos
-            key, pos = _varint(view, pos)
-            field, wire = key >> 3, key & 7
+            field, wire, _, end = _field(view, pos)
             if field == _RAW_INPUT_FIELD and wire == 2:
-                return start
-            if wire == 2:
-                length, pos = _varint(view, pos)
-                pos += length
-            elif wire == 0:
-                _, pos = _varint(view, pos)
-            elif wire in (1, 5):
-                pos += 8 if wire == 1 else 4
-            else:
-                return None
+                return pos
+            pos = end
     except InputError:
         return None
     return None
@@ -77,27 +82,17 @@ def plan_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], l
     BYTES datatype, a shape no tensor has, an input given twice.
     """
     placeholders: dict[str, np.ndarray] = {}
-    for tensor in request.inputs:
-        dtype = TRITON_TO_NUMPY.get(tensor.datatype)
-        if (
-            dtype is None
-            or tensor.name in placeholders
-            or tensor.HasField("contents")
-            or any(key in tensor.parameters for key in SHM_PARAMETERS)
-        ):
-            return None
-        shape = [int(d) for d in tensor.shape]
-        try:
-            check_shape(tensor.name, shape)
-        except InputError:
-            return None
-        placeholders[tensor.name] = np.broadcast_to(np.zeros((), dtype), shape)
-    outputs = None
-    if request.outputs:
-        if any(key in t.parameters for t in request.outputs for key in SHM_PARAMETERS):
-            return None
-        outputs = [t.name for t in request.outputs]
-    return placeholders, outputs
+    try:
+        for tensor in request.inputs:
+            if tensor.name in placeholders or tensor.HasField("contents"):
+                return None
+            shape, dtype = input_spec(tensor)
+            if dtype is None:  # BYTES
+                return None
+            placeholders[tensor.name] = np.broadcast_to(np.zeros((), dtype), shape)
+        return placeholders, output_names(request)
+    except InputError:
+        return None
 
 
 def encode_varint(value: int) -> bytes:
@@ -122,25 +117,14 @@ def split_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryv
     pos = 0
     while pos < len(view):
         start = pos
-        key, pos = _varint(view, pos)
-        field, wire = key >> 3, key & 7
-        if wire == 2:
-            length, pos = _varint(view, pos)
-            end = pos + length
-            if end > len(view):
+        field, wire, value, pos = _field(view, pos)
+        if pos > len(view):
+            if wire == 2:
                 raise InputError("the ModelInferRequest message is malformed (a field runs past its end)")
-            if field == _RAW_INPUT_FIELD:
-                raw.append(view[pos:end])
-                pos = end
-                continue
-            pos = end
-        elif wire == 0:
-            _, pos = _varint(view, pos)
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise InputError(f"the ModelInferRequest message is malformed (wire type {wire})")
-        if kept and kept[-1][1] == start:
+            break
+        if field == _RAW_INPUT_FIELD and wire == 2:
+            raw.append(view[value:pos])
+        elif kept and kept[-1][1] == start:
             kept[-1] = (kept[-1][0], pos)
         else:
             kept.append((start, pos))

@@ -129,15 +129,9 @@ def decode_infer_request(
         name = tensor.name
         if name in inputs:
             raise InputError(f"input {name!r} is given twice")
-        if any(key in tensor.parameters for key in SHM_PARAMETERS):
-            raise InputError(f"input {name!r}: shared-memory parameters are not accepted by this ingress")
-        shape = [int(d) for d in tensor.shape]
-        check_shape(name, shape)
+        shape, dtype = input_spec(tensor)
         count = math.prod(shape)
         datatype = tensor.datatype
-        dtype = TRITON_TO_NUMPY.get(datatype)
-        if dtype is None and datatype != "BYTES":
-            raise InputError(f"input {name!r}: datatype {datatype!r} is not supported")
         has_contents = tensor.HasField("contents")
         if raw:
             if has_contents:
@@ -150,16 +144,41 @@ def decode_infer_request(
         if array.size != count:
             raise InputError(f"input {name!r}: {array.size} elements do not fill shape {shape}")
         inputs[name] = array.reshape(shape)
-    outputs = None
-    if request.outputs:
-        outputs = []
-        for tensor in request.outputs:
-            if any(key in tensor.parameters for key in SHM_PARAMETERS):
-                raise InputError(
-                    f"output {tensor.name!r}: shared-memory parameters are not accepted by this ingress"
-                )
-            outputs.append(tensor.name)
-    return inputs, outputs
+    return inputs, output_names(request)
+
+
+def input_spec(tensor: pb.ModelInferRequest.InferInputTensor) -> tuple[list[int], np.dtype | None]:
+    """An input's shape and numpy dtype (``None``: ``BYTES``), checked as Triton's endpoint would.
+
+    Raises:
+        InputError: Shared-memory parameters, a shape no tensor can have, a datatype Triton does not know.
+    """
+    name = tensor.name
+    if any(key in tensor.parameters for key in SHM_PARAMETERS):
+        raise InputError(f"input {name!r}: shared-memory parameters are not accepted by this ingress")
+    shape = [int(d) for d in tensor.shape]
+    check_shape(name, shape)
+    datatype = tensor.datatype
+    dtype = TRITON_TO_NUMPY.get(datatype)
+    if dtype is None and datatype != "BYTES":
+        raise InputError(f"input {name!r}: datatype {datatype!r} is not supported")
+    return shape, dtype
+
+
+def output_names(request: pb.ModelInferRequest) -> list[str] | None:
+    """The outputs a request asks for (``None``: all of them).
+
+    Raises:
+        InputError: An output with shared-memory parameters.
+    """
+    if not request.outputs:
+        return None
+    for tensor in request.outputs:
+        if any(key in tensor.parameters for key in SHM_PARAMETERS):
+            raise InputError(
+                f"output {tensor.name!r}: shared-memory parameters are not accepted by this ingress"
+            )
+    return [tensor.name for tensor in request.outputs]
 
 
 def _from_raw(
