@@ -35,9 +35,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ray_triton_shm._private.node.node_config import split_app_args
-from ray_triton_shm._private.serve import kserve, kserve_errors, kserve_http, kserve_limits, kserve_routes
-from ray_triton_shm._private.serve.frontdoor import FrontDoor, FrontDoorConfig
-from ray_triton_shm._private.serve.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.ingress import kserve_http
+from ray_triton_shm._private.serve.ingress.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
+from ray_triton_shm._private.serve.protocol import kserve, kserve_errors, kserve_limits, kserve_routes
 from ray_triton_shm._private.serve.slot_ref import SlotRef
 from ray_triton_shm._private.serve.slot_ref_serve import SlotRefCaller, SlotRefLease, SlotRefMixin
 from ray_triton_shm._private.triton.repository import resolve_repositories
@@ -112,7 +113,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
     arrays (``infer_ref``, from :class:`SlotRefMixin`; see :class:`SlotRefCaller`).
 
     The gRPC methods (``ModelInfer``, ``ServerLive``, ...) come from
-    :class:`~ray_triton_shm._private.serve.kserve_grpc.KServeGrpcMixin`; Serve's gRPC
+    :class:`~ray_triton_shm._private.serve.ingress.kserve_grpc.KServeGrpcMixin`; Serve's gRPC
     proxy calls them when ``grpc_options`` names Triton's servicer (see docs/serve.md).
 
     Args:
@@ -221,7 +222,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         """KServe v2 over HTTP, under whatever ``route_prefix`` the app has (see docs/serve.md).
 
         Slot inference is answered here; every other route by
-        :func:`~ray_triton_shm._private.serve.kserve_routes.http_route`.
+        :func:`~ray_triton_shm._private.serve.protocol.kserve_routes.http_route`.
         """
         path = kserve.route_path(request.scope)
         try:
@@ -249,7 +250,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         """The version Triton runs for a request without one: its highest ready version.
 
         Cached briefly for models Triton knows
-        (see :class:`~ray_triton_shm._private.serve.kserve_limits.VersionCache`).
+        (see :class:`~ray_triton_shm._private.serve.protocol.kserve_limits.VersionCache`).
         """
         now = time.monotonic()
         cached = self._versions.get(model, now)

@@ -17,6 +17,10 @@ layer is named after it:
 6. ``serve``: the Serve ingress (KServe v2 over HTTP and gRPC) and slot
    references (``ray_triton_shm.serve``, ``ray_triton_shm.data``, and the
    package itself, which names their classes but loads them on first use).
+   Inside it, rooms: ``net`` (what the transports share), ``protocol``
+   (KServe v2, transport-neutral), the transports ``http1`` and ``http2``,
+   ``ingress`` (behind Serve's proxies) and ``door`` (the front door, which
+   joins the transports to the protocol); see ``_private/serve/__init__.py``.
 7. ``bench``: the benchmark.
 8. ``cli``: the command line (``ray-triton-shm``, ``python -m
    ray_triton_shm``): its commands, the demo, status, the soak.

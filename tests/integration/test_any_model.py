@@ -18,7 +18,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from ray_triton_shm import InputError, OutputTooLargeError, PoolConfig, TritonServer, TritonShmClient
-from ray_triton_shm._private.serve import kserve
+from ray_triton_shm._private.serve.protocol import kserve
 
 from .conftest import STRINGS_BOUND, default_pools
 

@@ -14,21 +14,21 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.frontdoor import FrontDoor, FrontDoorConfig, KServeHttpHandler
-from ray_triton_shm._private.serve.frontdoor_http import (
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig, KServeHttpHandler
+from ray_triton_shm._private.serve.door.port_claim import PortClaim, app_digest, port_claims
+from ray_triton_shm._private.serve.http1.server import (
     HttpListener,
     HttpParseError,
     parse_head,
     response_head,
 )
-from ray_triton_shm._private.serve.grpc_infer_codec import (
+from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
     encode_infer_response_parts,
     encode_varint,
     plan_inputs,
     raw_start,
     split_infer_request,
 )
-from ray_triton_shm._private.serve.port_claim import PortClaim, app_digest, port_claims
 from ray_triton_shm.errors import ConfigError, FrontDoorError, InputError
 
 # -- config ---------------------------------------------------------------
@@ -346,7 +346,7 @@ def test_encode_infer_response_parts_are_the_message_triton_sends() -> None:
 
 @pytest.mark.parametrize("value", [0, 1, 127, 128, 300, 1 << 35])
 def test_varint(value: int) -> None:
-    from ray_triton_shm._private.serve.grpc_infer_codec import _varint
+    from ray_triton_shm._private.serve.protocol.grpc_infer_codec import _varint
 
     encoded = encode_varint(value)
     assert _varint(memoryview(encoded), 0) == (value, len(encoded))
@@ -448,7 +448,7 @@ def test_a_port_claim_ends_with_its_process() -> None:
 _CLAIMED_PORT = 1  # never a front door's: claims are names only, nothing is bound on the port
 _CLAIM_AND_WAIT = f"""
 import sys
-from ray_triton_shm._private.serve.port_claim import PortClaim
+from ray_triton_shm._private.serve.door.port_claim import PortClaim
 claim = PortClaim({_CLAIMED_PORT}, "other")
 print("claimed", flush=True)
 sys.stdin.read()

@@ -11,8 +11,8 @@ import grpc
 import hpack
 import pytest
 
-from ray_triton_shm._private.serve.frontdoor_grpc import H2Listener
-from ray_triton_shm._private.serve.h2_wire import (
+from ray_triton_shm._private.serve.door.frontdoor_grpc import H2Listener
+from ray_triton_shm._private.serve.http2.h2_wire import (
     DATA,
     END_HEADERS,
     END_STREAM,

@@ -15,10 +15,10 @@ import grpc
 import hpack
 import pytest
 
-from ray_triton_shm._private.serve import grpc_h2
-from ray_triton_shm._private.serve.frontdoor_grpc import H2Listener
-from ray_triton_shm._private.serve.grpc_message import HEAD_BYTES, Placement
-from ray_triton_shm._private.serve.h2_wire import (
+from ray_triton_shm._private.serve.door.frontdoor_grpc import H2Listener
+from ray_triton_shm._private.serve.http2 import grpc_h2
+from ray_triton_shm._private.serve.http2.grpc_message import HEAD_BYTES, Placement
+from ray_triton_shm._private.serve.http2.h2_wire import (
     DATA,
     END_HEADERS,
     HEADERS,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import hpack
 import pytest
 
-from ray_triton_shm._private.serve.h2_headers import (
+from ray_triton_shm._private.serve.http2.h2_headers import (
     TABLE_SIZE_ZERO,
     HeaderDecoder,
     encode_block,

@@ -10,8 +10,10 @@ import pytest
 from starlette.requests import Request
 
 from ray_triton_shm._private.node import node_config
-from ray_triton_shm._private.serve import kserve_errors, kserve_http, kserve_limits
-from ray_triton_shm._private.serve.kserve_grpc import status_of
+from ray_triton_shm._private.serve.ingress import kserve_http
+from ray_triton_shm._private.serve.net import bounded
+from ray_triton_shm._private.serve.protocol import kserve_errors, kserve_limits
+from ray_triton_shm._private.serve.protocol.grpc_messages import status_of
 from ray_triton_shm.errors import (
     ConfigError,
     InputError,
@@ -93,7 +95,7 @@ def test_inflation_is_bounded_in_memory() -> None:
     tracemalloc.start()
     try:
         with pytest.raises(RequestTooLargeError):
-            kserve_limits.inflate(bomb, "gzip", LIMIT)
+            bounded.inflate(bomb, "gzip", LIMIT)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -181,7 +183,7 @@ def test_tritons_own_refusals_keep_their_text() -> None:
 
 def test_the_version_cache_is_bounded_and_skips_unknown_models(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray_triton_shm.serve as serve_module
-    from ray_triton_shm._private.serve import kserve_routes
+    from ray_triton_shm._private.serve.protocol import kserve_routes
 
     asked: list[str] = []
 

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.serve import kserve, kserve_errors
+from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
 from ray_triton_shm.errors import (
     InputError,
     LayoutError,
@@ -330,7 +330,7 @@ def test_triton_path_quotes_each_segment_and_keeps_the_query() -> None:
 
 
 def test_shm_parameters_are_refused_in_requests_passed_through() -> None:
-    from ray_triton_shm._private.serve.kserve import refuse_shm_parameters
+    from ray_triton_shm._private.serve.protocol.kserve import refuse_shm_parameters
 
     clean = {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [1]}]}
     refuse_shm_parameters(json.dumps(clean).encode(), None)  # nothing to refuse
@@ -361,7 +361,7 @@ def test_shm_parameters_are_refused_in_requests_passed_through() -> None:
     ids=["input-parameters", "output-parameters", "inputs"],
 )
 def test_duplicate_keys_cannot_hide_shm_parameters(header: bytes) -> None:
-    from ray_triton_shm._private.serve.kserve import refuse_shm_parameters
+    from ray_triton_shm._private.serve.protocol.kserve import refuse_shm_parameters
 
     with pytest.raises(InputError, match="duplicate key"):
         refuse_shm_parameters(header, None)

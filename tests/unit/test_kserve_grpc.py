@@ -9,7 +9,11 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc._infer_result import InferResult
 from tritonclient.grpc._utils import _get_inference_request
 
-from ray_triton_shm._private.serve.kserve_grpc import decode_infer_request, encode_infer_response, status_of
+from ray_triton_shm._private.serve.protocol.grpc_messages import (
+    decode_infer_request,
+    encode_infer_response,
+    status_of,
+)
 from ray_triton_shm.errors import InputError, LayoutError, PoolTimeoutError, TritonCallError
 
 

@@ -15,8 +15,8 @@ import pytest
 from test_grpc_channel import LiveServer, live_server  # noqa: F401  (the fixture)
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.kserve_grpc import KServeGrpcMixin
-from ray_triton_shm._private.serve.kserve_grpc_routes import GrpcAnswerError
+from ray_triton_shm._private.serve.ingress.kserve_grpc import KServeGrpcMixin
+from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import GrpcAnswerError
 from ray_triton_shm._private.triton.grpc_channel import NEVER_SENT_PREFIX
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from ray_triton_shm._private.serve import kserve, kserve_http
+from ray_triton_shm._private.serve.ingress import kserve_http
+from ray_triton_shm._private.serve.protocol import kserve
 from ray_triton_shm._private.shm.pool import Lease, SlotPool
 from ray_triton_shm.errors import InputError
 from tests.unit.conftest import shm_path

@@ -19,10 +19,10 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm import ServerConfig
-from ray_triton_shm._private.serve import kserve_errors, kserve_routes
-from ray_triton_shm._private.serve.kserve_grpc import status_of
-from ray_triton_shm._private.serve.kserve_grpc_routes import ROUTED, GrpcAnswerError, grpc_route
-from ray_triton_shm._private.serve.kserve_routes import http_route, infer_route
+from ray_triton_shm._private.serve.protocol import kserve_errors, kserve_routes
+from ray_triton_shm._private.serve.protocol.grpc_messages import status_of
+from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import ROUTED, GrpcAnswerError, grpc_route
+from ray_triton_shm._private.serve.protocol.kserve_routes import http_route, infer_route
 from ray_triton_shm.errors import (
     ModelControlRefusedError,
     RefusedError,

@@ -336,3 +336,60 @@ def test_the_checker_reports_a_broken_rule(tmp_path: Path, name: str, text: str,
 
     problems = check(tmp_path, "toy", layer)
     assert any(expected in p for p in problems), problems
+
+
+# -- The serve layer's rooms: the protocol apart from the transports, the door joining them. --
+
+SERVE = f"{PACKAGE}._private.serve"
+# room -> the rooms it may import (beside itself); modules of serve outside a room are free.
+ROOMS: dict[str, frozenset[str]] = {
+    "net": frozenset(),
+    "protocol": frozenset({"net"}),
+    "http1": frozenset({"net"}),
+    "http2": frozenset({"net"}),
+    "ingress": frozenset({"net", "protocol"}),
+    "door": frozenset({"net", "protocol", "http1", "http2"}),
+}
+
+
+def room_of(module: str) -> str | None:
+    """The room of a module of the serve layer (``None``: outside every room)."""
+    if not module.startswith(SERVE + "."):
+        return None
+    room = module[len(SERVE) + 1 :].split(".")[0]
+    return room if room in ROOMS else None
+
+
+def room_problems(imports: Iterable[Import], rooms: dict[str, frozenset[str]] = ROOMS) -> list[str]:
+    """Every import from one room of the serve layer into a room it may not use."""
+    problems = []
+    for imp in imports:
+        mine, theirs = room_of(imp.module), room_of(imp.target)
+        if mine is None or theirs is None or theirs == mine:
+            continue
+        if theirs not in rooms[mine]:
+            problems.append(f"{imp.module} line {imp.line}: the {mine} room imports {imp.target} ({theirs})")
+    return problems
+
+
+def test_the_serve_layer_keeps_its_rooms() -> None:
+    modules, imports = read_imports(ROOT, PACKAGE)
+    assert {room_of(m) for m in modules} >= set(ROOMS), "a room without modules"
+    problems = room_problems(imports)
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("module", "target"),
+    [
+        ("http1.server", "protocol.kserve"),  # a transport that knows KServe
+        ("http2.h2_wire", "http1.server"),  # a transport that uses the other
+        ("protocol.kserve", "door.frontdoor"),  # the protocol reaching up to the door
+        ("net.listener", "http2.grpc_h2"),
+    ],
+)
+def test_the_room_check_reports_a_breach(module: str, target: str) -> None:
+    imp = Import(f"{SERVE}.{module}", f"{SERVE}.{target}", True, 1, False, False)
+    assert len(room_problems([imp])) == 1
+    allowed = Import(f"{SERVE}.door.frontdoor", f"{SERVE}.{target}", True, 1, False, False)
+    assert room_problems([allowed]) == []

@@ -49,8 +49,8 @@ from ray import serve
 from ray_triton_shm._private.bench import cpu_share
 from ray_triton_shm._private.bench.frontdoor_callers import CallerPool
 from ray_triton_shm._private.bench.servers import SERVERS, build_repository, parse_servers
-from ray_triton_shm._private.serve.frontdoor import FrontDoorConfig
-from ray_triton_shm._private.serve.kserve_grpc import SERVICER_FUNCTION
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
+from ray_triton_shm._private.serve.ingress.kserve_grpc import SERVICER_FUNCTION
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
 from ray_triton_shm.serve import TritonDeployment, resolve_model_repository

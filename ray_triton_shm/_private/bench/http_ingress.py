@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ray_triton_shm._private.bench.core_methods import Caller, Cell, check_equal
-from ray_triton_shm._private.serve import kserve
+from ray_triton_shm._private.serve.protocol import kserve
 from ray_triton_shm.serve import TritonDeployment
 
 HTTP_METHODS = ("ingress-http", "ingress-http-grpc", "triton-http")

@@ -45,7 +45,7 @@ from ray_triton_shm._private.bench.http_ingress import HTTP_METHODS, ROUTES, htt
 from ray_triton_shm._private.bench.options import BenchOptions
 from ray_triton_shm._private.bench.tables import size_label
 from ray_triton_shm._private.bench.timing import Progress
-from ray_triton_shm._private.serve import kserve
+from ray_triton_shm._private.serve.protocol import kserve
 from ray_triton_shm._private.triton.native import require_native_models
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors

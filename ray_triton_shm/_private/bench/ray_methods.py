@@ -23,7 +23,7 @@ from ray import serve
 from ray_triton_shm._private.bench import http_ingress
 from ray_triton_shm._private.bench.core_methods import Caller, Cell, OutputMismatch, check_equal
 from ray_triton_shm._private.bench.slotref_methods import SlotRefTarget, slotref_cell
-from ray_triton_shm._private.serve.kserve_grpc import SERVICER_FUNCTION
+from ray_triton_shm._private.serve.ingress.kserve_grpc import SERVICER_FUNCTION
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
 from ray_triton_shm.data import TritonPredictor
 from ray_triton_shm.serve import TritonDeployment

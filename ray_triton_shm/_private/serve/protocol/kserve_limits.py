@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import math
 import re
-import zlib
 from collections import OrderedDict
 from typing import Any
 
-from ray_triton_shm.errors import InputError, RequestTooLargeError
+from ray_triton_shm.errors import InputError
 
 MAX_RANK = 64
 """Most dimensions a tensor may have (numpy's limit)."""
@@ -149,36 +148,3 @@ class VersionCache:
             self._entries.popitem(last=False)
 
 
-def too_large(what: str, max_bytes: int) -> RequestTooLargeError:
-    """The error for a body (or what it inflates to) past ``max_bytes``."""
-    return RequestTooLargeError(
-        f"{what} exceeds the maximum allowed size of {max_bytes} bytes (NodeConfig.max_request_bytes)"
-    )
-
-
-def inflate(data: bytes, encoding: str, max_bytes: int) -> bytes:
-    """``data`` inflated from ``encoding`` (``gzip`` or ``deflate``), never past ``max_bytes``.
-
-    Raises:
-        InputError: An unsupported encoding, or data that does not inflate.
-        RequestTooLargeError: It inflates to more than ``max_bytes``.
-    """
-    if encoding not in ("gzip", "deflate"):
-        raise InputError(f"unsupported Content-Encoding {encoding!r}")
-    inflator = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    parts: list[bytes] = []
-    size = 0
-    pending = data
-    try:
-        while pending and not inflator.eof:
-            part = inflator.decompress(pending, max_bytes + 1 - size)
-            size += len(part)
-            if size > max_bytes:
-                raise too_large("decompressed request body", max_bytes)
-            parts.append(part)
-            pending = inflator.unconsumed_tail
-    except zlib.error as e:
-        raise InputError(f"request body is not valid {encoding} data: {e}") from e
-    if not inflator.eof:
-        raise InputError(f"request body is not valid {encoding} data: incomplete or truncated stream")
-    return b"".join(parts)

@@ -1,21 +1,21 @@
 """The front door's gRPC half: Triton's ``inference.GRPCInferenceService`` served by the replica itself.
 
-A lean gRPC server of our own (:mod:`~ray_triton_shm._private.serve.grpc_h2`:
+A lean gRPC server of our own (:mod:`~ray_triton_shm._private.serve.http2.grpc_h2`:
 HTTP/2 on blocking sockets, a thread per connection, calls on a thread pool;
 ``SO_REUSEPORT``, so every replica of the app on a node shares the port):
 
 * ``ModelInfer``: the request's description (the fields before its raw input
   contents) is read first, and :meth:`GrpcDoor.place` leases a slot of the model
   if one is free that moment; the raw contents are then read from the socket
-  straight into the slot (:mod:`~ray_triton_shm._private.serve.grpc_message`).
+  straight into the slot (:mod:`~ray_triton_shm._private.serve.http2.grpc_message`).
   Otherwise the message is read into a buffer, its raw contents kept as views of
-  it (:func:`~ray_triton_shm._private.serve.grpc_infer_codec.split_infer_request`):
+  it (:func:`~ray_triton_shm._private.serve.protocol.grpc_infer_codec.split_infer_request`):
   a request that fits one slot is copied into it, any other takes the node
   client's general path. A request run in a slot is answered from it: the
   response's small fields followed by the outputs' bytes in the slot, sent as
   they are; the slot goes back once they are sent.
 * Every other RPC is the Serve ingress's own method (of
-  :class:`~ray_triton_shm._private.serve.kserve_grpc.KServeGrpcMixin`), run on the
+  :class:`~ray_triton_shm._private.serve.ingress.kserve_grpc.KServeGrpcMixin`), run on the
   front door's event loop, so both ingresses answer alike.
 
 A request whose ``application`` metadata names another app is refused
@@ -36,8 +36,11 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.grpc_h2 import H2Connection, Refuse
-from ray_triton_shm._private.serve.grpc_infer_codec import (
+from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection, Refuse
+from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
+from ray_triton_shm._private.serve.http2.h2_wire import Call, CallError
+from ray_triton_shm._private.serve.net.listener import TcpListener
+from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
     RAW_INPUT_KEY,
     encode_infer_response_parts,
     encode_varint,
@@ -45,17 +48,9 @@ from ray_triton_shm._private.serve.grpc_infer_codec import (
     raw_start,
     split_infer_request,
 )
-from ray_triton_shm._private.serve.grpc_message import Placement, Placer
-from ray_triton_shm._private.serve.h2_wire import Call, CallError
-from ray_triton_shm._private.serve.kserve_grpc import (
-    SERVICE,
-    GrpcAnswerError,
-    decode_infer_request,
-    status_of,
-)
-from ray_triton_shm._private.serve.kserve_grpc_routes import STREAM_REFUSED
-from ray_triton_shm._private.serve.kserve_http import run_leased, shm_plan
-from ray_triton_shm._private.serve.listener import TcpListener
+from ray_triton_shm._private.serve.protocol.grpc_messages import decode_infer_request, status_of
+from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import SERVICE, STREAM_REFUSED, GrpcAnswerError
+from ray_triton_shm._private.serve.protocol.slot_plan import run_leased, shm_plan
 from ray_triton_shm.errors import InputError, LayoutError
 
 logger = logging.getLogger(__name__)

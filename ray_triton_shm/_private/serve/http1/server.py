@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 server for KServe v2: blocking sockets, a thread per connection, bodies read in place.
 
-The front door's HTTP half (see :mod:`ray_triton_shm._private.serve.frontdoor`). It
+The front door's HTTP half (see :mod:`ray_triton_shm._private.serve.door.frontdoor`). It
 speaks just what KServe v2 clients send: a request line and headers, a body of
 ``Content-Length`` bytes (or chunked), keep-alive connections (HTTP/1.1 by
 default, HTTP/1.0 on ``Connection: keep-alive``), ``Expect: 100-continue``.
@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from ray_triton_shm._private.serve.kserve_limits import too_large
-from ray_triton_shm._private.serve.listener import TcpListener, send_parts
+from ray_triton_shm._private.serve.net.bounded import too_large
+from ray_triton_shm._private.serve.net.listener import TcpListener, send_parts
 from ray_triton_shm.errors import InputError
 
 logger = logging.getLogger(__name__)

@@ -2,13 +2,13 @@
 
 A binary request (``Inference-Header-Content-Length``, ``Content-Length``, no
 ``Content-Encoding``) is decoded from its JSON header as soon as that has
-arrived (:func:`~ray_triton_shm._private.serve.kserve.plan_request`); the rest of
+arrived (:func:`~ray_triton_shm._private.serve.protocol.kserve.plan_request`); the rest of
 the body is read as the chunks Serve hands over (never joined into one
 ``bytes``), then a slot is leased and each chunk is written straight into the
 slot's input buffers (:class:`Scatter`). A slow upload holds memory (at most
 the body limit), never a slot. The answer is built from views of the slot's
 outputs, copied once into the response body
-(:func:`~ray_triton_shm._private.serve.kserve.encode_response`), before the slot goes back.
+(:func:`~ray_triton_shm._private.serve.protocol.kserve.encode_response`), before the slot goes back.
 
 No body larger than ``max_bytes`` (``NodeConfig.max_request_bytes``, 64 MiB
 by default as Triton's own HTTP limit) is read or inflated: a
@@ -19,7 +19,7 @@ streamed body once it passes it, a compressed one once it inflates past it
 Every other request (JSON tensors, BYTES data, a compressed body, a model
 without a slot layout, inputs the model refuses, a batch larger than one
 slot, a payload small enough to go over gRPC) takes the general path: the
-whole body, :func:`~ray_triton_shm._private.serve.kserve.decode_request`, and
+whole body, :func:`~ray_triton_shm._private.serve.protocol.kserve.decode_request`, and
 :meth:`NodeClient.ainfer`. Both paths answer the same.
 """
 
@@ -27,23 +27,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ray_triton_shm._private.core.slot_runs import chunks
 from ray_triton_shm._private.node import node_config
-from ray_triton_shm._private.serve import kserve, kserve_limits
+from ray_triton_shm._private.serve.net import bounded
+from ray_triton_shm._private.serve.protocol import kserve
+from ray_triton_shm._private.serve.protocol.slot_plan import fast_path_lengths, pool_at_hand, shm_plan
 from ray_triton_shm._private.shm.cuda import to_host
-from ray_triton_shm._private.shm.validate import check_inputs
 from ray_triton_shm.errors import (
     InputError,
     LayoutMismatchError,
     OutputTooLargeError,
-    RayTritonShmError,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,7 +56,7 @@ def check_content_length(request: Request, max_bytes: int) -> None:
     """
     text = (request.headers.get("content-length") or "").strip()
     if text.isdigit() and text.isascii() and int(text) > max_bytes:
-        raise kserve_limits.too_large(f"request body of {int(text)} bytes", max_bytes)
+        raise bounded.too_large(f"request body of {int(text)} bytes", max_bytes)
 
 
 async def read_raw_body(
@@ -88,12 +87,12 @@ async def _read_stream(
     chunks = [chunk for chunk in prefix if len(chunk)]
     size = sum(len(chunk) for chunk in chunks)
     if size > max_bytes:
-        raise kserve_limits.too_large("request body", max_bytes)
+        raise bounded.too_large("request body", max_bytes)
     async for chunk in stream:
         if chunk:
             size += len(chunk)
             if size > max_bytes:
-                raise kserve_limits.too_large("request body", max_bytes)
+                raise bounded.too_large("request body", max_bytes)
             chunks.append(chunk)
     return chunks
 
@@ -125,7 +124,7 @@ async def read_body(
     if encoding not in ("identity", "gzip", "deflate"):  # refused before the body is read
         raise InputError(f"unsupported Content-Encoding {encoding!r}")
     raw = b"".join(await read_raw_body(request, max_bytes, prefix, stream))
-    return raw, (raw if encoding == "identity" else kserve_limits.inflate(raw, encoding, max_bytes))
+    return raw, (raw if encoding == "identity" else bounded.inflate(raw, encoding, max_bytes))
 
 
 async def request_body(
@@ -208,83 +207,6 @@ async def _read_header(stream: AsyncIterator[bytes], length: int) -> tuple[list[
     return chunks, bytes(header), rest
 
 
-def fast_path_lengths(headers: Any) -> tuple[int, int] | None:
-    """(header length, body length) when the body can go straight into a slot, else ``None``.
-
-    Args:
-        headers: The request's headers (``get`` by lower-case name).
-    """
-    encoding = (headers.get("content-encoding") or "identity").strip().lower()
-    if encoding != "identity":  # the general path refuses a bad encoding before a bad header length
-        return None
-    header_length = kserve.parse_header_length(headers.get(kserve.HEADER_LENGTH))
-    content_length = headers.get("content-length")
-    if header_length is None or content_length is None:
-        return None
-    text = content_length.strip()
-    if not (text.isdigit() and text.isascii()):
-        return None
-    return header_length, int(text)
-
-
-def _pool_at_hand(client: Any, model: str) -> bool:
-    """Whether ``client`` has a live pool of ``model`` and nothing to look up first (no I/O needed)."""
-    try:
-        pool = None if getattr(client, "_recheck", False) else client.client._pools.get(model)
-    except RayTritonShmError:
-        return False
-    return pool is not None and not pool.retired
-
-
-def shm_plan(client: Any, model: str, inputs: Mapping[str, Any], outputs: Sequence[str] | None) -> bool:
-    """Whether ``client.ainfer`` would run ``inputs`` through one system-memory slot of ``model``.
-
-    Any doubt (no layout, inputs the model refuses, several slots, a payload
-    small enough for gRPC, GPU memory) answers ``False``: the general path then
-    runs and gives the same answer or error as it always did.
-    """
-    if getattr(client, "_recheck", False):  # as ainfer does first: Triton may have restarted
-        client._before_call()
-    inner = client.client
-    layout = inner._layout_or_none(model)
-    if layout is None:
-        return False
-    # BYTES tensors (serialised in their regions where slots hold them) take the general path.
-    if any(spec.datatype == "BYTES" for spec in (*layout.inputs, *layout.outputs)):
-        return False
-    try:
-        pool = inner.pool(model)
-        checked = check_inputs(layout, inputs)
-        inner._wanted_outputs(layout, outputs)
-    except RayTritonShmError:
-        return False
-    if pool.memory != "system" or checked.on_device or len(chunks(layout, checked.batch)) != 1:
-        return False
-    threshold = inner.config.pool_for(model).shm_threshold(over_http=inner._http is not None, cuda=False)
-    return checked.nbytes >= threshold
-
-
-def run_leased(client: Any, model: str, lease: Any, outputs: Sequence[str] | None) -> Mapping[str, Any]:
-    """``client.run`` on the inputs already in ``lease``'s slot, with what ``infer`` handles itself.
-
-    A reloaded model (``LayoutMismatchError``) or an output over its slot
-    (``OutputTooLargeError``): the inputs are copied out of the slot, the slot
-    given back, and ``client.infer`` runs them its own way.
-
-    Raises:
-        As ``client.run`` and ``client.infer``.
-    """
-    try:
-        return client.run(lease, outputs)
-    except (LayoutMismatchError, OutputTooLargeError) as e:
-        shapes = list(lease.input_shapes.items())
-        inputs = {name: np.array(lease.input(name, shape)) for name, shape in shapes}
-        lease.release()
-        if isinstance(e, LayoutMismatchError):
-            client._layout_changed(e)
-        return client.infer(model, inputs, outputs=outputs)
-
-
 async def http_infer(
     client: Any,
     model: str,
@@ -326,7 +248,7 @@ async def http_infer(
             # With the model's pool at hand the check is a few microseconds: no thread hop then.
             if (
                 shm_plan(client, model, decoded.inputs, decoded.outputs)
-                if _pool_at_hand(client, model)
+                if pool_at_hand(client, model)
                 else (await asyncio.to_thread(shm_plan, client, model, decoded.inputs, decoded.outputs))
             ):
                 # The rest of the body arrives before a slot is leased: a slow upload holds no slot.

@@ -1,9 +1,9 @@
 """One connection of the front door's gRPC server: HTTP/2 on a blocking socket, read by a thread of its own.
 
-The server (:class:`~ray_triton_shm._private.serve.frontdoor_grpc.H2Listener`)
+The server (:class:`~ray_triton_shm._private.serve.door.frontdoor_grpc.H2Listener`)
 runs an :class:`H2Connection` per client connection. It speaks the part of
 HTTP/2 (RFC 9113) that gRPC clients use, unary calls only (the protocol's
-numbers and the per-stream pieces are in :mod:`~ray_triton_shm._private.serve.h2_wire`):
+numbers and the per-stream pieces are in :mod:`~ray_triton_shm._private.serve.http2.h2_wire`):
 
 * Each request message is read from the socket straight into one buffer of its
   own size (no per-frame copies); the connection advertises 16 MB frames and
@@ -12,7 +12,7 @@ numbers and the per-stream pieces are in :mod:`~ray_triton_shm._private.serve.h2
 * The answer's parts (views of a shared-memory slot, say) go to the socket as
   they are (``sendmsg``), cut into frames the client accepts and within its
   flow-control windows.
-* A handler gets a :class:`~ray_triton_shm._private.serve.h2_wire.Call` (its method,
+* A handler gets a :class:`~ray_triton_shm._private.serve.http2.h2_wire.Call` (its method,
   metadata and request message) and answers with ``respond`` or ``abort``. A call
   that is the connection's only one, with nothing more to read, runs in the
   connection's own thread (no hand-over to a worker and back: a client calling
@@ -20,11 +20,11 @@ numbers and the per-stream pieces are in :mod:`~ray_triton_shm._private.serve.h2
   connection's thread reads the client's frames itself while it waits for a
   flow-control window.
 
-Header blocks are read with ``hpack`` (:mod:`~ray_triton_shm._private.serve.h2_headers`);
-answers are written by :class:`~ray_triton_shm._private.serve.h2_send.AnswerWriter`. Request
+Header blocks are read with ``hpack`` (:mod:`~ray_triton_shm._private.serve.http2.h2_headers`);
+answers are written by :class:`~ray_triton_shm._private.serve.http2.h2_send.AnswerWriter`. Request
 messages compressed with ``gzip`` or ``deflate`` are inflated; answers are sent uncompressed.
 A method may have a *placer*: its messages' tensors are then read straight into a slot
-(:mod:`~ray_triton_shm._private.serve.grpc_message`).
+(:mod:`~ray_triton_shm._private.serve.http2.grpc_message`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ray_triton_shm._private.serve.grpc_message import Placer
-from ray_triton_shm._private.serve.h2_headers import TABLE_SIZE_ZERO, HeaderDecoder
-from ray_triton_shm._private.serve.h2_send import AnswerWriter
-from ray_triton_shm._private.serve.h2_wire import (
+from ray_triton_shm._private.serve.http2.grpc_message import Placer
+from ray_triton_shm._private.serve.http2.h2_headers import TABLE_SIZE_ZERO, HeaderDecoder
+from ray_triton_shm._private.serve.http2.h2_send import AnswerWriter
+from ray_triton_shm._private.serve.http2.h2_wire import (
     ACK,
     COMPRESSION_ERROR,
     CONTINUATION,
@@ -104,7 +104,7 @@ class H2Connection(AnswerWriter):
         pool: Where calls run.
         max_message: Largest request message accepted (larger: ``RESOURCE_EXHAUSTED``).
         place: Given a call's method, the placer of its request message, or ``None``
-            (see :mod:`~ray_triton_shm._private.serve.grpc_message`).
+            (see :mod:`~ray_triton_shm._private.serve.http2.grpc_message`).
     """
 
     def __init__(

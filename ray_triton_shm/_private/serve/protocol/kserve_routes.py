@@ -43,7 +43,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ray_triton_shm._private.serve import kserve, kserve_errors, kserve_limits
+from ray_triton_shm._private.serve.net import bounded
+from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
 from ray_triton_shm._private.shm.segment import redact
 from ray_triton_shm.errors import (
     InputError,
@@ -485,4 +486,4 @@ def _inflate(request: _Request, body: bytes) -> bytes:
     name = (request.headers.get("content-encoding") or "identity").strip().lower()
     if name == "identity":
         return body
-    return kserve_limits.inflate(body, name, request.node.max_request_bytes)
+    return bounded.inflate(body, name, request.node.max_request_bytes)

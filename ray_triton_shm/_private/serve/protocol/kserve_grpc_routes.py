@@ -3,7 +3,7 @@
 :func:`grpc_route` takes the RPC's name and its request message and returns
 the response message, or raises :class:`GrpcAnswerError` (or a
 :class:`RefusedError`) that the listener answers as a gRPC status. The same
-choices as over HTTP (:mod:`~ray_triton_shm._private.serve.kserve_routes`):
+choices as over HTTP (:mod:`~ray_triton_shm._private.serve.protocol.kserve_routes`):
 
 * Forwarded to the node's Triton (through ``forward``, the listener's
   channel): ``ServerLive``, ``ServerReady``, ``ModelReady`` (``false`` when
@@ -30,7 +30,7 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.kserve_routes import (
+from ray_triton_shm._private.serve.protocol.kserve_routes import (
     CONTROL_TIMEOUT_S,
     FILE_PARAMETER_PREFIX,
     PROBE_TIMEOUT_S,

@@ -1,7 +1,7 @@
 """Writing a connection's answers: header blocks, and DATA frames within the client's windows.
 
 :class:`AnswerWriter` is the writing half of
-:class:`~ray_triton_shm._private.serve.grpc_h2.H2Connection`, which sets up the
+:class:`~ray_triton_shm._private.serve.http2.grpc_h2.H2Connection`, which sets up the
 state it uses (the socket, the write lock, the send windows, the streams).
 """
 
@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ray_triton_shm._private.serve.h2_headers import encode_block
-from ray_triton_shm._private.serve.h2_wire import (
+from ray_triton_shm._private.serve.http2.h2_headers import encode_block
+from ray_triton_shm._private.serve.http2.h2_wire import (
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -30,7 +30,7 @@ from ray_triton_shm._private.serve.h2_wire import (
     percent_encode,
     status_number,
 )
-from ray_triton_shm._private.serve.listener import send_parts
+from ray_triton_shm._private.serve.net.listener import send_parts
 
 _RESPONSE_HEADERS = [
     (":status", "200"),

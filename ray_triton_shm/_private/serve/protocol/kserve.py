@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from ray_triton_shm._private.serve.kserve_limits import MAX_RANK, check_shape, load_json
+from ray_triton_shm._private.serve.protocol.kserve_limits import MAX_RANK, check_shape, load_json
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
 from ray_triton_shm.errors import InputError
 

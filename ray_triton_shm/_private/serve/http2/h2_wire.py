@@ -1,6 +1,6 @@
 """HTTP/2 as the front door's gRPC server speaks it: frames, settings, streams, buffered reads.
 
-The pieces of :mod:`~ray_triton_shm._private.serve.grpc_h2` that hold no
+The pieces of :mod:`~ray_triton_shm._private.serve.http2.grpc_h2` that hold no
 connection state of their own: the protocol's numbers (RFC 9113), the errors
 that end a connection or a call, a socket reader whose large reads go straight
 into their target, a stream's request message as it arrives, and a call as its
@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
-from ray_triton_shm._private.serve.grpc_message import MessageBuffer, PlacedMessage, Placement, Placer
-from ray_triton_shm._private.serve.kserve_limits import inflate
+from ray_triton_shm._private.serve.http2.grpc_message import MessageBuffer, PlacedMessage, Placement, Placer
+from ray_triton_shm._private.serve.net.bounded import inflate
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
@@ -304,7 +304,7 @@ class Call:
 
     def placement(self) -> Placement | None:
         """Where the request message was read into, if its method's placer placed it (see
-        :mod:`~ray_triton_shm._private.serve.grpc_message`); the slot is then the caller's to give back.
+        :mod:`~ray_triton_shm._private.serve.http2.grpc_message`); the slot is then the caller's to give back.
         ``None``: read the message with :meth:`request`.
         """
         return self._stream.placement()

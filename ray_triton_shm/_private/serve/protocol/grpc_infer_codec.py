@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.kserve_grpc import add_outputs, input_spec, output_names
+from ray_triton_shm._private.serve.protocol.grpc_messages import add_outputs, input_spec, output_names
 from ray_triton_shm.errors import InputError
 
 _RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents

@@ -5,17 +5,17 @@ replica without Serve's proxy in between. Every replica of the app on a node
 binds the same ports (``SO_REUSEPORT``): the kernel spreads the connections
 among them, and any node's address works on a multi-node cluster (bind
 ``0.0.0.0`` there). A replica of another app given the same port refuses to
-start (:mod:`~ray_triton_shm._private.serve.port_claim`). The listeners run in
+start (:mod:`~ray_triton_shm._private.serve.door.port_claim`). The listeners run in
 the replica's process, in threads of their own (blocking sockets, one thread
 per connection; gRPC calls that share a connection run on a thread pool), and
 close with the replica.
 
 HTTP inference (no version asked) is read from the socket straight into a
-leased slot (:class:`~ray_triton_shm._private.serve.frontdoor_http.Body`) and
+leased slot (:class:`~ray_triton_shm._private.serve.http1.server.Body`) and
 answered from the slot (``sendmsg`` of the output views): one copy of each
 tensor each way, as in Triton's own endpoint. Every other HTTP route goes to
 the Serve ingress's own handler (the deployment's ``__call__``), so both
-answer alike. gRPC: see :mod:`ray_triton_shm._private.serve.frontdoor_grpc`.
+answer alike. gRPC: see :mod:`ray_triton_shm._private.serve.door.frontdoor_grpc`.
 
 Configured in the app's args::
 
@@ -38,17 +38,18 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from ray_triton_shm._private.serve import kserve, kserve_errors, kserve_limits
-from ray_triton_shm._private.serve.frontdoor_grpc import GrpcDoor, run_on
-from ray_triton_shm._private.serve.frontdoor_http import (
+from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor, run_on
+from ray_triton_shm._private.serve.door.port_claim import PortClaim
+from ray_triton_shm._private.serve.http1.server import (
     Body,
     Connection,
     ConnectionGone,
     HttpListener,
     RequestHead,
 )
-from ray_triton_shm._private.serve.kserve_http import fast_path_lengths, run_leased, shm_plan
-from ray_triton_shm._private.serve.port_claim import PortClaim
+from ray_triton_shm._private.serve.net import bounded
+from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
+from ray_triton_shm._private.serve.protocol.slot_plan import fast_path_lengths, run_leased, shm_plan
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm.config import env_field
 from ray_triton_shm.errors import (
@@ -145,7 +146,7 @@ class KServeHttpHandler:
     def __call__(self, conn: Connection, head: RequestHead, body: Body) -> None:
         try:
             if not body.chunked and body.remaining > self._max_bytes:  # refused before it is read
-                raise kserve_limits.too_large("request body", self._max_bytes)
+                raise bounded.too_large("request body", self._max_bytes)
             if head.method == "POST":
                 match = _INFER.match(head.path)
                 if match and match.group(2) is None:
@@ -188,7 +189,7 @@ class KServeHttpHandler:
         data = prefix + body.read_all(self._max_bytes - len(prefix))
         encoding = (head.headers.get("content-encoding") or "identity").strip().lower()
         if encoding != "identity":
-            data = kserve_limits.inflate(data, encoding, self._max_bytes)
+            data = bounded.inflate(data, encoding, self._max_bytes)
         decoded = kserve.decode_request(
             data, kserve.parse_header_length(head.headers.get(kserve.HEADER_LENGTH))
         )

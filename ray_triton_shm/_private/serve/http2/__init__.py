@@ -1,0 +1,1 @@
+"""The HTTP/2 transport with gRPC's message framing: connections, frames, header blocks, messages."""

@@ -1,0 +1,1 @@
+"""The ingress behind Serve's proxies: KServe v2 over HTTP (``__call__``) and gRPC (deployment methods)."""

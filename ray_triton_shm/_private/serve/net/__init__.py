@@ -1,0 +1,1 @@
+"""What the front door's transports share: the listening socket, vectored sends, bounded reads."""

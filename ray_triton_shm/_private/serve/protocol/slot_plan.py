@@ -1,0 +1,95 @@
+"""Whether a KServe v2 inference request runs in one leased slot, and running it there.
+
+Transport-neutral: the HTTP and gRPC listeners of the front door and the Serve
+ingress ask :func:`shm_plan` before they lease a slot for a request's tensors,
+and :func:`run_leased` runs the slot with the fallbacks ``infer`` has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ray_triton_shm._private.core.slot_runs import chunks
+from ray_triton_shm._private.serve.protocol import kserve
+from ray_triton_shm._private.shm.validate import check_inputs
+from ray_triton_shm.errors import LayoutMismatchError, OutputTooLargeError, RayTritonShmError
+
+
+def fast_path_lengths(headers: Any) -> tuple[int, int] | None:
+    """(header length, body length) when the body can go straight into a slot, else ``None``.
+
+    Args:
+        headers: The request's headers (``get`` by lower-case name).
+    """
+    encoding = (headers.get("content-encoding") or "identity").strip().lower()
+    if encoding != "identity":  # the general path refuses a bad encoding before a bad header length
+        return None
+    header_length = kserve.parse_header_length(headers.get(kserve.HEADER_LENGTH))
+    content_length = headers.get("content-length")
+    if header_length is None or content_length is None:
+        return None
+    text = content_length.strip()
+    if not (text.isdigit() and text.isascii()):
+        return None
+    return header_length, int(text)
+
+
+def pool_at_hand(client: Any, model: str) -> bool:
+    """Whether ``client`` has a live pool of ``model`` and nothing to look up first (no I/O needed)."""
+    try:
+        pool = None if getattr(client, "_recheck", False) else client.client._pools.get(model)
+    except RayTritonShmError:
+        return False
+    return pool is not None and not pool.retired
+
+
+def shm_plan(client: Any, model: str, inputs: Mapping[str, Any], outputs: Sequence[str] | None) -> bool:
+    """Whether ``client.ainfer`` would run ``inputs`` through one system-memory slot of ``model``.
+
+    Any doubt (no layout, inputs the model refuses, several slots, a payload
+    small enough for gRPC, GPU memory) answers ``False``: the general path then
+    runs and gives the same answer or error as it always did.
+    """
+    if getattr(client, "_recheck", False):  # as ainfer does first: Triton may have restarted
+        client._before_call()
+    inner = client.client
+    layout = inner._layout_or_none(model)
+    if layout is None:
+        return False
+    # BYTES tensors (serialised in their regions where slots hold them) take the general path.
+    if any(spec.datatype == "BYTES" for spec in (*layout.inputs, *layout.outputs)):
+        return False
+    try:
+        pool = inner.pool(model)
+        checked = check_inputs(layout, inputs)
+        inner._wanted_outputs(layout, outputs)
+    except RayTritonShmError:
+        return False
+    if pool.memory != "system" or checked.on_device or len(chunks(layout, checked.batch)) != 1:
+        return False
+    threshold = inner.config.pool_for(model).shm_threshold(over_http=inner._http is not None, cuda=False)
+    return checked.nbytes >= threshold
+
+
+def run_leased(client: Any, model: str, lease: Any, outputs: Sequence[str] | None) -> Mapping[str, Any]:
+    """``client.run`` on the inputs already in ``lease``'s slot, with what ``infer`` handles itself.
+
+    A reloaded model (``LayoutMismatchError``) or an output over its slot
+    (``OutputTooLargeError``): the inputs are copied out of the slot, the slot
+    given back, and ``client.infer`` runs them its own way.
+
+    Raises:
+        As ``client.run`` and ``client.infer``.
+    """
+    try:
+        return client.run(lease, outputs)
+    except (LayoutMismatchError, OutputTooLargeError) as e:
+        shapes = list(lease.input_shapes.items())
+        inputs = {name: np.array(lease.input(name, shape)) for name, shape in shapes}
+        lease.release()
+        if isinstance(e, LayoutMismatchError):
+            client._layout_changed(e)
+        return client.infer(model, inputs, outputs=outputs)
