@@ -25,6 +25,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     SETTINGS,
     Call,
     CallError,
+    H2Limits,
     frame_header,
     percent_encode,
 )
@@ -147,7 +148,7 @@ def test_a_refused_method_is_answered_from_its_headers_even_if_the_stream_never_
 
 
 def test_a_message_over_the_limit_is_resource_exhausted(server) -> None:
-    channel, echo = _method(server(max_message=1000))
+    channel, echo = _method(server(limits=H2Limits(max_message=1000)))
     with channel:
         with pytest.raises(grpc.RpcError) as info:
             echo(b"x" * 5000)

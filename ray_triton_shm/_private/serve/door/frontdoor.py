@@ -47,6 +47,7 @@ from ray_triton_shm._private.serve.http1.server import (
     HttpListener,
     RequestHead,
 )
+from ray_triton_shm._private.serve.http2.h2_wire import IDLE_TIMEOUT_S, MAX_HEADER_BLOCK, H2Limits
 from ray_triton_shm._private.serve.net import bounded
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
 from ray_triton_shm._private.serve.protocol.slot_plan import fast_path_lengths, run_leased, shm_plan
@@ -79,6 +80,9 @@ class FrontDoorConfig:
         grpc_port: KServe v2 over gRPC (``tritonclient.grpc``); ``None``: none.
         max_connections: Connections served at once per replica on each port (a thread each).
         grpc_threads: gRPC requests served at once per replica.
+        grpc_idle_timeout_s: How long a gRPC connection with no call open may stay quiet
+            before it gets GOAWAY and is closed.
+        grpc_max_header_bytes: Longest gRPC header block (headers and metadata) accepted.
     """
 
     host: str = env_field("FRONTDOOR_HOST", "127.0.0.1")
@@ -86,6 +90,8 @@ class FrontDoorConfig:
     grpc_port: int | None = env_field("FRONTDOOR_GRPC_PORT", None, _optional_port)
     max_connections: int = env_field("FRONTDOOR_MAX_CONNECTIONS", 256)
     grpc_threads: int = env_field("FRONTDOOR_GRPC_THREADS", 16)
+    grpc_idle_timeout_s: float = env_field("FRONTDOOR_GRPC_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S)
+    grpc_max_header_bytes: int = env_field("FRONTDOOR_GRPC_MAX_HEADER_BYTES", MAX_HEADER_BLOCK)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -100,10 +106,13 @@ class FrontDoorConfig:
             raise ConfigError("frontdoor needs http_port, grpc_port or both")
         if self.http_port is not None and self.http_port == self.grpc_port and self.http_port != 0:
             raise ConfigError(f"frontdoor.http_port and grpc_port are both {self.http_port}")
-        for name in ("max_connections", "grpc_threads"):
+        for name in ("max_connections", "grpc_threads", "grpc_max_header_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"frontdoor.{name} must be an integer >= 1, got {value!r}")
+        value = self.grpc_idle_timeout_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"frontdoor.grpc_idle_timeout_s must be a number > 0, got {value!r}")
 
     @classmethod
     def from_args(cls, value: Mapping[str, Any] | None) -> FrontDoorConfig | None:
@@ -281,6 +290,11 @@ class FrontDoor:
                     run=self._run,
                     app_name=app_name,
                     threads=config.grpc_threads,
+                    limits=H2Limits(
+                        max_message=deployment._max_request_bytes,
+                        max_header_block=config.grpc_max_header_bytes,
+                        idle_timeout_s=config.grpc_idle_timeout_s,
+                    ),
                     max_connections=config.max_connections,
                 )
                 if not config.grpc_port:

@@ -38,7 +38,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection, Refuse
 from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
-from ray_triton_shm._private.serve.http2.h2_wire import Call, CallError
+from ray_triton_shm._private.serve.http2.h2_wire import Call, CallError, H2Limits, StreamGone
 from ray_triton_shm._private.serve.net.listener import TcpListener
 from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
     RAW_INPUT_KEY,
@@ -68,7 +68,7 @@ class H2Listener(TcpListener):
         refuse: See :class:`H2Connection`.
         place: See :class:`H2Connection`.
         threads: Calls run at once.
-        max_message: Largest request message accepted.
+        limits: What each connection may cost (see :class:`H2Limits`).
         max_connections: Connections served at once; more wait in the backlog.
 
     Raises:
@@ -84,15 +84,16 @@ class H2Listener(TcpListener):
         refuse: Refuse | None = None,
         place: Callable[[str], Placer | None] | None = None,
         threads: int = 16,
-        max_message: int = 2**31 - 1,
+        limits: H2Limits | None = None,
         max_connections: int = 256,
     ) -> None:
+        limits = limits or H2Limits()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
         self._connections: set[H2Connection] = set()
         self._connections_lock = threading.Lock()
 
         def serve(sock: socket.socket) -> None:
-            connection = H2Connection(sock, handler, refuse, self._pool, max_message, place)
+            connection = H2Connection(sock, handler, refuse, self._pool, limits, place)
             with self._connections_lock:
                 self._connections.add(connection)
             try:
@@ -132,6 +133,8 @@ class GrpcDoor:
         run: Runs a coroutine on the front door's event loop and returns its result.
         app_name: This app's name (checked against the ``application`` metadata).
         threads: Requests served at once.
+        limits: What each connection may cost (see :class:`H2Limits`); its ``max_message`` is
+            the node's ``max_request_bytes``.
         max_connections: Connections served at once (a thread each); more wait in the backlog.
 
     Raises:
@@ -149,6 +152,7 @@ class GrpcDoor:
         run: Callable[[Any], Any],
         app_name: str,
         threads: int,
+        limits: H2Limits | None = None,
         max_connections: int = 256,
     ) -> None:
         self._client = client
@@ -163,6 +167,7 @@ class GrpcDoor:
             refuse=self.refuse,
             place=self.placer,
             threads=threads,
+            limits=limits,
             max_connections=max_connections,
         )
         self.host = host
@@ -250,7 +255,7 @@ class GrpcDoor:
                 raise InputError(f"the {name}Request message is malformed: {e}") from e
             response = self._run(getattr(self._servicer, name)(request, None))
             call.respond([response.SerializeToString()])
-        except CallError:
+        except (CallError, StreamGone):
             raise
         except Exception as e:
             code, message = status_of(e)
@@ -272,6 +277,7 @@ class GrpcDoor:
         request, raw = split_infer_request(data)
         inputs, outputs = decode_infer_request(request, raw)
         model = request.model_name
+        _still_wanted(call)
         if not request.model_version and shm_plan(self._client, model, inputs, outputs):
             self._infer_in_slot(call, request, inputs, outputs)
             return
@@ -316,11 +322,22 @@ class GrpcDoor:
         """Run the model on the inputs in ``lease``'s slot and answer from the slot."""
         model = request.model_name
         version = self._served_version(model)
+        _still_wanted(call)
         result = run_leased(self._client, model, lease, outputs)
         parts = encode_infer_response_parts(model, version, request.id, result)
         del result
         call.respond(parts)  # written from the slot, then it goes back
         del parts  # no view of the slot outlives the lease
+
+
+def _still_wanted(call: Call) -> None:
+    """Raise :class:`StreamGone` for a call its client reset or left: Triton is not asked to run it.
+
+    Raises:
+        StreamGone: The call was cancelled.
+    """
+    if call.cancelled:
+        raise StreamGone()
 
 
 def _messages(name: str) -> tuple[Any, Any] | None:

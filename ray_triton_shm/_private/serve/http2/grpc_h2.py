@@ -58,7 +58,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     INITIAL_WINDOW_SIZE,
     MAX_CONCURRENT_STREAMS,
     MAX_FRAME_SIZE,
-    MAX_HEADER_BLOCK,
     MAX_HEADER_LIST_SIZE,
     MAX_STREAMS,
     MAX_WINDOW,
@@ -78,9 +77,11 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     SETTING,
     SETTINGS,
     WINDOW_UPDATE,
+    Budget,
     Call,
     CallError,
     FrameReader,
+    H2Limits,
     H2ProtocolError,
     Stream,
     StreamGone,
@@ -102,7 +103,7 @@ class H2Connection(AnswerWriter):
         refuse: Given a call's method and metadata as its headers arrive, the error
             that ends it at once (the client need not send its message), or ``None``.
         pool: Where calls run.
-        max_message: Largest request message accepted (larger: ``RESOURCE_EXHAUSTED``).
+        limits: What the connection may cost (message and header sizes, timeouts, budgets).
         place: Given a call's method, the placer of its request message, or ``None``
             (see :mod:`~ray_triton_shm._private.serve.http2.grpc_message`).
     """
@@ -113,7 +114,7 @@ class H2Connection(AnswerWriter):
         handler: Callable[[Call], None],
         refuse: Refuse | None,
         pool: ThreadPoolExecutor,
-        max_message: int,
+        limits: H2Limits,
         place: Callable[[str], Placer | None] | None = None,
     ) -> None:
         self._sock = sock
@@ -122,12 +123,14 @@ class H2Connection(AnswerWriter):
         self._handler = handler
         self._refuse = refuse
         self._pool = pool
-        self._max_message = max_message
+        self._limits = limits
+        self._max_message = limits.max_message
+        self._glitches = Budget(limits.glitch_burst, limits.glitch_rate)
         self._reader = FrameReader(sock)
         # Sends give up after SEND_TIMEOUT_S (a client that stopped reading); reads wait for ever.
         seconds = int(SEND_TIMEOUT_S)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
-        self._decoder = HeaderDecoder(MAX_HEADER_BLOCK)
+        self._decoder = HeaderDecoder(limits.max_header_block)
         self._size_update = b""  # sent before the next header block, after the client sets a table size
         self._write = threading.Lock()  # frames are written whole, and header blocks encoded, one at a time
         self._flow = threading.Condition()  # guards the send windows and the streams
@@ -147,13 +150,15 @@ class H2Connection(AnswerWriter):
     def serve(self) -> None:
         """Serve the connection until the client closes it, breaks the protocol, or the server stops."""
         try:
+            # The preface and the client's first SETTINGS come within PREFACE_TIMEOUT_S, in all.
+            self._set_read_timeout(self._limits.preface_timeout_s)
             if self._reader.exactly(len(PREFACE)) != PREFACE:
                 return  # not HTTP/2 with prior knowledge: nothing a gRPC client sends
             settings = [
                 (MAX_CONCURRENT_STREAMS, MAX_STREAMS),
                 (INITIAL_WINDOW_SIZE, MAX_WINDOW),
                 (MAX_FRAME_SIZE, OUR_MAX_FRAME),
-                (MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK),
+                (MAX_HEADER_LIST_SIZE, self._limits.max_header_block),
             ]
             body = b"".join(SETTING.pack(k, v) for k, v in settings)
             update = (MAX_WINDOW - 65535).to_bytes(4, "big")
@@ -161,7 +166,15 @@ class H2Connection(AnswerWriter):
                 [frame_header(len(body), SETTINGS, 0, 0), body, frame_header(4, WINDOW_UPDATE, 0, 0), update]
             )
             self._reader_thread = threading.current_thread()
+            if self._reader.exactly(9)[3] != SETTINGS:
+                raise H2ProtocolError(PROTOCOL_ERROR, "the preface is not followed by SETTINGS")
+            self._reader.unread(9)
+            self._frame()
+            self._set_read_timeout(0)
             while self._fatal is None:
+                if not self._wait_unless_idle():
+                    self._goaway(NO_ERROR, "idle")
+                    return
                 self._frame()
             raise self._fatal
         except H2ProtocolError as e:
@@ -171,6 +184,30 @@ class H2Connection(AnswerWriter):
         finally:
             self._close()
 
+    def _set_read_timeout(self, seconds: float) -> None:
+        """A kernel timeout (``SO_RCVTIMEO``) on each read; ``0``: none."""
+        whole = int(seconds)
+        micro = int((seconds - whole) * 1e6)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, micro))
+
+    def _wait_unless_idle(self) -> bool:
+        """Wait up to the idle timeout for a byte when no call is open and nothing is buffered."""
+        if self._reader.buffered():
+            return True
+        with self._flow:
+            if self._streams:
+                return True
+        return bool(select.select([self._sock], [], [], self._limits.idle_timeout_s)[0])
+
+    def _header_block_too_long(self) -> H2ProtocolError:
+        limit = self._limits.max_header_block
+        return H2ProtocolError(ENHANCE_YOUR_CALM, f"a header block over {limit} bytes")
+
+    def _glitch(self, what: str) -> None:
+        """Count a frame that carries no call against the connection's budget."""
+        if not self._glitches.spend():
+            raise H2ProtocolError(ENHANCE_YOUR_CALM, f"too many frames without a call ({what})")
+
     def _frame(self) -> None:
         head = self._reader.exactly(9)
         length = (head[0] << 16) | (head[1] << 8) | head[2]
@@ -179,10 +216,16 @@ class H2Connection(AnswerWriter):
         if length > OUR_MAX_FRAME:
             raise H2ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
         if kind == DATA:
+            if not length and not flags & END_STREAM:
+                self._glitch("empty DATA")
             self._data(length, flags, stream_id)
         elif kind == HEADERS:
+            if length > self._limits.max_header_block:  # refused before it is read or decoded
+                raise self._header_block_too_long()
             self._headers(self._reader.payload(length), flags, stream_id)
         elif kind == SETTINGS:
+            if not flags & ACK:
+                self._glitch("SETTINGS")
             self._settings(self._reader.payload(length), flags, stream_id)
         elif kind == WINDOW_UPDATE:
             self._window_update(self._reader.payload(length), stream_id)
@@ -191,11 +234,13 @@ class H2Connection(AnswerWriter):
             if length != 8 or stream_id:
                 raise H2ProtocolError(FRAME_SIZE_ERROR if length != 8 else PROTOCOL_ERROR, "a malformed PING")
             if not flags & ACK:
+                self._glitch("PING")
                 self._send([frame_header(8, PING, ACK, 0), payload])
         elif kind == RST_STREAM:
             self._reader.payload(length)
             if length != 4 or not stream_id:
                 raise H2ProtocolError(PROTOCOL_ERROR, "a malformed RST_STREAM")
+            self._glitch("RST_STREAM")
             with self._flow:
                 stream = self._streams.pop(stream_id, None)
                 if stream is not None:
@@ -209,10 +254,12 @@ class H2Connection(AnswerWriter):
             self._reader.payload(length)
             self._going_away = True
         elif kind == PRIORITY:
+            self._glitch("PRIORITY")
             self._reader.payload(length)
         elif kind in (PUSH_PROMISE, CONTINUATION):
             raise H2ProtocolError(PROTOCOL_ERROR, f"an unexpected frame of type {kind}")
         else:
+            self._glitch(f"frame type {kind}")
             self._reader.skip(length)  # unknown frame types are ignored
 
     def _data(self, length: int, flags: int, stream_id: int) -> None:
@@ -268,8 +315,10 @@ class H2Connection(AnswerWriter):
             length = (head[0] << 16) | (head[1] << 8) | head[2]
             if head[3] != CONTINUATION or int.from_bytes(head[5:9], "big") & 0x7FFFFFFF != stream_id:
                 raise H2ProtocolError(PROTOCOL_ERROR, "a header block interrupted")
-            if len(block) + length > MAX_HEADER_BLOCK:
-                raise H2ProtocolError(ENHANCE_YOUR_CALM, "a header block over 1 MiB")
+            if len(block) + length > self._limits.max_header_block:
+                raise self._header_block_too_long()
+            if not length and not head[4] & END_HEADERS:
+                self._glitch("empty CONTINUATION")
             block += self._reader.payload(length)
             flags = head[4] | (flags & END_STREAM)
         try:
@@ -342,8 +391,7 @@ class H2Connection(AnswerWriter):
         with self._flow:
             want = any(stream.placing() for stream in self._streams.values())
         if want != self._read_timeout:
-            seconds = int(PLACED_READ_TIMEOUT_S) if want else 0
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, 0))
+            self._set_read_timeout(PLACED_READ_TIMEOUT_S if want else 0)
             self._read_timeout = want
 
     def _settings(self, payload: bytes, flags: int, stream_id: int) -> None:
@@ -394,6 +442,8 @@ class H2Connection(AnswerWriter):
     def _run(self, stream: Stream) -> None:
         call = Call(self, stream)
         try:
+            if stream.reset:
+                return  # reset by the client before it began: not run at all
             if stream.error is not None:
                 raise stream.error
             self._handler(call)

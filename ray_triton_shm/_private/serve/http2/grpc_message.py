@@ -29,20 +29,39 @@ class Source(Protocol):
     def into(self, target: memoryview) -> None: ...
 
 
+FIRST_BUFFER = 64 * 1024
+"""What a message buffer holds before any of its bytes arrive (it grows as they do)."""
+
+
 class MessageBuffer:
-    """A message of ``length`` bytes read into one buffer, the first ``len(start)`` of them ``start``."""
+    """A message of ``length`` bytes read into one buffer, the first ``len(start)`` of them ``start``.
+
+    The buffer is never sized by the announced ``length`` alone: it starts at
+    :data:`FIRST_BUFFER` (or ``start``) and at most doubles each time it fills, so
+    it holds at most twice the bytes that have arrived (and never more than ``length``).
+    """
 
     def __init__(self, length: int, start: bytes | bytearray = b"") -> None:
-        self.data = bytearray(length)
-        self.data[: len(start)] = start
+        self.length = length
+        self.data = bytearray(start)
         self.filled = len(start)
+        if len(self.data) < length:
+            self._grow(FIRST_BUFFER)
+
+    def _grow(self, want: int) -> None:
+        size = min(self.length, max(want, 2 * len(self.data)))
+        if size > len(self.data):
+            self.data += bytes(size - len(self.data))
 
     def full(self) -> bool:
-        return self.filled == len(self.data)
+        return self.filled == self.length
 
     def take(self, source: Source, count: int) -> int:
         """Read up to ``count`` of the message's bytes from ``source``; returns how many."""
-        n = min(count, len(self.data) - self.filled)
+        n = min(count, self.length - self.filled)
+        if self.filled + n > len(self.data):
+            self._grow(self.filled + min(n, len(self.data) or FIRST_BUFFER))
+            n = min(n, len(self.data) - self.filled)
         source.into(memoryview(self.data)[self.filled : self.filled + n])
         self.filled += n
         return n

@@ -12,13 +12,16 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from ray_triton_shm._private.serve.http2.grpc_message import MessageBuffer, PlacedMessage, Placement, Placer
 from ray_triton_shm._private.serve.net.bounded import inflate
+from ray_triton_shm.errors import ConfigError
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
@@ -44,14 +47,77 @@ DEFAULT_FRAME = 16384
 READ_AHEAD = 16384
 """The most a frame reader asks the socket for beyond the bytes it needs (what it reads ahead of a
 large DATA payload is copied once more, from its buffer into the payload's target)."""
-MAX_HEADER_BLOCK = 1 << 20
-"""Longest header block (request headers and metadata) accepted; longer ends the connection."""
+MAX_HEADER_BLOCK = 64 * 1024
+"""Longest header block (request headers and metadata), and longest header list it decodes to,
+accepted by default; longer ends the connection (nghttp2's default header list limit, 64 KiB)."""
+IDLE_TIMEOUT_S = 60.0
+"""How long a connection with no call open may stay quiet before the server sends GOAWAY and closes it."""
+PREFACE_TIMEOUT_S = 10.0
+"""How long a new connection has to send its whole preface and first SETTINGS."""
+GLITCH_BURST = 1000
+GLITCH_RATE = 33.0
+"""The budget of frames that cost the server work but carry no call (PING, SETTINGS, PRIORITY,
+RST_STREAM, empty DATA and CONTINUATION): ``GLITCH_BURST`` at once, refilled at ``GLITCH_RATE``
+a second (nghttp2's stream-reset and glitch limits). Past it: GOAWAY ``ENHANCE_YOUR_CALM``."""
 MAX_STREAMS = 1024
 """Streams a connection may have open at once (announced in the settings)."""
 SEND_TIMEOUT_S = 60.0
 """How long an answer may wait for the client to open its flow-control window."""
 PLACED_READ_TIMEOUT_S = 30.0
 """How long a message being read into a slot may go without a byte before its connection is closed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class H2Limits:
+    """What one HTTP/2 connection may cost the server; each a named setting with its default.
+
+    Raises:
+        ConfigError: A value out of its range.
+
+    Attributes:
+        max_message: Largest request message accepted, inflated or not (larger: ``RESOURCE_EXHAUSTED``).
+        max_header_block: Longest header block, and decoded header list, accepted.
+        idle_timeout_s: Quiet time allowed with no call open (then GOAWAY and close).
+        preface_timeout_s: Time a new connection has for its preface and first SETTINGS.
+        glitch_burst: Call-less frames accepted at once (see :data:`GLITCH_RATE`).
+        glitch_rate: Call-less frames a second accepted after the burst.
+    """
+
+    max_message: int = 64 * 1024 * 1024
+    max_header_block: int = MAX_HEADER_BLOCK
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    preface_timeout_s: float = PREFACE_TIMEOUT_S
+    glitch_burst: int = GLITCH_BURST
+    glitch_rate: float = GLITCH_RATE
+
+    def __post_init__(self) -> None:
+        for name in ("max_message", "max_header_block", "glitch_burst"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("idle_timeout_s", "preface_timeout_s", "glitch_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+
+
+class Budget:
+    """A token bucket: ``burst`` tokens, refilled at ``rate`` a second; :meth:`spend` says if one was left."""
+
+    def __init__(self, burst: int, rate: float) -> None:
+        self._burst = float(burst)
+        self._rate = rate
+        self._tokens = float(burst)
+        self._at = time.monotonic()
+
+    def spend(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
 
 
 FRAME_HEADER = struct.Struct(">HBBBI")  # length (24 bits, as 16 + 8), type, flags, stream id
@@ -140,6 +206,10 @@ class FrameReader:
         data = bytes(self._view[self._start : self._start + n])
         self._start += n
         return data
+
+    def unread(self, n: int) -> None:
+        """Take back the last ``n`` bytes :meth:`exactly` returned (they are read again next)."""
+        self._start -= n
 
     def into(self, target: memoryview) -> None:
         """Fill ``target``: first from the buffer, then straight from the socket."""
@@ -301,6 +371,11 @@ class Call:
             CallError: As :meth:`Stream.request`.
         """
         return self._stream.request()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the client reset the call or closed its connection (its answer would go nowhere)."""
+        return self._stream.reset
 
     def placement(self) -> Placement | None:
         """Where the request message was read into, if its method's placer placed it (see

@@ -1,0 +1,216 @@
+"""The HTTP/2 gRPC server's limits: memory, time and frame budgets set by the server, not the client.
+
+Each test speaks raw HTTP/2 to a real listener on loopback and reads what the
+server answers: a GOAWAY with its error code, a closed connection, a call that
+never ran.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import hpack
+import pytest
+
+from ray_triton_shm._private.serve.door.frontdoor_grpc import H2Listener
+from ray_triton_shm._private.serve.http2.grpc_message import FIRST_BUFFER, MessageBuffer
+from ray_triton_shm._private.serve.http2.h2_wire import (
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    GOAWAY,
+    HEADERS,
+    NO_ERROR,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    Budget,
+    Call,
+    H2Limits,
+    frame_header,
+)
+from ray_triton_shm.errors import ConfigError
+from tests.helpers import wait_for
+
+
+@pytest.fixture
+def server():
+    listeners = []
+
+    def start(handler=lambda call: call.respond([bytes(call.request())]), **options):
+        listener = H2Listener("127.0.0.1", 0, handler, **options)
+        listeners.append(listener)
+        return listener
+
+    yield start
+    for listener in listeners:
+        listener.close()
+        assert not listener.open_connections()
+
+
+def _connect(listener: H2Listener) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", listener.port))
+    sock.sendall(PREFACE + frame_header(0, SETTINGS, 0, 0))
+    return sock
+
+
+def _frames_until_closed(sock: socket.socket, timeout: float = 5.0) -> list[tuple[int, int, bytes]]:
+    """(type, stream, payload) of each frame the server sends until it closes the connection."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            got = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not got:
+            break
+        data += got
+    frames = []
+    while len(data) >= 9:
+        length = int.from_bytes(data[:3], "big")
+        frames.append((data[3], int.from_bytes(data[5:9], "big"), data[9 : 9 + length]))
+        data = data[9 + length :]
+    return frames
+
+
+def _goaway_code(frames: list[tuple[int, int, bytes]]) -> int | None:
+    codes = [struct.unpack(">II", payload[:8])[1] for kind, _, payload in frames if kind == GOAWAY]
+    return codes[0] if codes else None
+
+
+def _request(stream_id: int, message: bytes, path: str = "/pkg.Svc/Echo") -> bytes:
+    block = hpack.Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", "x"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+    )
+    body = b"\x00" + len(message).to_bytes(4, "big") + message
+    return (
+        frame_header(len(block), HEADERS, END_HEADERS, stream_id)
+        + block
+        + frame_header(len(body), DATA, END_STREAM, stream_id)
+        + body
+    )
+
+
+def test_a_message_buffer_grows_with_the_bytes_that_arrive_not_with_the_announced_length() -> None:
+    class Source:
+        def into(self, target: memoryview) -> None:
+            target[:] = b"x" * len(target)
+
+        def exactly(self, n: int) -> bytes:
+            return b"x" * n
+
+    buffer = MessageBuffer(1 << 30)  # announced: 1 GiB
+    assert len(buffer.data) == FIRST_BUFFER
+    received = 0
+    for _ in range(40):
+        received += buffer.take(Source(), 50_000)
+        assert len(buffer.data) <= max(FIRST_BUFFER, 2 * received)
+    assert received == buffer.filled == 2_000_000 and not buffer.full()
+    small = MessageBuffer(10, b"abc")
+    assert small.take(Source(), 100) == 7 and small.full() and bytes(small.data) == b"abcxxxxxxx"
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ConfigError, match="max_message"):
+        H2Limits(max_message=0)
+    with pytest.raises(ConfigError, match="idle_timeout_s"):
+        H2Limits(idle_timeout_s=-1)
+
+
+def test_a_budget_allows_its_burst_then_its_rate() -> None:
+    budget = Budget(3, 1000.0)
+    assert all(budget.spend() for _ in range(3))
+    assert not budget.spend()
+    time.sleep(0.01)  # 10 ms at 1000 a second: about 10 tokens, capped at the burst
+    assert budget.spend()
+
+
+def test_a_header_block_over_the_limit_is_refused_before_it_is_read(server) -> None:
+    listener = server(limits=H2Limits(max_header_block=4096))
+    with _connect(listener) as sock:
+        # Only the frame's head is sent: the server refuses on the announced length alone.
+        sock.sendall(frame_header(4 * 1024 * 1024, HEADERS, END_HEADERS, 1))
+        frames = _frames_until_closed(sock)
+    assert _goaway_code(frames) == ENHANCE_YOUR_CALM
+    settings = next(payload for kind, _, payload in frames if kind == SETTINGS)
+    announced = dict(struct.unpack(">HI", settings[i : i + 6]) for i in range(0, len(settings), 6))
+    assert announced[6] == 4096  # SETTINGS_MAX_HEADER_LIST_SIZE
+
+
+def test_a_ping_flood_ends_with_enhance_your_calm_and_a_few_pings_do_not(server) -> None:
+    listener = server(limits=H2Limits(glitch_burst=50, glitch_rate=1.0))
+    ping = frame_header(8, PING, 0, 0) + b"12345678"
+    with _connect(listener) as sock:
+        sock.sendall(ping * 20 + _request(1, b"ok"))
+        sock.settimeout(5)
+        data = b""
+        while b"ok" not in data:  # answered: 20 pings are within the budget
+            got = sock.recv(65536)
+            assert got
+            data += got
+        sock.sendall(ping * 100)
+        frames = _frames_until_closed(sock)
+    assert _goaway_code(frames) == ENHANCE_YOUR_CALM
+    assert b"PING" in next(payload for kind, _, payload in frames if kind == GOAWAY)
+
+
+def test_an_idle_connection_gets_goaway_and_is_closed(server) -> None:
+    listener = server(limits=H2Limits(idle_timeout_s=0.5))
+    with _connect(listener) as sock:
+        started = time.monotonic()
+        frames = _frames_until_closed(sock)
+        waited = time.monotonic() - started
+    assert _goaway_code(frames) == NO_ERROR
+    assert 0.4 < waited < 4
+    assert wait_for(lambda: not listener.open_connections(), 5)
+
+
+def test_a_client_that_never_finishes_its_preface_is_closed(server) -> None:
+    listener = server(limits=H2Limits(preface_timeout_s=0.5))
+    with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+        sock.sendall(PREFACE[:10])
+        started = time.monotonic()
+        assert _frames_until_closed(sock) == []
+        assert time.monotonic() - started < 4
+
+
+def test_a_call_reset_before_it_runs_is_never_run(server) -> None:
+    release = threading.Event()
+    ran: list[bytes] = []
+
+    def handler(call: Call) -> None:
+        message = bytes(call.request())
+        ran.append(message)
+        if message == b"first":
+            release.wait(10)
+        call.respond([message])
+
+    listener = server(handler, threads=1)
+    with _connect(listener) as sock:
+        # Stream 1 takes the only worker; stream 3 waits for it and is reset meanwhile.
+        reset = frame_header(4, RST_STREAM, 0, 3) + (8).to_bytes(4, "big")  # CANCEL
+        sock.sendall(_request(1, b"first") + _request(3, b"second") + reset)
+        assert wait_for(lambda: ran, 5)
+        time.sleep(0.2)  # the reader has read the reset by now
+        release.set()
+        sock.settimeout(5)
+        data = b""
+        while b"first" not in data:
+            got = sock.recv(65536)
+            assert got
+            data += got
+        time.sleep(0.2)
+    assert ran == [b"first"]
