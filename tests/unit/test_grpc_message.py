@@ -16,18 +16,22 @@ import hpack
 import pytest
 
 from ray_triton_shm._private.serve.door.frontdoor_grpc import H2Listener
-from ray_triton_shm._private.serve.http2 import grpc_h2
 from ray_triton_shm._private.serve.http2.grpc_message import HEAD_BYTES, Placement
 from ray_triton_shm._private.serve.http2.h2_wire import (
     DATA,
     END_HEADERS,
+    END_STREAM,
     HEADERS,
+    INITIAL_WINDOW_SIZE,
     PREFACE,
     READ_AHEAD,
     RST_STREAM,
+    SETTING,
     SETTINGS,
+    WINDOW_UPDATE,
     Call,
     FrameReader,
+    H2Limits,
     frame_header,
 )
 from tests.helpers import wait_for
@@ -75,8 +79,7 @@ class _Lease:
                 self._leases.released += 1
 
 
-@pytest.fixture
-def placed():
+def _placed_listener(**options) -> tuple[H2Listener, Leases]:
     """A listener whose ``/pkg.Svc/Put`` messages are placed (``HEAD KEY body``, or ``TWO KEY
     first KEY rest`` with 8000 bytes first); answers ``placed:`` + body or ``buffer:`` + message."""
     leases = Leases()
@@ -102,12 +105,28 @@ def placed():
         call.respond([b"placed:", body])
 
     listener = H2Listener(
-        "127.0.0.1", 0, handler, place=lambda method: placer if method == "/pkg.Svc/Put" else None
+        "127.0.0.1",
+        0,
+        handler,
+        place=lambda method: placer if method == "/pkg.Svc/Put" else None,
+        **options,
     )
-    yield listener, leases
-    listener.close()
-    assert not listener.open_connections()
-    assert leases.out() == 0, "a lease was not given back"
+    return listener, leases
+
+
+@pytest.fixture
+def placed():
+    listeners = []
+
+    def start(**options) -> tuple[H2Listener, Leases]:
+        listeners.append(_placed_listener(**options))
+        return listeners[-1]
+
+    yield start
+    for listener, leases in listeners:
+        listener.close()
+        assert not listener.open_connections()
+        assert leases.out() == 0, "a lease was not given back"
 
 
 def _put(listener: H2Listener, data: bytes, method: str = "/pkg.Svc/Put", **options) -> bytes:
@@ -120,14 +139,14 @@ def _put(listener: H2Listener, data: bytes, method: str = "/pkg.Svc/Put", **opti
 
 @pytest.mark.parametrize("size", [1, 100, HEAD_BYTES, 3 << 20])
 def test_the_body_is_read_into_place(placed, size: int) -> None:
-    listener, leases = placed
+    listener, leases = placed()
     body = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
     assert _put(listener, HEAD + KEY + body) == b"placed:" + body
     assert leases.taken == 1
 
 
 def test_unexpected_bytes_turn_the_message_back_into_a_buffer_as_sent(placed) -> None:
-    listener, leases = placed
+    listener, leases = placed()
     body = bytes(range(256)) * 100
     assert _put(listener, TWO + KEY + body[:8000] + KEY + body[8000:]) == b"placed:" + body
     for message in (
@@ -163,7 +182,7 @@ def _start_put(sock: socket.socket, body_sent: bytes, total: int) -> None:
 
 
 def test_a_stream_reset_mid_message_gives_the_slot_back(placed) -> None:
-    listener, leases = placed
+    listener, leases = placed()
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
         _start_put(sock, HEAD + KEY + b"a" * 5000, len(HEAD + KEY) + 100_000)
         assert wait_for(lambda: leases.taken == 1)
@@ -174,32 +193,60 @@ def test_a_stream_reset_mid_message_gives_the_slot_back(placed) -> None:
 
 
 def test_a_connection_closed_mid_message_gives_the_slot_back(placed) -> None:
-    listener, leases = placed
+    listener, leases = placed()
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
         _start_put(sock, HEAD + KEY + b"a" * 5000, len(HEAD + KEY) + 100_000)
         assert wait_for(lambda: leases.taken == 1)
     assert wait_for(lambda: leases.out() == 0)
 
 
-def test_a_client_that_stalls_mid_message_loses_its_connection_and_the_slot(placed, monkeypatch) -> None:
-    listener, leases = placed
-    monkeypatch.setattr(grpc_h2, "PLACED_READ_TIMEOUT_S", 1.0)
+def test_a_client_that_stalls_mid_message_gives_the_slot_back_and_is_still_answered(placed) -> None:
+    listener, leases = placed(limits=H2Limits(slot_stall_s=0.5))
+    total = len(HEAD + KEY) + 100_000
+    first = HEAD + KEY + b"a" * 5000
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
-        _start_put(sock, HEAD + KEY + b"a" * 5000, len(HEAD + KEY) + 100_000)
+        _start_put(sock, first, total)
         assert wait_for(lambda: leases.taken == 1)
         started = time.monotonic()
-        assert wait_for(lambda: leases.out() == 0, 10)
-        assert 0.8 < time.monotonic() - started < 5
-        sock.settimeout(5)
-        closed = False
-        while not closed:  # the server's settings, then the end of the connection
-            closed = not sock.recv(65536)
-    # Idle connections between calls are not timed out: only a message being placed is.
+        assert wait_for(lambda: leases.out() == 0, 10)  # back while the client still holds the call
+        assert 0.3 < time.monotonic() - started < 5
+        # The rest of the message, late: read into memory and answered as any other message.
+        rest = b"b" * (total - len(first))
+        windows = (
+            frame_header(6, SETTINGS, 0, 0)
+            + SETTING.pack(INITIAL_WINDOW_SIZE, 1 << 30)
+            + frame_header(4, WINDOW_UPDATE, 0, 0)
+            + (1 << 30).to_bytes(4, "big")
+        )
+        sock.sendall(windows + frame_header(len(rest), DATA, END_STREAM, 1) + rest)
+        sock.settimeout(10)
+        data, tail = b"", (first + rest)[-1000:]
+        while tail not in data:
+            got = sock.recv(1 << 20)
+            assert got, "the server closed the connection"
+            data += got
+        assert b"buffer:" + first[:100] in data
+    assert leases.taken == 1
+    # Idle connections between calls are not timed out by the stall time: only slots are.
     with grpc.insecure_channel(f"127.0.0.1:{listener.port}") as channel:
         put = channel.unary_unary("/pkg.Svc/Put")
         assert put(HEAD + KEY + b"1", timeout=10) == b"placed:1"
-        time.sleep(1.5)
+        time.sleep(1.0)
         assert put(HEAD + KEY + b"2", timeout=10) == b"placed:2"
+
+
+def test_a_client_that_trickles_does_not_keep_the_slot(placed) -> None:
+    """A byte every 0.2 s never lets a read wait the whole stall time, yet the slot goes back."""
+    listener, leases = placed(limits=H2Limits(slot_stall_s=0.5))
+    total = len(HEAD + KEY) + 100_000
+    with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+        _start_put(sock, HEAD + KEY + b"a" * 5000, total)
+        assert wait_for(lambda: leases.taken == 1)
+        started = time.monotonic()
+        while leases.out() and time.monotonic() - started < 10:
+            sock.sendall(frame_header(1, DATA, 0, 1) + b"t")
+            time.sleep(0.2)
+        assert leases.out() == 0 and time.monotonic() - started < 5
 
 
 def test_a_frame_head_reads_little_of_the_payload_behind_it() -> None:
@@ -222,3 +269,68 @@ def test_a_frame_head_reads_little_of_the_payload_behind_it() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_an_answer_the_client_does_not_take_leaves_the_slot_and_still_arrives_whole() -> None:
+    """A client that opens no window for the answer: the answer is copied out, the slot released."""
+    leases = Leases()
+    answer = bytes(range(256)) * 4096  # 1 MiB: far over the client's 64 KiB window
+    sent = threading.Event()
+
+    def handler(call: Call) -> None:
+        lease = leases.lease()
+        parts: list[bytes | memoryview] = [memoryview(answer)]
+        try:
+            call.respond(parts, lease.release)
+        finally:
+            lease.release()
+            sent.set()
+
+    listener = H2Listener("127.0.0.1", 0, handler, limits=H2Limits(slot_stall_s=0.5))
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+            block = _request_block("/pkg.Svc/Any")
+            message = b"\x00" + (1).to_bytes(4, "big") + b"q"
+            sock.sendall(
+                PREFACE
+                + frame_header(0, SETTINGS, 0, 0)
+                + frame_header(len(block), HEADERS, END_HEADERS, 1)
+                + block
+                + frame_header(len(message), DATA, END_STREAM, 1)
+                + message
+            )
+            assert wait_for(lambda: leases.taken == 1)
+            started = time.monotonic()
+            assert wait_for(lambda: leases.out() == 0, 10)  # released while the answer waits
+            assert 0.3 < time.monotonic() - started < 5
+            assert not sent.is_set()  # the call is still sending
+            sock.sendall(
+                frame_header(6, SETTINGS, 0, 0)
+                + SETTING.pack(INITIAL_WINDOW_SIZE, 1 << 30)
+                + frame_header(4, WINDOW_UPDATE, 0, 0)
+                + (1 << 30).to_bytes(4, "big")
+            )
+            sock.settimeout(10)
+            data, payload = b"", b""
+            while len(payload) < len(answer) + 5:
+                got = sock.recv(1 << 20)
+                assert got, "the server closed the connection"
+                data += got
+                payload = b"".join(data[i + 9 : i + 9 + size] for i, size in _data_frames(data))
+            assert payload == b"\x00" + len(answer).to_bytes(4, "big") + answer
+            assert sent.wait(5)
+    finally:
+        listener.close()
+
+
+def _data_frames(data: bytes) -> list[tuple[int, int]]:
+    """(start, payload length) of each whole DATA frame in ``data``."""
+    frames, i = [], 0
+    while i + 9 <= len(data):
+        length = int.from_bytes(data[i : i + 3], "big")
+        if i + 9 + length > len(data):
+            break
+        if data[i + 3] == DATA:
+            frames.append((i, length))
+        i += 9 + length
+    return frames

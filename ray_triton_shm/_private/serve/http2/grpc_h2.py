@@ -35,6 +35,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -65,7 +66,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     OUR_MAX_FRAME,
     PADDED,
     PING,
-    PLACED_READ_TIMEOUT_S,
     PREFACE,
     PRIORITY,
     PRIORITY_FLAG,
@@ -124,9 +124,11 @@ class H2Connection(AnswerWriter):
         self._refuse = refuse
         self._pool = pool
         self._limits = limits
+        self._slot_stall_s = limits.slot_stall_s
         self._max_message = limits.max_message
         self._glitches = Budget(limits.glitch_burst, limits.glitch_rate)
         self._reader = FrameReader(sock)
+        self._reader.on_stall = self._stalled
         # Sends give up after SEND_TIMEOUT_S (a client that stopped reading); reads wait for ever.
         seconds = int(SEND_TIMEOUT_S)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
@@ -175,6 +177,8 @@ class H2Connection(AnswerWriter):
                 if not self._wait_unless_idle():
                     self._goaway(NO_ERROR, "idle")
                     return
+                if self._read_timeout:
+                    self._expire_placements()
                 self._frame()
             raise self._fatal
         except H2ProtocolError as e:
@@ -284,6 +288,8 @@ class H2Connection(AnswerWriter):
             placing = stream.placing()
             stream.receive(self._reader, count)
             if stream.placing() != placing:
+                if not placing:  # a slot now waits for the message: at the slot's pace, not the client's
+                    stream.place_deadline = time.monotonic() + self._limits.slot_time(stream.message_length())
                 self._update_read_timeout()
             if stream.error is not None and not stream.dispatched:
                 self._dispatch(stream)  # answered now, so that the client stops sending
@@ -387,12 +393,36 @@ class H2Connection(AnswerWriter):
             return False
 
     def _update_read_timeout(self) -> None:
-        """Bound reads by :data:`PLACED_READ_TIMEOUT_S` while a slot waits for a message's bytes."""
+        """Bound reads by the slot stall time while a slot waits for a message's bytes."""
         with self._flow:
             want = any(stream.placing() for stream in self._streams.values())
         if want != self._read_timeout:
-            self._set_read_timeout(PLACED_READ_TIMEOUT_S if want else 0)
+            self._set_read_timeout(self._limits.slot_stall_s if want else 0)
             self._read_timeout = want
+
+    def _expire_placements(self) -> None:
+        """Messages still arriving for a slot past their time (too slow overall) move to memory."""
+        now = time.monotonic()
+        with self._flow:
+            late = [s for s in self._streams.values() if s.placing() and s.place_deadline <= now]
+        for stream in late:
+            stream.to_memory()
+        if late:
+            self._update_read_timeout()
+
+    def _stalled(self) -> None:
+        """A read waited past the stall time while slots wait: their messages move to memory, slots back.
+
+        Raises:
+            TimeoutError: No slot waits: the timeout was the preface's.
+        """
+        if not self._read_timeout:
+            raise TimeoutError("the client did not send its preface in time")
+        with self._flow:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.to_memory()
+        self._update_read_timeout()
 
     def _settings(self, payload: bytes, flags: int, stream_id: int) -> None:
         if stream_id:
@@ -463,10 +493,15 @@ class H2Connection(AnswerWriter):
                 if stream.ended:
                     self._streams.pop(stream.id, None)
 
-    def _read_one_frame(self, timeout: float) -> None:
-        """Read one frame in the reader's thread while its call waits (the connection's end ends the call)."""
+    def _read_one_frame(self, timeout: float, give_up: bool = True) -> None:
+        """Read one frame in the reader's thread while its call waits (the connection's end ends the call).
+
+        Nothing within ``timeout``: ``StreamGone`` if ``give_up``, else nothing read.
+        """
         try:
             if not self._reader.buffered() and not select.select([self._sock], [], [], timeout)[0]:
+                if not give_up:
+                    return
                 raise StreamGone()
             self._frame()
         except StreamGone:

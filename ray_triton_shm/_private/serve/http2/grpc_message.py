@@ -21,12 +21,20 @@ HEAD_BYTES = 4096
 """Bytes of a message read before its placer is asked (a ``ModelInfer`` head is a few hundred)."""
 
 
+class Stalled(Exception):
+    """A read for a slot waited past its stall time; ``taken`` bytes of it had arrived (and are in place)."""
+
+    def __init__(self, taken: int) -> None:
+        super().__init__(taken)
+        self.taken = taken
+
+
 class Source(Protocol):
-    """What a message reads from: the connection's frame reader."""
+    """What a message reads from: the connection's frame reader (``placed``: the bytes are for a slot)."""
 
-    def exactly(self, n: int) -> bytes: ...
+    def exactly(self, n: int, placed: bool = False) -> bytes: ...
 
-    def into(self, target: memoryview) -> None: ...
+    def into(self, target: memoryview, placed: bool = False) -> None: ...
 
 
 FIRST_BUFFER = 64 * 1024
@@ -97,15 +105,23 @@ class Placement:
 
         Raises:
             Mismatch: The message differs from what was expected (with the bytes read meanwhile).
+            Stalled: The client stopped sending at full speed (with the bytes placed meanwhile).
         """
         done = 0
         while done < count and self._index < len(self.parts):
             part = self.parts[self._index]
             n = min(count - done, len(part) - self._offset)
             if isinstance(part, memoryview):
-                source.into(part[self._offset : self._offset + n])
+                try:
+                    source.into(part[self._offset : self._offset + n], placed=True)
+                except Stalled as e:
+                    self._advance(e.taken)
+                    raise Stalled(done + e.taken) from e
             else:
-                got = source.exactly(n)
+                try:
+                    got = source.exactly(n, placed=True)
+                except Stalled as e:
+                    raise Stalled(done) from e
                 if got != part[self._offset : self._offset + n]:
                     raise Mismatch(done, got)
             done += n
@@ -155,12 +171,12 @@ class _BytesSource:
         self._view = memoryview(data)
         self._pos = 0
 
-    def exactly(self, n: int) -> bytes:
+    def exactly(self, n: int, placed: bool = False) -> bytes:
         out = bytes(self._view[self._pos : self._pos + n])
         self._pos += n
         return out
 
-    def into(self, target: memoryview) -> None:
+    def into(self, target: memoryview, placed: bool = False) -> None:
         n = len(target)
         target[:] = self._view[self._pos : self._pos + n]
         self._pos += n
@@ -206,6 +222,9 @@ class PlacedMessage:
             except Mismatch as e:
                 self._unplace(e.got)
                 return e.taken + len(e.got)
+            except Stalled as e:  # the rest is read into memory; the slot goes back now
+                self._unplace(b"")
+                return e.taken
         n = min(count, min(self.length, HEAD_BYTES) - len(self._head))
         self._head += source.exactly(n)
         if len(self._head) == min(self.length, HEAD_BYTES):
@@ -227,6 +246,11 @@ class PlacedMessage:
             self._to_buffer(head)
             return
         self.placement = placement
+
+    def to_memory(self) -> None:
+        """Move a message being placed into a buffer of its own, and give its slot back now."""
+        if self.placing():
+            self._unplace(b"")
 
     def _unplace(self, got: bytes) -> None:
         placement, self.placement = self.placement, None

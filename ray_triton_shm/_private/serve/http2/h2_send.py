@@ -11,7 +11,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray_triton_shm._private.serve.http2.h2_headers import encode_block
@@ -30,7 +30,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     percent_encode,
     status_number,
 )
-from ray_triton_shm._private.serve.net.listener import send_parts
+from ray_triton_shm._private.serve.net.listener import Unsent, send_parts
 
 _RESPONSE_HEADERS = [
     (":status", "200"),
@@ -52,18 +52,19 @@ class AnswerWriter:
     _send_window: int
     _closed: bool
     _reader_thread: threading.Thread | None
+    _slot_stall_s: float
 
-    def _read_one_frame(self, timeout: float) -> None:
+    def _read_one_frame(self, timeout: float, give_up: bool = True) -> None:
         raise NotImplementedError
 
     def _send(self, parts: Sequence[bytes | memoryview]) -> None:
         with self._write:
             self._send_locked(parts)
 
-    def _send_locked(self, parts: Sequence[Any]) -> None:
+    def _send_locked(self, parts: Sequence[Any], on_stall: Unsent | None = None) -> None:
         """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``)."""
         try:
-            send_parts(self._sock, parts)
+            send_parts(self._sock, parts, self._slot_stall_s, on_stall)
         except OSError as e:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
@@ -85,9 +86,24 @@ class AnswerWriter:
         return frames
 
     def answer(
-        self, stream: Stream, parts: Sequence[bytes | memoryview] | None, code: str, message: str
+        self,
+        stream: Stream,
+        parts: list[bytes | memoryview] | None,
+        code: str,
+        message: str,
+        release: Callable[[], None] | None = None,
     ) -> None:
         """Send the answer of ``stream``: headers, the message of ``parts`` (if any), and the status.
+
+        Args:
+            stream: The call's stream.
+            parts: The answer message's parts (``None``: trailers only).
+            code: The status's name.
+            message: The status message.
+            release: Gives back the memory ``parts`` are views of (a slot). When the client
+                does not take the answer within the slot stall time, the unsent bytes are
+                copied, ``parts`` is emptied, ``release`` is called, and the rest is sent
+                from the copy.
 
         Raises:
             StreamGone: The client reset the stream, or the connection closed.
@@ -112,18 +128,39 @@ class AnswerWriter:
             views = [memoryview(b"\x00" + length.to_bytes(4, "big"))] + [
                 memoryview(p).cast("B") for p in parts
             ]
+            frames: list[Any] = []
+
+            def copy_out(unsent: list[memoryview]) -> list[memoryview]:
+                """The unsent bytes, and the answer not framed yet, copied; the slot given back."""
+                nonlocal views, release
+                copied = [memoryview(b"".join(unsent))] if unsent else []
+                unsent.clear()
+                frames.clear()
+                views = [memoryview(b"".join(views))] if views else []
+                if parts is not None:
+                    parts.clear()
+                if release is not None:
+                    release()
+                    release = None
+                return copied
+
             remaining = length + 5
             first = True
             while remaining:
-                take = self._reserve(stream, remaining)
+                stall_at = time.monotonic() + self._slot_stall_s if release is not None else None
+                take = self._reserve(stream, remaining, stall_at)
+                if not take:  # the client opens no window: the answer leaves the slot
+                    copy_out([])
+                    continue
                 remaining -= take
                 with self._write:
-                    frames: list[Any] = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
+                    frames = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
                     first = False
                     frames += self._data_frames(sid, views, take)
                     if not remaining:
                         frames += self._header_frames(sid, trailers, True)
-                    self._send_locked(frames)
+                    self._send_locked(frames, copy_out if release is not None else None)
+                frames = []
         if not stream.ended:  # answered before the client finished sending: stop it
             self._send([frame_header(4, RST_STREAM, 0, sid), NO_ERROR.to_bytes(4, "big")])
 
@@ -131,11 +168,12 @@ class AnswerWriter:
         if stream.reset or self._closed:
             raise StreamGone()
 
-    def _reserve(self, stream: Stream, want: int) -> int:
+    def _reserve(self, stream: Stream, want: int, stall_at: float | None = None) -> int:
         """Take up to ``want`` bytes of both send windows, waiting while either is closed.
 
         A call running in the reader's thread reads the client's frames itself
-        meanwhile (its window updates among them).
+        meanwhile (its window updates among them). ``0``: the windows were still
+        closed at ``stall_at`` (a ``time.monotonic()`` time).
         """
         deadline = time.monotonic() + SEND_TIMEOUT_S
         while True:
@@ -146,13 +184,18 @@ class AnswerWriter:
                     stream.send_window -= take
                     self._send_window -= take
                     return take
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                if stall_at is not None and now >= stall_at:
+                    return 0
+                remaining = deadline - now
                 if remaining <= 0:
                     raise StreamGone()
+                if stall_at is not None:
+                    remaining = min(remaining, stall_at - now)
                 if threading.current_thread() is not self._reader_thread:
                     self._flow.wait(remaining)
                     continue
-            self._read_one_frame(remaining)
+            self._read_one_frame(remaining, give_up=stall_at is None)
 
     def _data_frames(self, stream_id: int, views: list[memoryview], count: int) -> list[Any]:
         """DATA frames of the next ``count`` bytes of ``views`` (consumed from its front)."""

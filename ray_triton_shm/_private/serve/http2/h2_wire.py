@@ -13,13 +13,19 @@ import contextlib
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from ray_triton_shm._private.serve.http2.grpc_message import MessageBuffer, PlacedMessage, Placement, Placer
+from ray_triton_shm._private.serve.http2.grpc_message import (
+    MessageBuffer,
+    PlacedMessage,
+    Placement,
+    Placer,
+    Stalled,
+)
 from ray_triton_shm._private.serve.net.bounded import inflate
 from ray_triton_shm.errors import ConfigError
 
@@ -63,8 +69,12 @@ MAX_STREAMS = 1024
 """Streams a connection may have open at once (announced in the settings)."""
 SEND_TIMEOUT_S = 60.0
 """How long an answer may wait for the client to open its flow-control window."""
-PLACED_READ_TIMEOUT_S = 30.0
-"""How long a message being read into a slot may go without a byte before its connection is closed."""
+SLOT_STALL_S = 1.0
+"""How long a read into a slot, or a send from one, may wait for the client: past it the
+message (or answer) is moved to memory and the slot given back at once."""
+PLACED_CHUNK = 4 * 1024 * 1024
+"""Bytes a read into a slot asks for at once: each must arrive within :data:`SLOT_STALL_S`
+(a client sending slower than this much per stall time does not keep a slot)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +91,8 @@ class H2Limits:
         preface_timeout_s: Time a new connection has for its preface and first SETTINGS.
         glitch_burst: Call-less frames accepted at once (see :data:`GLITCH_RATE`).
         glitch_rate: Call-less frames a second accepted after the burst.
+        slot_stall_s: How long a read into a slot, or an answer's send from one, may wait
+            for the client before the bytes move to memory and the slot goes back.
     """
 
     max_message: int = 64 * 1024 * 1024
@@ -89,13 +101,21 @@ class H2Limits:
     preface_timeout_s: float = PREFACE_TIMEOUT_S
     glitch_burst: int = GLITCH_BURST
     glitch_rate: float = GLITCH_RATE
+    slot_stall_s: float = SLOT_STALL_S
+
+    def slot_time(self, length: int) -> float:
+        """How long a message of ``length`` bytes may take to arrive into a slot.
+
+        The stall time, plus the message at :data:`PLACED_CHUNK` bytes per stall time.
+        """
+        return self.slot_stall_s * (1 + length / PLACED_CHUNK)
 
     def __post_init__(self) -> None:
         for name in ("max_message", "max_header_block", "glitch_burst"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("idle_timeout_s", "preface_timeout_s", "glitch_rate"):
+        for name in ("idle_timeout_s", "preface_timeout_s", "glitch_rate", "slot_stall_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
@@ -179,7 +199,13 @@ def metadata_of(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 class FrameReader:
-    """Buffered reads from a blocking socket; large reads go straight into their target."""
+    """Buffered reads from a blocking socket; large reads go straight into their target.
+
+    While the socket has a receive timeout (``SO_RCVTIMEO``, set while a slot
+    waits for bytes), a read that times out raises :class:`Stalled` if it was
+    for a slot (``placed``), and otherwise calls :attr:`on_stall` (which moves
+    the slots' messages to memory and clears the timeout) and goes on waiting.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -187,22 +213,38 @@ class FrameReader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self.on_stall: Callable[[], None] | None = None
 
-    def _fill(self, want: int) -> None:
+    def _stalled(self, placed: bool, taken: int) -> None:
+        if placed:
+            raise Stalled(taken)
+        if self.on_stall is None:
+            raise TimeoutError("a read from the client timed out")
+        self.on_stall()
+
+    def _fill(self, want: int, placed: bool = False) -> None:
         if self._start:
             n = self._end - self._start
             self._buf[:n] = self._buf[self._start : self._end]
             self._start, self._end = 0, n
         while self._end < want:
-            got = self._sock.recv_into(self._view[self._end : max(want, self._end + READ_AHEAD)])
+            try:
+                got = self._sock.recv_into(self._view[self._end : max(want, self._end + READ_AHEAD)])
+            except BlockingIOError:  # the receive timeout
+                self._stalled(placed, 0)
+                continue
             if not got:
                 raise EOFError
             self._end += got
 
-    def exactly(self, n: int) -> bytes:
-        """The next ``n`` bytes (``n`` at most the buffer's size)."""
+    def exactly(self, n: int, placed: bool = False) -> bytes:
+        """The next ``n`` bytes (``n`` at most the buffer's size).
+
+        Raises:
+            Stalled: ``placed``, and the bytes did not come in time (none were taken).
+        """
         if self._end - self._start < n:
-            self._fill(n)
+            self._fill(n, placed)
         data = bytes(self._view[self._start : self._start + n])
         self._start += n
         return data
@@ -211,18 +253,31 @@ class FrameReader:
         """Take back the last ``n`` bytes :meth:`exactly` returned (they are read again next)."""
         self._start -= n
 
-    def into(self, target: memoryview) -> None:
-        """Fill ``target``: first from the buffer, then straight from the socket."""
+    def into(self, target: memoryview, placed: bool = False) -> None:
+        """Fill ``target``: first from the buffer, then straight from the socket.
+
+        Raises:
+            Stalled: ``placed``, and a part of :data:`PLACED_CHUNK` bytes did not
+                arrive within the receive timeout (the bytes taken are in ``target``).
+        """
         have = min(self._end - self._start, len(target))
         if have:
             target[:have] = self._view[self._start : self._start + have]
             self._start += have
+        step = PLACED_CHUNK if placed else len(target)
         while have < len(target):
-            # MSG_WAITALL: one wake-up (and one return to Python) for the whole rest, not one per packet.
-            got = self._sock.recv_into(target[have:], 0, socket.MSG_WAITALL)
+            want = min(step, len(target) - have)
+            try:
+                # MSG_WAITALL: one wake-up (and one return to Python) for the whole rest, not one per packet.
+                got = self._sock.recv_into(target[have : have + want], 0, socket.MSG_WAITALL)
+            except BlockingIOError:  # the receive timeout, nothing read
+                self._stalled(placed, have)
+                continue
             if not got:
                 raise EOFError
             have += got
+            if got < want:  # the receive timeout with part read
+                self._stalled(placed, have)
 
     def buffered(self) -> int:
         """Bytes read from the socket and not yet taken."""
@@ -272,6 +327,7 @@ class Stream:
         self.dispatched = False  # handed to a worker
         self.answered = False  # its answer has begun
         self.done = False  # its worker has finished
+        self.place_deadline = 0.0  # when a message being read into a slot must be complete
 
     def receive(self, reader: FrameReader, count: int) -> None:
         """``count`` bytes of the stream's DATA, read from ``reader`` into the message."""
@@ -307,12 +363,21 @@ class Stream:
         """Whether a slot is held for the message while its bytes still arrive."""
         return isinstance(self.message, PlacedMessage) and self.message.placing()
 
+    def message_length(self) -> int:
+        """The length of the message being read (``0``: none yet)."""
+        return self.message.length if self.message is not None else 0
+
     def placement(self) -> Placement | None:
         """The complete message's placement (its slot now the caller's to give back), or ``None``."""
         if self.error is None and isinstance(self.message, PlacedMessage) and self.message.full():
             placement, self.message.placement = self.message.placement, None
             return placement
         return None
+
+    def to_memory(self) -> None:
+        """A message being read into a slot goes on in memory; the slot goes back now."""
+        if isinstance(self.message, PlacedMessage):
+            self.message.to_memory()
 
     def release(self) -> None:
         """Give back the slot of a placement no call took (idempotent)."""
@@ -384,13 +449,19 @@ class Call:
         """
         return self._stream.placement()
 
-    def respond(self, parts: Sequence[bytes | memoryview]) -> None:
+    def respond(self, parts: list[bytes | memoryview], release: Callable[[], None] | None = None) -> None:
         """Answer with one message made of ``parts`` (sent as they are), then status OK.
+
+        Args:
+            parts: The message's parts.
+            release: Gives back the memory ``parts`` are views of (a slot): if the client
+                does not take the answer within the slot stall time, the rest is copied,
+                ``parts`` emptied and ``release`` called; the answer goes on from the copy.
 
         Raises:
             StreamGone: The client reset the call or went away first.
         """
-        self._connection.answer(self._stream, parts, "OK", "")
+        self._connection.answer(self._stream, parts, "OK", "", release)
 
     def abort(self, code: str, message: str) -> None:
         """End the call with status ``code`` and ``message`` (no answer message)."""

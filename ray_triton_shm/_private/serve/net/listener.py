@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -19,12 +20,48 @@ IOV_BATCH = 512
 """Buffers handed to one ``sendmsg`` call (the kernel takes at most ``IOV_MAX``, 1024 on Linux)."""
 
 
-def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
-    """Write every part to ``sock``, in order, without joining them (``sendmsg``)."""
+Unsent = Callable[[list[memoryview]], list[memoryview]]
+"""Given the views not sent yet, what to send instead (copies of them, say)."""
+
+
+def send_parts(
+    sock: socket.socket,
+    parts: Sequence[bytes | memoryview],
+    stall_s: float = 0.0,
+    on_stall: Unsent | None = None,
+) -> None:
+    """Write every part to ``sock``, in order, without joining them (``sendmsg``).
+
+    Args:
+        sock: A connected blocking socket.
+        parts: What to send.
+        stall_s: With ``on_stall``: how long a send may wait for the client to take bytes.
+        on_stall: Called once, with the views not sent yet, when a send waited
+            ``stall_s``; the rest is sent from what it returns (and may take as long
+            as the socket's own send timeout allows).
+
+    Raises:
+        OSError: The send failed or timed out (``SO_SNDTIMEO``).
+    """
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     first = 0
     while first < len(views):
-        sent = sock.sendmsg(views[first : first + IOV_BATCH])
+        if on_stall is None:
+            sent = sock.sendmsg(views[first : first + IOV_BATCH])
+        else:
+            try:
+                sent = sock.sendmsg(views[first : first + IOV_BATCH], [], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if not sent:
+                if not select.select([], [sock], [], stall_s)[1]:
+                    rest = views[first:]
+                    views.clear()  # no view of the parts is left here
+                    views = on_stall(rest)
+                    first = 0
+                    del rest
+                    on_stall = None
+                continue
         while sent:
             size = len(views[first])
             if sent >= size:
