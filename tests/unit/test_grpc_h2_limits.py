@@ -214,3 +214,30 @@ def test_a_call_reset_before_it_runs_is_never_run(server) -> None:
             data += got
         time.sleep(0.2)
     assert ran == [b"first"]
+
+
+def test_hundreds_of_idle_connections_cost_no_thread_and_lock_no_caller_out(server) -> None:
+    listener = server(max_connections=4)
+    before = threading.active_count()
+    idle = []
+    try:
+        for i in range(300):
+            sock = socket.create_connection(("127.0.0.1", listener.port))
+            if i % 2:  # half of them say hello first, then fall silent
+                sock.sendall(PREFACE + frame_header(0, SETTINGS, 0, 0))
+            idle.append(sock)
+        assert wait_for(lambda: len(listener.open_connections()) == 300, 10)
+        time.sleep(0.3)
+        assert threading.active_count() - before <= 8  # the workers, not a thread per socket
+        with _connect(listener) as sock:
+            sock.sendall(_request(1, b"still served"))
+            sock.settimeout(5)
+            data = b""
+            while b"still served" not in data:
+                got = sock.recv(65536)
+                assert got
+                data += got
+    finally:
+        for sock in idle:
+            sock.close()
+    assert wait_for(lambda: not listener.open_connections(), 10)

@@ -78,7 +78,8 @@ class FrontDoorConfig:
             ``0.0.0.0`` (every interface: what a multi-node cluster needs).
         http_port: KServe v2 over HTTP (``tritonclient.http``); ``None``: none.
         grpc_port: KServe v2 over gRPC (``tritonclient.grpc``); ``None``: none.
-        max_connections: Connections served at once per replica on each port (a thread each).
+        max_connections: Connections served at once per replica on each port (a thread each
+            while it has work; idle ones wait in a selector, without a thread).
         grpc_threads: gRPC requests served at once per replica.
         grpc_idle_timeout_s: How long a gRPC connection with no call open may stay quiet
             before it gets GOAWAY and is closed.

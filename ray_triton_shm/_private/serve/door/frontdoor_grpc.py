@@ -89,21 +89,41 @@ class H2Listener(TcpListener):
     ) -> None:
         limits = limits or H2Limits()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
-        self._connections: set[H2Connection] = set()
+        self._connections: dict[socket.socket, H2Connection] = {}
         self._connections_lock = threading.Lock()
 
-        def serve(sock: socket.socket) -> None:
-            connection = H2Connection(sock, handler, refuse, self._pool, limits, place)
+        def serve(sock: socket.socket) -> float | None:
             with self._connections_lock:
-                self._connections.add(connection)
+                connection = self._connections.get(sock)
+                if connection is None:
+                    connection = self._connections[sock] = H2Connection(
+                        sock, handler, refuse, self._pool, limits, place
+                    )
+            wait = None
             try:
-                connection.serve()
+                wait = connection.serve()
             finally:
-                with self._connections_lock:
-                    self._connections.discard(connection)
+                if wait is None:
+                    with self._connections_lock:
+                        self._connections.pop(sock, None)
+            return wait
+
+        def expire(sock: socket.socket) -> None:
+            with self._connections_lock:
+                connection = self._connections.pop(sock, None)
+            if connection is not None:
+                connection.expire()
 
         try:
-            super().__init__(host, port, serve, protocol="gRPC", max_connections=max_connections)
+            super().__init__(
+                host,
+                port,
+                serve,
+                protocol="gRPC",
+                max_connections=max_connections,
+                first_wait_s=limits.preface_timeout_s,
+                expire=expire,
+            )
         except BaseException:
             self._pool.shutdown(wait=False)
             raise
@@ -111,7 +131,7 @@ class H2Listener(TcpListener):
     def close(self, grace_s: float = 1.0) -> None:
         """Stop listening; tell every client to go away; wait up to ``grace_s`` for calls running."""
         with self._connections_lock:
-            connections = list(self._connections)
+            connections = list(self._connections.values())
         for connection in connections:
             connection.go_away()
         deadline = time.monotonic() + grace_s

@@ -91,6 +91,8 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
 logger = logging.getLogger(__name__)
 
 
+_IDLE_CHECK_S = 0.5  # while calls run, how often the reader looks whether the connection went idle
+
 Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
 
 
@@ -145,38 +147,40 @@ class H2Connection(AnswerWriter):
         self._closed = False
         self._going_away = False
         self._reader_thread: threading.Thread | None = None
+        self._started = False  # the preface has been read
         self._inline = False  # a call is running in the reader's thread
         self._fatal: BaseException | None = None  # what ended the connection while a call ran inline
 
     # -- reading -------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Serve the connection until the client closes it, breaks the protocol, or the server stops."""
+    def serve(self) -> float | None:
+        """Serve the connection while it has calls or bytes to read.
+
+        Returns:
+            ``None`` when the connection is over (the client closed it, broke the
+            protocol, or the server stops), or, when it is idle (no call open,
+            nothing to read), how long it may stay so: the caller waits for its next
+            bytes without a thread (then calls ``serve`` again) or calls :meth:`expire`.
+        """
+        self._reader_thread = threading.current_thread()
         try:
-            # The preface and the client's first SETTINGS come within PREFACE_TIMEOUT_S, in all.
-            self._set_read_timeout(self._limits.preface_timeout_s)
-            if self._reader.exactly(len(PREFACE)) != PREFACE:
-                return  # not HTTP/2 with prior knowledge: nothing a gRPC client sends
-            settings = [
-                (MAX_CONCURRENT_STREAMS, MAX_STREAMS),
-                (INITIAL_WINDOW_SIZE, MAX_WINDOW),
-                (MAX_FRAME_SIZE, OUR_MAX_FRAME),
-                (MAX_HEADER_LIST_SIZE, self._limits.max_header_block),
-            ]
-            body = b"".join(SETTING.pack(k, v) for k, v in settings)
-            update = (MAX_WINDOW - 65535).to_bytes(4, "big")
-            self._send(
-                [frame_header(len(body), SETTINGS, 0, 0), body, frame_header(4, WINDOW_UPDATE, 0, 0), update]
-            )
-            self._reader_thread = threading.current_thread()
-            if self._reader.exactly(9)[3] != SETTINGS:
-                raise H2ProtocolError(PROTOCOL_ERROR, "the preface is not followed by SETTINGS")
-            self._reader.unread(9)
-            self._frame()
-            self._set_read_timeout(0)
+            ready = True  # called when the socket has bytes: read a frame before anything else
+            if not self._started:
+                self._started = True
+                self._start()
+                ready = False
             while self._fatal is None:
-                if not self._wait_unless_idle():
-                    self._goaway(NO_ERROR, "idle")
-                    return
+                if ready:
+                    ready = False
+                elif not self._reader.buffered():
+                    if self._idle():
+                        return self._limits.idle_timeout_s
+                    # A call still runs: look again now and then (it may end with nothing more to
+                    # read); a slot waiting for a message's bytes waits no longer than its stall time.
+                    wait = self._limits.slot_stall_s if self._read_timeout else _IDLE_CHECK_S
+                    if not select.select([self._sock], [], [], wait)[0]:
+                        if self._read_timeout:
+                            self._stalled()
+                        continue
                 if self._read_timeout:
                     self._expire_placements()
                 self._frame()
@@ -185,23 +189,56 @@ class H2Connection(AnswerWriter):
             self._goaway(e.code, e.message)
         except (EOFError, OSError, StreamGone):
             pass  # the client went away, or the server is stopping
-        finally:
-            self._close()
+        self._close()
+        return None
+
+    def expire(self) -> None:
+        """The connection stayed idle past its time: GOAWAY (``NO_ERROR``) if it fits the socket at once.
+
+        The caller closes the connection; nothing here waits for the client.
+        """
+        frame = self._goaway_frame(NO_ERROR, "idle")
+        with self._write, contextlib.suppress(OSError):
+            self._sock.send(frame, socket.MSG_DONTWAIT)
+        self._close()
+
+    def _idle(self) -> bool:
+        with self._flow:
+            return not self._streams
+
+    def _start(self) -> None:
+        """Read the client's preface and first SETTINGS, and send ours.
+
+        Raises:
+            H2ProtocolError: Not HTTP/2's preface and SETTINGS.
+            EOFError, OSError: The client went away, or took longer than the preface timeout.
+        """
+        # The preface and the client's first SETTINGS come within PREFACE_TIMEOUT_S, in all.
+        self._set_read_timeout(self._limits.preface_timeout_s)
+        if self._reader.exactly(len(PREFACE)) != PREFACE:
+            raise EOFError  # not HTTP/2 with prior knowledge: nothing a gRPC client sends
+        settings = [
+            (MAX_CONCURRENT_STREAMS, MAX_STREAMS),
+            (INITIAL_WINDOW_SIZE, MAX_WINDOW),
+            (MAX_FRAME_SIZE, OUR_MAX_FRAME),
+            (MAX_HEADER_LIST_SIZE, self._limits.max_header_block),
+        ]
+        body = b"".join(SETTING.pack(k, v) for k, v in settings)
+        update = (MAX_WINDOW - 65535).to_bytes(4, "big")
+        self._send(
+            [frame_header(len(body), SETTINGS, 0, 0), body, frame_header(4, WINDOW_UPDATE, 0, 0), update]
+        )
+        if self._reader.exactly(9)[3] != SETTINGS:
+            raise H2ProtocolError(PROTOCOL_ERROR, "the preface is not followed by SETTINGS")
+        self._reader.unread(9)
+        self._frame()
+        self._set_read_timeout(0)
 
     def _set_read_timeout(self, seconds: float) -> None:
         """A kernel timeout (``SO_RCVTIMEO``) on each read; ``0``: none."""
         whole = int(seconds)
         micro = int((seconds - whole) * 1e6)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, micro))
-
-    def _wait_unless_idle(self) -> bool:
-        """Wait up to the idle timeout for a byte when no call is open and nothing is buffered."""
-        if self._reader.buffered():
-            return True
-        with self._flow:
-            if self._streams:
-                return True
-        return bool(select.select([self._sock], [], [], self._limits.idle_timeout_s)[0])
 
     def _header_block_too_long(self) -> H2ProtocolError:
         limit = self._limits.max_header_block
@@ -512,17 +549,18 @@ class H2Connection(AnswerWriter):
             raise StreamGone() from e
 
     # -- closing -------------------------------------------------------------------------
-    def _goaway(self, code: int, message: str) -> None:
+    def _goaway_frame(self, code: int, message: str) -> bytes:
         debug = message.encode()[:256]
+        return (
+            frame_header(8 + len(debug), GOAWAY, 0, 0)
+            + self._last_stream.to_bytes(4, "big")
+            + code.to_bytes(4, "big")
+            + debug
+        )
+
+    def _goaway(self, code: int, message: str) -> None:
         with contextlib.suppress(OSError, StreamGone):
-            self._send(
-                [
-                    frame_header(8 + len(debug), GOAWAY, 0, 0),
-                    self._last_stream.to_bytes(4, "big"),
-                    code.to_bytes(4, "big"),
-                    debug,
-                ]
-            )
+            self._send([self._goaway_frame(code, message)])
 
     def _close(self) -> None:
         with self._flow:

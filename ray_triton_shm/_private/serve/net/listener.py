@@ -1,4 +1,4 @@
-"""A listening TCP socket (``SO_REUSEPORT``) with a thread per connection, and vectored sends.
+"""A listening TCP socket (``SO_REUSEPORT``) whose idle connections wait in a selector, and vectored sends.
 
 Both halves of the front door use it: the HTTP/1.1 listener and the gRPC (HTTP/2) one.
 """
@@ -6,11 +6,16 @@ Both halves of the front door use it: the HTTP/1.1 listener and the gRPC (HTTP/2
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
 import select
+import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from ray_triton_shm.errors import FrontDoorError
 
@@ -72,15 +77,36 @@ def send_parts(
                 sent = 0
 
 
+MAX_OPEN = 4096
+"""Connections a listener keeps open at once, idle ones included; past it a new one is closed at once."""
+
+
+Serve = Callable[[socket.socket], "float | None"]
+"""Serves a connection while it has work, in a thread of the listener's: returns ``None`` when the
+connection is over (the listener closes it), or the seconds it may then wait, parked in the
+listener's selector with no thread of its own, for its next bytes (after which ``serve`` is
+called again in a thread, or ``expire`` is called and it is closed)."""
+
+
 class TcpListener:
-    """A listening socket (``SO_REUSEPORT``) and a thread per connection, each running ``serve``.
+    """A listening socket (``SO_REUSEPORT``): connections served in threads while busy, parked while idle.
+
+    A new connection, and one whose ``serve`` returned a wait, sits in one
+    selector (no thread of its own) until it has bytes to read; then ``serve``
+    runs for it in a thread. At most ``max_connections`` connections are served
+    at once (more wait in the selector's queue), and at most :data:`MAX_OPEN`
+    are open, idle ones included. Thousands of idle sockets cost no thread.
 
     Args:
         host: Address to bind.
         port: Port to bind (``0``: one the OS picks; see :attr:`port`).
-        serve: Runs one connection, in its own thread; the socket is closed after it returns.
+        serve: See :data:`Serve`; the socket is closed after it returns ``None``.
         protocol: Named in errors and thread names (``HTTP``, ``gRPC``).
-        max_connections: Connections served at once; more wait in the backlog.
+        max_connections: Connections served at once (a thread each).
+        first_wait_s: How long a new connection may wait for its first byte.
+        expire: Called (in the selector's thread, briefly) for a connection parked too
+            long, before it is closed (a goodbye such as GOAWAY, say).
+        max_open: Connections open at once, idle ones included.
 
     Raises:
         FrontDoorError: The address cannot be bound.
@@ -90,14 +116,19 @@ class TcpListener:
         self,
         host: str,
         port: int,
-        serve: Callable[[socket.socket], None],
+        serve: Serve,
         *,
         protocol: str,
         max_connections: int = 256,
+        first_wait_s: float = 10.0,
+        expire: Callable[[socket.socket], None] | None = None,
+        max_open: int = MAX_OPEN,
     ) -> None:
         self._serve_connection = serve
+        self._expire = expire
         self._protocol = protocol
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._first_wait_s = first_wait_s
+        self._max_open = max_open
         self._lock = threading.Condition()
         self._open: set[socket.socket] = set()
         self._closed = False
@@ -114,43 +145,69 @@ class TcpListener:
         self._sock = sock
         self.host = host
         self.port = sock.getsockname()[1]
+        self._parked = _Parking(self._run, self._expired, f"frontdoor-{protocol.lower()}-{self.port}-idle")
+        prefix = f"frontdoor-{protocol.lower()}-conn"
+        self._workers = ThreadPoolExecutor(max_connections, thread_name_prefix=prefix)
         name = f"frontdoor-{protocol.lower()}-{self.port}"
         self._thread = threading.Thread(target=self._accept, name=name, daemon=True)
         self._thread.start()
 
     def _accept(self) -> None:
         while True:
-            self._slots.acquire()
             try:
                 conn, _ = self._sock.accept()
             except OSError:  # closed
-                self._slots.release()
                 return
             with self._lock:
-                if self._closed:
+                if self._closed or len(self._open) >= self._max_open:
+                    full = not self._closed
                     conn.close()
-                    self._slots.release()
+                    if full:
+                        logger.warning(
+                            "front door: %s connection refused (%d open)",
+                            self._protocol, self._max_open
+                        )
+                        continue
                     return
                 self._open.add(conn)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            name = f"frontdoor-{self._protocol.lower()}-conn"
-            threading.Thread(target=self._serve, args=(conn,), name=name, daemon=True).start()
+            self._parked.park(conn, self._first_wait_s)
+
+    def _run(self, conn: socket.socket) -> None:
+        """A parked connection has bytes: serve it in a worker thread."""
+        try:
+            self._workers.submit(self._serve, conn)
+        except RuntimeError:  # shut down: the listener is closing
+            self._end(conn)
 
     def _serve(self, conn: socket.socket) -> None:
+        wait: float | None = None
         try:
-            self._serve_connection(conn)
+            wait = self._serve_connection(conn)
         except Exception:
             logger.exception("front door: %s connection failed", self._protocol)
-        finally:
-            with contextlib.suppress(OSError):
-                conn.close()
-            with self._lock:
-                self._open.discard(conn)
-                self._lock.notify_all()
-            self._slots.release()
+        if wait is None or self._closed:
+            self._end(conn)
+        else:
+            self._parked.park(conn, wait)
+
+    def _expired(self, conn: socket.socket) -> None:
+        if self._expire is not None:
+            try:
+                self._expire(conn)
+            except Exception:
+                logger.exception("front door: %s idle connection's goodbye failed", self._protocol)
+        self._end(conn)
+
+    def _end(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.close()
+        with self._lock:
+            self._open.discard(conn)
+            self._lock.notify_all()
 
     def open_connections(self) -> list[socket.socket]:
-        """The connections being served now."""
+        """The connections open now, idle ones included."""
         with self._lock:
             return list(self._open)
 
@@ -168,9 +225,107 @@ class TcpListener:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
         self._sock.close()
+        for conn in self._parked.close():
+            self._end(conn)
         for conn in open_now:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=wait_s)
         with self._lock:
             self._lock.wait_for(lambda: not self._open, timeout=wait_s)
+        self._workers.shutdown(wait=False)
+
+
+class _Parking:
+    """Idle connections in one selector: each to ``ready`` once it has bytes, or ``expired`` once due.
+
+    Args:
+        ready: Called with a connection that became readable (no longer parked).
+        expired: Called with a connection parked past its time (no longer parked).
+        name: The selector thread's name.
+    """
+
+    def __init__(
+        self, ready: Callable[[socket.socket], None], expired: Callable[[socket.socket], None], name: str
+    ) -> None:
+        self._ready = ready
+        self._expired = expired
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._lock = threading.Lock()
+        self._incoming: list[tuple[socket.socket, float]] = []
+        self._deadlines: list[tuple[float, int, socket.socket]] = []  # a heap; entries of unparked ones stay
+        self._parked: dict[socket.socket, float] = {}
+        self._count = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def park(self, conn: socket.socket, wait_s: float) -> None:
+        """Wait for ``conn``'s next bytes, at most ``wait_s`` seconds, with no thread of its own."""
+        with self._lock:
+            if self._closed:
+                raise_closed = True
+            else:
+                raise_closed = False
+                self._incoming.append((conn, time.monotonic() + wait_s))
+        if raise_closed:
+            self._expired(conn)
+            return
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                incoming, self._incoming = self._incoming, []
+            for conn, deadline in incoming:
+                try:
+                    self._selector.register(conn, selectors.EVENT_READ)
+                except (ValueError, OSError):  # closed meanwhile
+                    continue
+                self._parked[conn] = deadline
+                heapq.heappush(self._deadlines, (deadline, next(self._count), conn))
+            now = time.monotonic()
+            while self._deadlines:
+                deadline, _, conn = self._deadlines[0]
+                current = self._parked.get(conn) == deadline  # not unparked or parked again since
+                if current and deadline > now:
+                    break
+                heapq.heappop(self._deadlines)
+                if current:  # its time is up
+                    self._unpark(conn)
+                    self._expired(conn)
+            timeout = max(0.0, self._deadlines[0][0] - now) if self._deadlines else None
+            for key, _ in self._selector.select(timeout):
+                if key.fileobj is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                    continue
+                conn = key.fileobj
+                self._unpark(conn)  # type: ignore[arg-type]
+                self._ready(conn)  # type: ignore[arg-type]
+
+    def _unpark(self, conn: socket.socket) -> None:
+        self._parked.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(conn)
+
+    def close(self) -> list[socket.socket]:
+        """Stop; returns the connections that were parked (and those about to be)."""
+        with self._lock:
+            self._closed = True
+            incoming, self._incoming = self._incoming, []
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(timeout=5)
+        parked = list(self._parked) + [conn for conn, _ in incoming]
+        self._parked.clear()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        return parked
