@@ -159,10 +159,10 @@ def check_part(path: Path, entry: dict[str, Any]) -> None:
 
 
 def stash(carry_dir: Path, stash_dir: Path) -> list[str]:
-    """Move the parts that arrived in ``carry_dir`` into ``stash_dir``, each checked first.
+    """Copy the parts that arrived in ``carry_dir`` into ``stash_dir``, each checked first.
 
-    The manifest is copied along; a part already stashed is kept. A manifest that
-    differs from the stashed one (a new pack) empties the stash first.
+    The manifest is copied along. A manifest that differs from the stashed one (a
+    new pack) empties the stash first.
 
     Returns:
         The names of the parts now in ``stash_dir``.
@@ -178,7 +178,9 @@ def stash(carry_dir: Path, stash_dir: Path) -> list[str]:
         arrived = carry_dir / entry["name"]
         if arrived.exists():
             check_part(arrived, entry)
-            shutil.move(str(arrived), stash_dir / entry["name"])
+            kept = stash_dir / entry["name"]
+            shutil.copyfile(arrived, kept.with_name(kept.name + ".partial"))
+            os.replace(kept.with_name(kept.name + ".partial"), kept)
     return [entry["name"] for entry in manifest["parts"] if (stash_dir / entry["name"]).is_file()]
 
 
