@@ -311,7 +311,7 @@ def unpack_wheels(wheel_dir: Path, site: Path, specs: Sequence[str]) -> list[Pat
     return wheels
 
 
-def archive_site(site: Path, archive: Path, preset: int = 6) -> None:
+def archive_site(site: Path, archive: Path, preset: int = 1) -> None:
     """``site`` as ``archive`` (tar, lzma), members relative to ``site``, modes kept."""
     with tarfile.open(archive, "w:xz", preset=preset) as tar:
         tar.add(site, arcname=".")
@@ -337,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("archive")
     p.add_argument("site", type=Path)
     p.add_argument("archive", type=Path)
-    p.add_argument("--preset", type=int, default=6)
+    p.add_argument("--preset", type=int, default=1, help="lzma preset (1: fast; 9 saves a few percent)")
     p = sub.add_parser("extract")
     p.add_argument("archive", type=Path)
     p.add_argument("site", type=Path)

@@ -119,7 +119,7 @@ mapfile -t specs < <("$venv_py" "$CARRY_PY" closure "${RAY_ROOTS[@]}")
 echo "downloading ${#specs[@]} wheels for Python $PY (${RAY_ROOTS[*]}, at this venv's versions) ..."
 download "$work/ray-wheels" "${specs[@]}"
 "$venv_py" "$CARRY_PY" site "$work/ray-wheels" "$work/ray-site" "${specs[@]}"  # fails naming a missing wheel
-echo "compressing Ray's site folder (lzma; a few minutes) ..."
+echo "compressing Ray's site folder (lzma preset 1; a few minutes) ..."
 "$venv_py" "$CARRY_PY" archive "$work/ray-site" "$work/ray-site.tar.xz"
 budget=$("$venv_py" "$CARRY_PY" budget --limit "$LIMIT" --repo "$(repo_bytes)")
 rm -rf "$REPO/.gpu-carry-ray"

@@ -151,7 +151,7 @@ echo "setup took $(( $(date +%s) - started )) s"
 status=0
 if [ "$PHASE" = ray ]; then
     export PYTHONPATH="$PYTHONPATH:$RAY_SITE"
-    step "Ray imports (from $RAY_SITE, after the machine's own packages' carried replacements)"
+    step "Ray imports (Ray's site folder $RAY_SITE, last on PYTHONPATH)"
     "$PY" -c 'import ray, ray.serve, ray.data, nbclient, ipykernel; print("ray", ray.__version__)' || die "Ray imports"
     step "Ray on the GPU: node actor CUDA pools, Serve memory=cuda (handle, front door), Ray Data, the GPU notebook (limit ${RAY_LIMIT_S}s)"
     deadline=$(( $(date +%s) + RAY_LIMIT_S ))
