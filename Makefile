@@ -21,10 +21,12 @@ setup: $(STAMP)
 	$(PY) -m ray_triton_shm setup
 
 # The native backend (native/rts_native.c) that the models of deployments/native_models
-# run on; Triton loads libtriton_rts_native.so from each model's version directory.
-# It needs only a C compiler: the tritonserver binary provides every symbol it calls.
+# (KIND_CPU) and deployments/native_models_gpu (KIND_GPU: they load on a machine with a GPU
+# only) run on; Triton loads libtriton_rts_native.so from each model's version directory.
+# It needs only a C compiler: the tritonserver binary provides every symbol it calls, and
+# GPU instances open the CUDA driver (libcuda.so.1) at run time.
 NATIVE_SO     := build/native/libtriton_rts_native.so
-NATIVE_MODELS := $(patsubst %/config.pbtxt,%/1/libtriton_rts_native.so,$(wildcard deployments/native_models/*/config.pbtxt))
+NATIVE_MODELS := $(patsubst %/config.pbtxt,%/1/libtriton_rts_native.so,$(wildcard deployments/native_models/*/config.pbtxt deployments/native_models_gpu/*/config.pbtxt))
 
 $(NATIVE_SO): native/rts_native.c
 	@command -v $(CC) >/dev/null 2>&1 || { echo "make: no C compiler '$(CC)' to build the native Triton backend (install gcc, or run make CC=<compiler>)" >&2; exit 1; }
@@ -33,6 +35,9 @@ $(NATIVE_SO): native/rts_native.c
 
 # A fresh file (mv, not cp over it): a running server may have the old one mapped.
 deployments/native_models/%/1/libtriton_rts_native.so: $(NATIVE_SO)
+	cp $< $@.tmp && mv -f $@.tmp $@
+
+deployments/native_models_gpu/%/1/libtriton_rts_native.so: $(NATIVE_SO)
 	cp $< $@.tmp && mv -f $@.tmp $@
 
 native: $(NATIVE_MODELS)

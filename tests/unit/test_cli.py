@@ -145,7 +145,11 @@ def test_cleanup_leaves_segments_locked_by_an_owner_in_another_pid_namespace(
         (["bench-docs", "r", "d.md"], {"results_dir": "r", "docs_file": "d.md"}),
         (
             ["bench-cuda", "--mb", "8", "--repeats", "2", "--url", "h:1", "--json", "o.json"],
-            {"mb": 8, "repeats": 2, "url": "h:1", "json": "o.json"},
+            {"mb": (8,), "repeats": 2, "url": "h:1", "json": "o.json", "gpu_model": False},
+        ),
+        (
+            ["bench-cuda", "--gpu-model", "--mb", "64,256"],
+            {"mb": (64, 256), "gpu_model": True, "model_repository": None},
         ),
     ],
 )

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Build .gpu-carry/: what a GPU machine without a package registry needs to run the CUDA tests.
+# Build what a GPU machine without a package registry needs to run the GPU path, in pieces that each
+# fit one device call (at most 64 MiB carried per call, the tracked files included).
 #
 # The lender's GPU machine has Python 3.12, numpy 2, torch, cupy-cuda13x, grpcio and protobuf, but
-# no tritonserver, no tritonclient and no Ray, and at most 64 MiB may be carried. This packs:
+# no tritonserver, no tritonclient and no Ray. Two kits:
+#
+# tools/gpu/pack.sh [server]  -> .gpu-carry/ (one call):
 #   server-env.tar.xz   site-packages of the Triton server's own Python env: the pytriton 0.7.0
 #                       tritonserver tree with only the Python 3.12 backend stub, its bundled
 #                       libraries, and numpy 1.26.4 (the stub needs numpy < 2; it never reaches
@@ -11,8 +14,19 @@
 #                       (python-rapidjson, grpcio, protobuf, and ml_dtypes and packaging, which
 #                       tritonclient 2.73 imports at module level; typing_extensions, which grpc.aio
 #                       imports, and urllib3, a declared dependency: small, so not left to the image)
+#
+# tools/gpu/pack.sh ray       -> .gpu-carry-ray/ (one call per part):
+#   part-NN, manifest.json  Ray with its serve and data extras, and nbclient/ipykernel for the
+#                       notebooks, at the versions of this checkout's .venv (`make setup`), as
+#                       CPython 3.12 x86-64 wheels, minus what the machine has (tools/gpu/carry.py
+#                       MACHINE_HAS); unpacked into one site folder, packed as a .tar.xz and cut
+#                       into parts that each fit one call beside the tracked files. Each call
+#                       carries manifest.json and one part; run.sh keeps the parts under $WORK and
+#                       joins them (sizes and SHA-256 checked) once all have arrived.
+#
+# tools/gpu/pack.sh all       -> both.
 # Needs pip access here (once) to download; compression uses Python's lzma (no xz binary).
-# Usage: tools/gpu/pack.sh   (from anywhere; writes <repo>/.gpu-carry)
+# Usage: tools/gpu/pack.sh [server|ray|all]   (from anywhere; writes under <repo>/)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -36,6 +50,14 @@ download() {  # download DEST SPEC... : binary wheels for CPython 3.12 on x86-64
         --platform any -d "$dest" "$@" 2>&1 | grep -v '^WARNING' || true
 }
 
+MODE="${1:-server}"
+case "$MODE" in server|ray|all) ;; *) echo "usage: pack.sh [server|ray|all]" >&2; exit 2 ;; esac
+CARRY_PY="$REPO/tools/gpu/carry.py"
+# Ray's roots: the extras the Serve app and Ray Data use, and what runs the notebooks.
+RAY_ROOTS=("ray[serve,data]" nbclient nbformat ipykernel)
+repo_bytes() { (cd "$REPO" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1); }
+
+pack_server() {
 echo "downloading $PYTRITON and $NUMPY for Python $PY ..."
 download "$work/wheels" "$PYTRITON" "$NUMPY"
 site="$work/site"
@@ -86,3 +108,29 @@ if [ $((total + repo)) -gt "$LIMIT" ]; then
     echo "too big for the 64 MiB limit" >&2
     exit 1
 fi
+}
+
+pack_ray() {
+local venv_py="$REPO/.venv/bin/python"
+[ -x "$venv_py" ] || { echo "no $venv_py: run make setup first (Ray's versions come from it)" >&2; exit 1; }
+local specs budget
+mapfile -t specs < <("$venv_py" "$CARRY_PY" closure "${RAY_ROOTS[@]}")
+[ "${#specs[@]}" -gt 0 ] || { echo "no distributions to carry" >&2; exit 1; }
+echo "downloading ${#specs[@]} wheels for Python $PY (${RAY_ROOTS[*]}, at this venv's versions) ..."
+download "$work/ray-wheels" "${specs[@]}"
+"$venv_py" "$CARRY_PY" site "$work/ray-wheels" "$work/ray-site" "${specs[@]}"  # fails naming a missing wheel
+echo "compressing Ray's site folder (lzma preset 1; a few minutes) ..."
+"$venv_py" "$CARRY_PY" archive "$work/ray-site" "$work/ray-site.tar.xz"
+budget=$("$venv_py" "$CARRY_PY" budget --limit "$LIMIT" --repo "$(repo_bytes)")
+rm -rf "$REPO/.gpu-carry-ray"
+"$venv_py" "$CARRY_PY" split "$work/ray-site.tar.xz" "$REPO/.gpu-carry-ray" --part-bytes "$budget"
+printf '%s\n' "${specs[@]}" > "$REPO/.gpu-carry-ray/wheels.txt"
+ls -la "$REPO/.gpu-carry-ray"
+echo "each call carries .gpu-carry-ray/manifest.json and one part (at most $((budget / 1024)) KiB)"
+}
+
+case "$MODE" in
+    server) pack_server ;;
+    ray) pack_ray ;;
+    all) pack_server; pack_ray ;;
+esac

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Iterator
 
@@ -160,10 +159,23 @@ def _bench_sharing(args: argparse.Namespace) -> int:
     return sharing.command(args.model_repository, args.size, args.rounds, args.calls, write=print)
 
 
+def _sizes_mb(text: str) -> tuple[int, ...]:
+    """``64`` or ``64,256``: positive sizes in MB (argparse type)."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sizes are whole MB separated by commas, got {text!r}") from None
+    if not sizes or any(size <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be positive MB, got {text!r}")
+    return sizes
+
+
 def _bench_cuda(args: argparse.Namespace) -> int:
     from ray_triton_shm._private.bench import cuda_paths  # lazy: the benchmark loads only for its commands
 
-    return cuda_paths.command(args.mb, args.repeats, args.url, args.model_repository, args.json)
+    return cuda_paths.command(
+        args.mb, args.repeats, args.url, args.model_repository, args.json, gpu_model=args.gpu_model
+    )
 
 
 def _bench_docs(args: argparse.Namespace) -> int:
@@ -258,10 +270,21 @@ def build_parser() -> argparse.ArgumentParser:
     sharing.set_defaults(func=_bench_sharing)
     text = "CUDA shm vs system shm vs plain gRPC for one large tensor through identity (needs a GPU)"
     cuda = sub.add_parser("bench-cuda", help=text, description=text)
-    cuda.add_argument("--mb", type=int, default=64, help="tensor size in MB (default 64)")
+    cuda.add_argument(
+        "--mb", type=_sizes_mb, default=(64,), help="tensor sizes in MB, e.g. 64 or 64,256 (default 64)"
+    )
     cuda.add_argument("--repeats", type=int, default=10)
     cuda.add_argument("--url", help="use a running Triton (gRPC host:port) instead of starting one")
-    cuda.add_argument("--model-repository", default=os.path.join(os.getcwd(), "deployments", "models"))
+    cuda.add_argument(
+        "--model-repository",
+        default=None,
+        help="models of the started server (default deployments/models, or deployments/native_models_gpu)",
+    )
+    cuda.add_argument(
+        "--gpu-model",
+        action="store_true",
+        help="the native backend's GPU model (identity_gpu, KIND_GPU) and the device's own copy rate",
+    )
     cuda.add_argument("--json", help="also write the rows to this file")
     cuda.set_defaults(func=_bench_cuda)
     text = "copy the latest benchmark run (report and plots) into docs/benchmarks.md"

@@ -6,7 +6,10 @@ outputs in the buffers Triton hands it: through shared memory, our own slots.
 ``make native`` compiles it and puts ``libtriton_rts_native.so`` in each model's
 version directory. They sit in their own repository so that a checkout where it
 was never built still serves ``deployments/models``: Triton stops at start when
-a model of its repository fails to load.
+a model of its repository fails to load. The models of
+``deployments/native_models_gpu`` run on the same backend with ``KIND_GPU``
+instances, which Triton loads only on a machine with a GPU, so they have a
+repository of their own too.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ BACKEND_LIBRARY = "libtriton_rts_native.so"
 def native_model_repository() -> str:
     """``deployments/native_models`` of the source checkout."""
     return str(Path(__file__).resolve().parents[3] / "deployments" / "native_models")
+
+
+def native_gpu_model_repository() -> str:
+    """``deployments/native_models_gpu`` of the source checkout (``KIND_GPU`` models)."""
+    return str(Path(__file__).resolve().parents[3] / "deployments" / "native_models_gpu")
 
 
 def missing_backends(repository: str) -> list[str]:

@@ -1,8 +1,8 @@
 """CUDA pools granted by the node actor, on a real local Ray.
 
 The first test (the actor's GPU environment) runs everywhere; the others need
-a GPU and skip cleanly without cupy or one. Not run by tools/gpu/run.sh: the
-lender's GPU machine has no Ray. Run with
+a GPU and skip cleanly without cupy or one. ``tools/gpu/run.sh ray`` runs them on a
+GPU machine with the Ray it carries (docs/cuda.md), or run
 ``pytest tests/integration/on_ray/test_cuda_node.py`` on a GPU machine that has Ray and cupy.
 """
 
