@@ -34,6 +34,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     H2Limits,
     frame_header,
 )
+from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget
 from ray_triton_shm.errors import ConfigError
 from tests.helpers import wait_for
 
@@ -84,7 +85,7 @@ def _goaway_code(frames: list[tuple[int, int, bytes]]) -> int | None:
     return codes[0] if codes else None
 
 
-def _request(stream_id: int, message: bytes, path: str = "/pkg.Svc/Echo") -> bytes:
+def _request(stream_id: int, message: bytes, path: str = "/pkg.Svc/Echo", end: bool = True) -> bytes:
     block = hpack.Encoder().encode(
         [
             (":method", "POST"),
@@ -99,7 +100,7 @@ def _request(stream_id: int, message: bytes, path: str = "/pkg.Svc/Echo") -> byt
     return (
         frame_header(len(block), HEADERS, END_HEADERS, stream_id)
         + block
-        + frame_header(len(body), DATA, END_STREAM, stream_id)
+        + frame_header(len(body), DATA, END_STREAM if end else 0, stream_id)
         + body
     )
 
@@ -241,3 +242,75 @@ def test_hundreds_of_idle_connections_cost_no_thread_and_lock_no_caller_out(serv
         for sock in idle:
             sock.close()
     assert wait_for(lambda: not listener.open_connections(), 10)
+
+
+def test_a_byte_budget_and_its_parent_refuse_past_their_limits() -> None:
+    listener = ByteBudget(100, "the listener's")
+    a = ByteBudget(60, "a's", listener)
+    b = ByteBudget(60, "b's", listener)
+    a.take(60)
+    with pytest.raises(OverBudget, match="a's"):
+        a.take(1)
+    with pytest.raises(OverBudget, match="the listener's"):
+        b.take(41)
+    assert (a.used, b.used, listener.used) == (60, 0, 60)  # a refused take takes nothing
+    b.take(40)
+    a.give(60)
+    b.give(40)
+    assert (a.used, b.used, listener.used) == (0, 0, 0)
+
+
+def test_messages_past_the_memory_budget_are_refused_and_their_memory_comes_back(server) -> None:
+    """Three messages that together would hold more than the connection's budget: the third is
+    refused with RESOURCE_EXHAUSTED as its bytes arrive, the others are answered, and every byte
+    taken from the budget is given back."""
+    limits = H2Limits(max_connection_bytes=600_000)
+    listener = server(lambda call: call.respond([bytes(call.request())[:10]]), limits=limits)
+    part = b"x" * 250_000
+    with _connect(listener) as sock:
+        # Whole messages, but their streams stay open (no END_STREAM): their buffers are held.
+        for stream_id in (1, 3, 5):
+            sock.sendall(_request(stream_id, part, end=False))
+        sock.settimeout(10)
+        data, frames = b"", []
+        while not any(kind == HEADERS and stream == 5 for kind, stream, _ in frames):
+            got = sock.recv(65536)
+            assert got
+            data += got
+            frames = _whole_frames(data)
+        assert listener.budget.used <= 600_000
+        sock.sendall(frame_header(0, DATA, END_STREAM, 1) + frame_header(0, DATA, END_STREAM, 3))
+        while sum(kind == HEADERS for kind, _, _ in frames) < 5:  # 1 and 3: headers and trailers
+            got = sock.recv(65536)
+            assert got
+            data += got
+            frames = _whole_frames(data)
+    decoder = hpack.Decoder()
+    statuses = {}
+    for kind, stream, payload in frames:
+        if kind == HEADERS:
+            for name, value in decoder.decode(payload):
+                if name == "grpc-status":
+                    statuses[stream] = value
+    assert statuses == {1: "0", 3: "0", 5: "8"}  # 8: RESOURCE_EXHAUSTED
+    assert wait_for(lambda: listener.budget.used == 0)
+
+
+def _whole_frames(data: bytes) -> list[tuple[int, int, bytes]]:
+    frames, i = [], 0
+    while i + 9 <= len(data):
+        length = int.from_bytes(data[i : i + 3], "big")
+        if i + 9 + length > len(data):
+            break
+        frames.append((data[i + 3], int.from_bytes(data[i + 5 : i + 9], "big"), data[i + 9 : i + 9 + length]))
+        i += 9 + length
+    return frames
+
+
+@pytest.mark.parametrize("kind", [PING, RST_STREAM, SETTINGS, 8])  # 8: WINDOW_UPDATE
+def test_a_control_frame_announcing_megabytes_is_refused_from_its_head(server, kind: int) -> None:
+    listener = server()
+    with _connect(listener) as sock:
+        sock.sendall(frame_header(8 * 1024 * 1024, kind, 0, 1 if kind == RST_STREAM else 0))
+        frames = _frames_until_closed(sock)  # refused before any of the payload is sent
+    assert _goaway_code(frames) in (6, ENHANCE_YOUR_CALM)  # FRAME_SIZE_ERROR, or too large a SETTINGS

@@ -311,6 +311,60 @@ def _frame(length: int, kind: int, flags: int, stream: int) -> bytes:
     return length.to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big")
 
 
+def test_stalled_grpc_clients_outnumbering_the_slots_stop_no_other_caller(apps) -> None:
+    """Clients that stall mid-message, and clients that open no window for their answer, more of
+    them than the model has slots: legitimate HTTP and gRPC callers of the same model go on being
+    answered, and every slot is free again once the stalled clients hold them no longer."""
+    import hpack
+
+    _, http_url, grpc_url = apps["apps"]["triton-a"]
+    host, port = grpc_url.rsplit(":", 1)
+    n = 262144
+    x = np.arange(n, dtype=np.float32)
+    message = _infer_message(n, x.tobytes())
+    block = hpack.Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/inference.GRPCInferenceService/ModelInfer"),
+            (":authority", "x"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+    )
+    framed = b"\x00" + len(message).to_bytes(4, "big") + message
+    no_window = _frame(6, 4, 0, 0) + struct.pack(">HI", 4, 0)  # SETTINGS_INITIAL_WINDOW_SIZE = 0
+    attackers = []
+    try:
+        for i in range(12):  # the identity pool has 4 slots
+            s = socket.create_connection((host, int(port)), timeout=30)
+            preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+            if i % 2:  # stalls halfway through its message
+                s.sendall(preface + _frame(0, 4, 0, 0) + _frame(len(block), 1, 4, 1) + block)
+                half = framed[: len(framed) // 2]
+                s.sendall(_frame(len(half), 0, 0, 1) + half)
+            else:  # sends its whole message, then opens no window for the answer (and reads nothing)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.sendall(preface + no_window + _frame(len(block), 1, 4, 1) + block)
+                s.sendall(_frame(len(framed), 0, 1, 1) + framed)
+            attackers.append(s)
+        time.sleep(0.5)
+        started = time.monotonic()
+        for _ in range(5):  # while the attackers still hold their connections
+            y = np.random.default_rng().random((1, n), dtype=np.float32)
+            assert np.array_equal(_grpc_identity(grpc_url, y), y)
+            assert np.array_equal(_http_identity(http_url, y), y)
+        assert time.monotonic() - started < 60
+        deadline = time.monotonic() + 30
+        while _busy_slots() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _busy_slots(), "slots held at the stalled clients' pace"
+    finally:
+        for s in attackers:
+            s.close()
+    assert np.array_equal(_grpc_identity(grpc_url, x.reshape(1, n)), x.reshape(1, n))
+
+
 def test_after_shutdown_nothing_listens_and_nothing_is_left(apps) -> None:
     """Last in this module: it shuts the apps down."""
     import ray

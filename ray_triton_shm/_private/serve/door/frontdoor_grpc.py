@@ -39,6 +39,7 @@ from tritonclient.grpc import service_pb2 as pb
 from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection, Refuse
 from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
 from ray_triton_shm._private.serve.http2.h2_wire import Call, CallError, H2Limits, StreamGone
+from ray_triton_shm._private.serve.net.bounded import ByteBudget
 from ray_triton_shm._private.serve.net.listener import TcpListener
 from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
     RAW_INPUT_KEY,
@@ -88,6 +89,7 @@ class H2Listener(TcpListener):
         max_connections: int = 256,
     ) -> None:
         limits = limits or H2Limits()
+        self.budget = ByteBudget(limits.max_buffered_bytes, "the listener's max_buffered_bytes")
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
         self._connections: dict[socket.socket, H2Connection] = {}
         self._connections_lock = threading.Lock()
@@ -97,7 +99,7 @@ class H2Listener(TcpListener):
                 connection = self._connections.get(sock)
                 if connection is None:
                     connection = self._connections[sock] = H2Connection(
-                        sock, handler, refuse, self._pool, limits, place
+                        sock, handler, refuse, self._pool, limits, place, self.budget
                     )
             wait = None
             try:

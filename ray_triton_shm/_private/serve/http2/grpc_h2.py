@@ -87,9 +87,14 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     StreamGone,
     frame_header,
 )
+from ray_triton_shm._private.serve.net.bounded import ByteBudget
 
 logger = logging.getLogger(__name__)
 
+
+# Control frames of one length only (RFC 9113, section 6), and the most a SETTINGS frame may carry.
+_FIXED_LENGTH = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
+_MAX_SETTINGS_BYTES = 6 * 64
 
 _IDLE_CHECK_S = 0.5  # while calls run, how often the reader looks whether the connection went idle
 
@@ -106,6 +111,8 @@ class H2Connection(AnswerWriter):
             that ends it at once (the client need not send its message), or ``None``.
         pool: Where calls run.
         limits: What the connection may cost (message and header sizes, timeouts, budgets).
+        budget: The listener's budget of request bytes held in memory, shared by its
+            connections (``None``: one of the limits' ``max_buffered_bytes`` of its own).
         place: Given a call's method, the placer of its request message, or ``None``
             (see :mod:`~ray_triton_shm._private.serve.http2.grpc_message`).
     """
@@ -118,6 +125,7 @@ class H2Connection(AnswerWriter):
         pool: ThreadPoolExecutor,
         limits: H2Limits,
         place: Callable[[str], Placer | None] | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         self._sock = sock
         self._place = place
@@ -129,6 +137,9 @@ class H2Connection(AnswerWriter):
         self._slot_stall_s = limits.slot_stall_s
         self._max_message = limits.max_message
         self._glitches = Budget(limits.glitch_burst, limits.glitch_rate)
+        shared = budget or ByteBudget(limits.max_buffered_bytes, "the listener's max_buffered_bytes")
+        what = "the connection's max_connection_bytes"
+        self._budget = ByteBudget(limits.max_connection_bytes, what, shared)
         self._reader = FrameReader(sock)
         self._reader.on_stall = self._stalled
         # Sends give up after SEND_TIMEOUT_S (a client that stopped reading); reads wait for ever.
@@ -256,6 +267,11 @@ class H2Connection(AnswerWriter):
         stream_id = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
         if length > OUR_MAX_FRAME:
             raise H2ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+        # A control frame's length is checked before any of it is read: nothing is sized by the client.
+        if kind in _FIXED_LENGTH and length != _FIXED_LENGTH[kind]:
+            raise H2ProtocolError(FRAME_SIZE_ERROR, f"a malformed frame of type {kind} ({length} bytes)")
+        if kind == SETTINGS and length > _MAX_SETTINGS_BYTES:
+            raise H2ProtocolError(ENHANCE_YOUR_CALM, f"a SETTINGS frame of {length} bytes")
         if kind == DATA:
             if not length and not flags & END_STREAM:
                 self._glitch("empty DATA")
@@ -292,7 +308,7 @@ class H2Connection(AnswerWriter):
             if stream is not None and self._read_timeout:
                 self._update_read_timeout()
         elif kind == GOAWAY:
-            self._reader.payload(length)
+            self._reader.skip(length)  # its debug data is not kept
             self._going_away = True
         elif kind == PRIORITY:
             self._glitch("PRIORITY")
@@ -380,7 +396,9 @@ class H2Connection(AnswerWriter):
         path = next((v for k, v in headers if k == ":path"), "")
         placer = self._place(path) if self._place is not None else None
         with self._flow:
-            stream = Stream(stream_id, headers, self._peer_initial_window, self._max_message, placer)
+            stream = Stream(
+                stream_id, headers, self._peer_initial_window, self._max_message, placer, self._budget
+            )
             if len(self._streams) >= MAX_STREAMS:
                 self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
                 return

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ray_triton_shm._private.serve.net.bounded import ByteBudget
+
 HEAD_BYTES = 4096
 """Bytes of a message read before its placer is asked (a ``ModelInfer`` head is a few hundred)."""
 
@@ -47,19 +49,36 @@ class MessageBuffer:
     The buffer is never sized by the announced ``length`` alone: it starts at
     :data:`FIRST_BUFFER` (or ``start``) and at most doubles each time it fills, so
     it holds at most twice the bytes that have arrived (and never more than ``length``).
+    Each growth is taken from ``budget`` first (:class:`OverBudget` when it has too little).
     """
 
-    def __init__(self, length: int, start: bytes | bytearray = b"") -> None:
+    def __init__(self, length: int, start: bytes | bytearray = b"", budget: ByteBudget | None = None) -> None:
         self.length = length
+        self._budget = budget
+        self.charged = 0
+        self._charge(len(start))
         self.data = bytearray(start)
         self.filled = len(start)
         if len(self.data) < length:
             self._grow(FIRST_BUFFER)
 
+    def _charge(self, n: int) -> None:
+        if self._budget is not None and n:
+            self._budget.take(n)
+            self.charged += n
+
     def _grow(self, want: int) -> None:
         size = min(self.length, max(want, 2 * len(self.data)))
         if size > len(self.data):
+            self._charge(size - len(self.data))
             self.data += bytes(size - len(self.data))
+
+    def free(self) -> None:
+        """Drop the bytes and give their memory back to the budget (idempotent)."""
+        self.data = bytearray()
+        if self._budget is not None and self.charged:
+            self._budget.give(self.charged)
+        self.charged = 0
 
     def full(self) -> bool:
         return self.filled == self.length
@@ -194,9 +213,10 @@ class PlacedMessage:
         placer: See :data:`Placer`; it must not block.
     """
 
-    def __init__(self, length: int, placer: Placer) -> None:
+    def __init__(self, length: int, placer: Placer, budget: ByteBudget | None = None) -> None:
         self.length = length
         self._placer = placer
+        self._budget = budget
         self._head = bytearray()
         self.placement: Placement | None = None
         self.buffer: MessageBuffer | None = None
@@ -260,19 +280,26 @@ class PlacedMessage:
             self._to_buffer(so_far)
 
     def _to_buffer(self, data: bytes | bytearray) -> None:
-        self.buffer = MessageBuffer(self.length, data)
+        self.buffer = MessageBuffer(self.length, data, self._budget)
 
     def release(self) -> None:
-        """Give back the slot of a placement the call did not take (idempotent)."""
+        """Give back the slot of a placement the call did not take, and the buffer's memory (idempotent)."""
         if self.placement is not None:
             self.placement.release()
+        if self.buffer is not None:
+            self.buffer.free()
 
     def message(self) -> bytearray:
-        """The whole message's bytes (copied out of place if it was placed; the slot goes back then)."""
+        """The whole message's bytes (copied out of place if it was placed; the slot goes back then).
+
+        Raises:
+            OverBudget: A placed message's copy does not fit the budget.
+        """
         placement, self.placement = self.placement, None
         if placement is not None:
-            self._to_buffer(placement.read_so_far())
+            data = placement.read_so_far()
             placement.release()
+            self._to_buffer(data)
         if self.buffer is None:
             raise ValueError("the message is not complete")
         return self.buffer.data

@@ -26,7 +26,7 @@ from ray_triton_shm._private.serve.http2.grpc_message import (
     Placer,
     Stalled,
 )
-from ray_triton_shm._private.serve.net.bounded import inflate
+from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget, inflate
 from ray_triton_shm.errors import ConfigError
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -53,6 +53,8 @@ DEFAULT_FRAME = 16384
 READ_AHEAD = 16384
 """The most a frame reader asks the socket for beyond the bytes it needs (what it reads ahead of a
 large DATA payload is copied once more, from its buffer into the payload's target)."""
+READER_BUFFER = 64 * 1024
+"""A connection's read buffer (frame heads, control frames, header blocks up to its size)."""
 MAX_HEADER_BLOCK = 64 * 1024
 """Longest header block (request headers and metadata), and longest header list it decodes to,
 accepted by default; longer ends the connection (nghttp2's default header list limit, 64 KiB)."""
@@ -60,6 +62,10 @@ IDLE_TIMEOUT_S = 60.0
 """How long a connection with no call open may stay quiet before the server sends GOAWAY and closes it."""
 PREFACE_TIMEOUT_S = 10.0
 """How long a new connection has to send its whole preface and first SETTINGS."""
+MAX_CONNECTION_BYTES = 256 * 1024 * 1024
+"""Request bytes one connection's messages may hold in memory at once (beyond: ``RESOURCE_EXHAUSTED``)."""
+MAX_BUFFERED_BYTES = 1024 * 1024 * 1024
+"""Request bytes all of a listener's connections may hold in memory at once (beyond: as above)."""
 GLITCH_BURST = 1000
 GLITCH_RATE = 33.0
 """The budget of frames that cost the server work but carry no call (PING, SETTINGS, PRIORITY,
@@ -93,6 +99,8 @@ class H2Limits:
         glitch_rate: Call-less frames a second accepted after the burst.
         slot_stall_s: How long a read into a slot, or an answer's send from one, may wait
             for the client before the bytes move to memory and the slot goes back.
+        max_connection_bytes: Request bytes one connection's messages may hold in memory at once.
+        max_buffered_bytes: Request bytes all of a listener's connections may hold in memory at once.
     """
 
     max_message: int = 64 * 1024 * 1024
@@ -102,6 +110,8 @@ class H2Limits:
     glitch_burst: int = GLITCH_BURST
     glitch_rate: float = GLITCH_RATE
     slot_stall_s: float = SLOT_STALL_S
+    max_connection_bytes: int = MAX_CONNECTION_BYTES
+    max_buffered_bytes: int = MAX_BUFFERED_BYTES
 
     def slot_time(self, length: int) -> float:
         """How long a message of ``length`` bytes may take to arrive into a slot.
@@ -111,7 +121,8 @@ class H2Limits:
         return self.slot_stall_s * (1 + length / PLACED_CHUNK)
 
     def __post_init__(self) -> None:
-        for name in ("max_message", "max_header_block", "glitch_burst"):
+        sizes = ("max_message", "max_header_block", "max_connection_bytes", "max_buffered_bytes")
+        for name in (*sizes, "glitch_burst"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -209,7 +220,7 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._buf = bytearray(256 * 1024)
+        self._buf = bytearray(READER_BUFFER)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
@@ -311,6 +322,7 @@ class Stream:
         send_window: int,
         max_message: int,
         placer: Placer | None = None,
+        budget: ByteBudget | None = None,
     ):
         self.id = stream_id
         self.headers = headers
@@ -318,6 +330,7 @@ class Stream:
         self.send_window = send_window
         self.max_message = max_message
         self.placer = placer  # where an uncompressed message's bytes go (None: a plain buffer)
+        self.budget = budget  # what the message's buffer is taken from
         self.prefix = bytearray()
         self.message: MessageBuffer | PlacedMessage | None = None
         self.messages = 0
@@ -351,13 +364,27 @@ class Stream:
                         f"Received message larger than max ({length} vs. {self.max_message})",
                     )
                     continue
-                if self.placer is not None and not self.prefix[0] and length:
-                    self.message = PlacedMessage(length, self.placer)
-                else:
-                    self.message = MessageBuffer(length)
                 self.messages += 1
+                try:
+                    if self.placer is not None and not self.prefix[0] and length:
+                        self.message = PlacedMessage(length, self.placer, self.budget)
+                    else:
+                        self.message = MessageBuffer(length, budget=self.budget)
+                except OverBudget as e:
+                    self._over(e)
                 continue
-            count -= self.message.take(reader, count)
+            try:
+                count -= self.message.take(reader, count)
+            except OverBudget as e:
+                self._over(e)
+
+    def _over(self, error: OverBudget) -> None:
+        """The message does not fit the server's memory budget: it is refused, its bytes dropped."""
+        self.release()
+        self.message = None
+        self.error = CallError(
+            "RESOURCE_EXHAUSTED", f"the server holds too many request bytes at once ({error.what}); try again"
+        )
 
     def placing(self) -> bool:
         """Whether a slot is held for the message while its bytes still arrive."""
@@ -377,12 +404,17 @@ class Stream:
     def to_memory(self) -> None:
         """A message being read into a slot goes on in memory; the slot goes back now."""
         if isinstance(self.message, PlacedMessage):
-            self.message.to_memory()
+            try:
+                self.message.to_memory()
+            except OverBudget as e:
+                self._over(e)
 
     def release(self) -> None:
-        """Give back the slot of a placement no call took (idempotent)."""
+        """Give back the slot of a placement no call took, and the message's memory (idempotent)."""
         if isinstance(self.message, PlacedMessage):
             self.message.release()
+        elif isinstance(self.message, MessageBuffer):
+            self.message.free()
 
     def request(self) -> bytes | bytearray:
         """The complete request message (inflated).
@@ -394,7 +426,11 @@ class Stream:
             raise self.error
         if self.message is None or not self.message.full():
             raise CallError("INTERNAL", "the call ended before its request message was complete")
-        data = self.message.message() if isinstance(self.message, PlacedMessage) else self.message.data
+        try:
+            data = self.message.message() if isinstance(self.message, PlacedMessage) else self.message.data
+        except OverBudget as e:
+            self._over(e)
+            raise self.error from e  # type: ignore[misc]
         if not self.prefix[0]:
             return data
         encoding = self.header("grpc-encoding") or "identity"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import zlib
 
 from ray_triton_shm.errors import InputError, RequestTooLargeError
@@ -40,3 +41,58 @@ def inflate(data: bytes, encoding: str, max_bytes: int) -> bytes:
     if not inflator.eof:
         raise InputError(f"request body is not valid {encoding} data: incomplete or truncated stream")
     return b"".join(parts)
+
+
+class OverBudget(Exception):
+    """Memory asked of a :class:`ByteBudget` that it does not have (``what`` says which limit)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+class ByteBudget:
+    """Bytes that buffers may hold at once, shared by threads: :meth:`take` before, :meth:`give` after.
+
+    Args:
+        limit: Bytes held at most.
+        what: Names the limit in :class:`OverBudget`.
+        parent: A budget every take is also taken from (a listener's, for a connection's).
+    """
+
+    def __init__(self, limit: int, what: str, parent: ByteBudget | None = None) -> None:
+        self.limit = limit
+        self.what = what
+        self._parent = parent
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return self._used
+
+    def take(self, n: int) -> None:
+        """Hold ``n`` more bytes.
+
+        Raises:
+            OverBudget: This budget, or its parent's, would pass its limit (nothing is taken).
+        """
+        with self._lock:
+            if self._used + n > self.limit:
+                raise OverBudget(self.what)
+            self._used += n
+        if self._parent is not None:
+            try:
+                self._parent.take(n)
+            except OverBudget:
+                with self._lock:
+                    self._used -= n
+                raise
+
+    def give(self, n: int) -> None:
+        """Hold ``n`` bytes fewer (bytes taken before)."""
+        with self._lock:
+            self._used -= n
+        if self._parent is not None:
+            self._parent.give(n)
