@@ -365,6 +365,50 @@ def test_stalled_grpc_clients_outnumbering_the_slots_stop_no_other_caller(apps) 
     assert np.array_equal(_grpc_identity(grpc_url, x.reshape(1, n)), x.reshape(1, n))
 
 
+def test_the_replicas_memory_stays_put_under_announced_sizes_and_idle_sockets(apps) -> None:
+    """32 gRPC messages announcing 60 MB each (sending 200 KB, then nothing) and 300 idle
+    sockets: the replica's RSS grows by a few MB, not by what the clients announce, and a
+    caller is still answered meanwhile."""
+    import hpack
+
+    handle, _, grpc_url = apps["apps"]["triton-a"]
+    pid = handle.whereami.remote().result()["pid"]
+    replica = psutil.Process(pid)
+    host, port = grpc_url.rsplit(":", 1)
+    block = hpack.Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/inference.GRPCInferenceService/ServerLive"),
+            (":authority", "x"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+    )
+    announced = 60 * 1024 * 1024
+    sent = b"\x00" + announced.to_bytes(4, "big") + b"\x01" * 200_000
+    before = replica.memory_info().rss
+    sockets = []
+    try:
+        for _ in range(16):
+            s = socket.create_connection((host, int(port)), timeout=30)
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0, 4, 0, 0))
+            for stream in (1, 3):
+                s.sendall(_frame(len(block), 1, 4, stream) + block + _frame(len(sent), 0, 0, stream) + sent)
+            sockets.append(s)
+        for _ in range(300):
+            sockets.append(socket.create_connection((host, int(port)), timeout=30))
+        time.sleep(3)
+        grown = replica.memory_info().rss - before
+        x = np.arange(1024, dtype=np.float32).reshape(1, 1024)
+        assert np.array_equal(_grpc_identity(grpc_url, x), x)
+    finally:
+        for s in sockets:
+            s.close()
+    # What the clients announced: 32 x 60 MB = 1.9 GB; what they sent: 6.4 MB.
+    assert grown < 100 * 1024 * 1024, f"the replica grew by {grown / 2**20:.0f} MiB"
+
+
 def test_after_shutdown_nothing_listens_and_nothing_is_left(apps) -> None:
     """Last in this module: it shuts the apps down."""
     import ray
