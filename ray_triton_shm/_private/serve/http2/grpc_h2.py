@@ -96,7 +96,9 @@ logger = logging.getLogger(__name__)
 _FIXED_LENGTH = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
 _MAX_SETTINGS_BYTES = 6 * 64
 
-_IDLE_CHECK_S = 0.5  # while calls run, how often the reader looks whether the connection went idle
+_IDLE_CHECK_S = 0.5
+IDLE_LINGER_S = 0.1
+"""How long a connection with no call open keeps its thread for the next call before it is parked."""  # while calls run, how often the reader looks whether the connection went idle
 
 Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
 
@@ -184,6 +186,10 @@ class H2Connection(AnswerWriter):
                     ready = False
                 elif not self._reader.buffered():
                     if self._idle():
+                        # A client calling again at once is read here; one that pauses is parked.
+                        if select.select([self._sock], [], [], IDLE_LINGER_S)[0]:
+                            self._frame()
+                            continue
                         return self._limits.idle_timeout_s
                     # A call still runs: look again now and then (it may end with nothing more to
                     # read); a slot waiting for a message's bytes waits no longer than its stall time.
