@@ -106,3 +106,56 @@ def wait_for(predicate, timeout_s: float = 10.0, poll_s: float = 0.02) -> bool:
             return True
         time.sleep(poll_s)
     return bool(predicate())
+
+
+# -- A raw HTTP/2 client, for what a well-behaved one never sends (frames by hand). --
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def h2_frame(length: int, kind: int, flags: int, stream: int) -> bytes:
+    """An HTTP/2 frame's 9-byte head."""
+    return length.to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big")
+
+
+def h2_request_block(path: str) -> bytes:
+    """The header block of a gRPC call of ``path`` (a fresh HPACK encoder's)."""
+    import hpack  # lazy: only the tests that speak raw HTTP/2 need it
+
+    return hpack.Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", "x"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+    )
+
+
+def h2_whole_frames(data: bytes) -> list[tuple[int, int, bytes]]:
+    """(type, stream, payload) of each whole frame at the start of ``data``."""
+    frames, i = [], 0
+    while i + 9 <= len(data):
+        length = int.from_bytes(data[i : i + 3], "big")
+        if i + 9 + length > len(data):
+            break
+        frames.append((data[i + 3], int.from_bytes(data[i + 5 : i + 9], "big"), data[i + 9 : i + 9 + length]))
+        i += 9 + length
+    return frames
+
+
+def h2_frames_until_closed(sock: socket.socket, timeout: float = 5.0) -> list[tuple[int, int, bytes]]:
+    """The frames a server sends until it closes the connection (``timeout`` for each read)."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            got = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not got:
+            break
+        data += got
+    return h2_whole_frames(data)

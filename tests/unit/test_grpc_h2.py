@@ -29,6 +29,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     frame_header,
     percent_encode,
 )
+from tests.helpers import h2_frames_until_closed
 
 
 def _echo(call: Call) -> None:
@@ -188,35 +189,18 @@ def test_a_client_that_gives_up_does_not_stop_the_server(server) -> None:
         assert method(b"y", timeout=10) == b"answer"
 
 
-def _read_frames(sock: socket.socket) -> list[tuple[int, int, bytes]]:
-    """Frames the server sends until it closes the connection (type, stream, payload)."""
-    data = b""
-    sock.settimeout(5)
-    while True:
-        got = sock.recv(65536)
-        if not got:
-            break
-        data += got
-    frames = []
-    while len(data) >= 9:
-        length = int.from_bytes(data[:3], "big")
-        frames.append((data[3], int.from_bytes(data[5:9], "big"), data[9 : 9 + length]))
-        data = data[9 + length :]
-    return frames
-
-
 def test_protocol_errors_end_the_connection_with_goaway(server) -> None:
     listener = server()
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
         sock.sendall(PREFACE + frame_header(0, SETTINGS, 0, 0) + frame_header(4, 0, 0, 0) + b"data")
-        frames = _read_frames(sock)
+        frames = h2_frames_until_closed(sock)
     assert frames[0][0] == SETTINGS
     goaway = [payload for kind, _, payload in frames if kind == GOAWAY]
     assert goaway and struct.unpack(">II", goaway[0][:8])[1] == PROTOCOL_ERROR
     assert b"DATA on stream 0" in goaway[0][8:]
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # not HTTP/2: closed without an answer
-        assert _read_frames(sock) == []
+        assert h2_frames_until_closed(sock) == []
 
 
 def test_a_client_that_sets_its_header_table_size_gets_a_size_update_first(server) -> None:

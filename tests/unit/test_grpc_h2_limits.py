@@ -36,7 +36,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
 )
 from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget
 from ray_triton_shm.errors import ConfigError
-from tests.helpers import wait_for
+from tests.helpers import h2_frames_until_closed, h2_request_block, h2_whole_frames, wait_for
 
 
 @pytest.fixture
@@ -60,42 +60,13 @@ def _connect(listener: H2Listener) -> socket.socket:
     return sock
 
 
-def _frames_until_closed(sock: socket.socket, timeout: float = 5.0) -> list[tuple[int, int, bytes]]:
-    """(type, stream, payload) of each frame the server sends until it closes the connection."""
-    sock.settimeout(timeout)
-    data = b""
-    while True:
-        try:
-            got = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not got:
-            break
-        data += got
-    frames = []
-    while len(data) >= 9:
-        length = int.from_bytes(data[:3], "big")
-        frames.append((data[3], int.from_bytes(data[5:9], "big"), data[9 : 9 + length]))
-        data = data[9 + length :]
-    return frames
-
-
 def _goaway_code(frames: list[tuple[int, int, bytes]]) -> int | None:
     codes = [struct.unpack(">II", payload[:8])[1] for kind, _, payload in frames if kind == GOAWAY]
     return codes[0] if codes else None
 
 
 def _request(stream_id: int, message: bytes, path: str = "/pkg.Svc/Echo", end: bool = True) -> bytes:
-    block = hpack.Encoder().encode(
-        [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", path),
-            (":authority", "x"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        ]
-    )
+    block = h2_request_block(path)
     body = b"\x00" + len(message).to_bytes(4, "big") + message
     return (
         frame_header(len(block), HEADERS, END_HEADERS, stream_id)
@@ -144,7 +115,7 @@ def test_a_header_block_over_the_limit_is_refused_before_it_is_read(server) -> N
     with _connect(listener) as sock:
         # Only the frame's head is sent: the server refuses on the announced length alone.
         sock.sendall(frame_header(4 * 1024 * 1024, HEADERS, END_HEADERS, 1))
-        frames = _frames_until_closed(sock)
+        frames = h2_frames_until_closed(sock)
     assert _goaway_code(frames) == ENHANCE_YOUR_CALM
     settings = next(payload for kind, _, payload in frames if kind == SETTINGS)
     announced = dict(struct.unpack(">HI", settings[i : i + 6]) for i in range(0, len(settings), 6))
@@ -163,7 +134,7 @@ def test_a_ping_flood_ends_with_enhance_your_calm_and_a_few_pings_do_not(server)
             assert got
             data += got
         sock.sendall(ping * 100)
-        frames = _frames_until_closed(sock)
+        frames = h2_frames_until_closed(sock)
     assert _goaway_code(frames) == ENHANCE_YOUR_CALM
     assert b"PING" in next(payload for kind, _, payload in frames if kind == GOAWAY)
 
@@ -172,7 +143,7 @@ def test_an_idle_connection_gets_goaway_and_is_closed(server) -> None:
     listener = server(limits=H2Limits(idle_timeout_s=0.5))
     with _connect(listener) as sock:
         started = time.monotonic()
-        frames = _frames_until_closed(sock)
+        frames = h2_frames_until_closed(sock)
         waited = time.monotonic() - started
     assert _goaway_code(frames) == NO_ERROR
     assert 0.4 < waited < 4
@@ -184,7 +155,7 @@ def test_a_client_that_never_finishes_its_preface_is_closed(server) -> None:
     with socket.create_connection(("127.0.0.1", listener.port)) as sock:
         sock.sendall(PREFACE[:10])
         started = time.monotonic()
-        assert _frames_until_closed(sock) == []
+        assert h2_frames_until_closed(sock) == []
         assert time.monotonic() - started < 4
 
 
@@ -277,14 +248,14 @@ def test_messages_past_the_memory_budget_are_refused_and_their_memory_comes_back
             got = sock.recv(65536)
             assert got
             data += got
-            frames = _whole_frames(data)
+            frames = h2_whole_frames(data)
         assert listener.budget.used <= 600_000
         sock.sendall(frame_header(0, DATA, END_STREAM, 1) + frame_header(0, DATA, END_STREAM, 3))
         while sum(kind == HEADERS for kind, _, _ in frames) < 5:  # 1 and 3: headers and trailers
             got = sock.recv(65536)
             assert got
             data += got
-            frames = _whole_frames(data)
+            frames = h2_whole_frames(data)
     decoder = hpack.Decoder()
     statuses = {}
     for kind, stream, payload in frames:
@@ -296,21 +267,10 @@ def test_messages_past_the_memory_budget_are_refused_and_their_memory_comes_back
     assert wait_for(lambda: listener.budget.used == 0)
 
 
-def _whole_frames(data: bytes) -> list[tuple[int, int, bytes]]:
-    frames, i = [], 0
-    while i + 9 <= len(data):
-        length = int.from_bytes(data[i : i + 3], "big")
-        if i + 9 + length > len(data):
-            break
-        frames.append((data[i + 3], int.from_bytes(data[i + 5 : i + 9], "big"), data[i + 9 : i + 9 + length]))
-        i += 9 + length
-    return frames
-
-
 @pytest.mark.parametrize("kind", [PING, RST_STREAM, SETTINGS, 8])  # 8: WINDOW_UPDATE
 def test_a_control_frame_announcing_megabytes_is_refused_from_its_head(server, kind: int) -> None:
     listener = server()
     with _connect(listener) as sock:
         sock.sendall(frame_header(8 * 1024 * 1024, kind, 0, 1 if kind == RST_STREAM else 0))
-        frames = _frames_until_closed(sock)  # refused before any of the payload is sent
+        frames = h2_frames_until_closed(sock)  # refused before any of the payload is sent
     assert _goaway_code(frames) in (6, ENHANCE_YOUR_CALM)  # FRAME_SIZE_ERROR, or too large a SETTINGS

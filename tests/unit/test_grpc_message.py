@@ -12,7 +12,6 @@ import threading
 import time
 
 import grpc
-import hpack
 import pytest
 
 from ray_triton_shm._private.serve.door.frontdoor_grpc import H2Listener
@@ -34,7 +33,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     H2Limits,
     frame_header,
 )
-from tests.helpers import wait_for
+from tests.helpers import h2_request_block, h2_whole_frames, wait_for
 
 HEAD = b"HEAD"
 TWO = b"TWO:"
@@ -162,14 +161,9 @@ def test_unexpected_bytes_turn_the_message_back_into_a_buffer_as_sent(placed) ->
     assert leases.taken == 3 and leases.out() == 0
 
 
-def _request_block(path: str) -> bytes:
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x")]
-    return hpack.Encoder().encode([*headers, ("content-type", "application/grpc"), ("te", "trailers")])
-
-
 def _start_put(sock: socket.socket, body_sent: bytes, total: int) -> None:
     """Open stream 1 of ``/pkg.Svc/Put`` and send the first ``body_sent`` bytes of a message of ``total``."""
-    block = _request_block("/pkg.Svc/Put")
+    block = h2_request_block("/pkg.Svc/Put")
     message = b"\x00" + total.to_bytes(4, "big") + body_sent
     sock.sendall(
         PREFACE
@@ -289,7 +283,7 @@ def test_an_answer_the_client_does_not_take_leaves_the_slot_and_still_arrives_wh
     listener = H2Listener("127.0.0.1", 0, handler, limits=H2Limits(slot_stall_s=0.5))
     try:
         with socket.create_connection(("127.0.0.1", listener.port)) as sock:
-            block = _request_block("/pkg.Svc/Any")
+            block = h2_request_block("/pkg.Svc/Any")
             message = b"\x00" + (1).to_bytes(4, "big") + b"q"
             sock.sendall(
                 PREFACE
@@ -316,21 +310,8 @@ def test_an_answer_the_client_does_not_take_leaves_the_slot_and_still_arrives_wh
                 got = sock.recv(1 << 20)
                 assert got, "the server closed the connection"
                 data += got
-                payload = b"".join(data[i + 9 : i + 9 + size] for i, size in _data_frames(data))
+                payload = b"".join(p for kind, _, p in h2_whole_frames(data) if kind == DATA)
             assert payload == b"\x00" + len(answer).to_bytes(4, "big") + answer
             assert sent.wait(5)
     finally:
         listener.close()
-
-
-def _data_frames(data: bytes) -> list[tuple[int, int]]:
-    """(start, payload length) of each whole DATA frame in ``data``."""
-    frames, i = [], 0
-    while i + 9 <= len(data):
-        length = int.from_bytes(data[i : i + 3], "big")
-        if i + 9 + length > len(data):
-            break
-        if data[i + 3] == DATA:
-            frames.append((i, length))
-        i += 9 + length
-    return frames

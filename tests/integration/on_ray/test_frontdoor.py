@@ -21,6 +21,8 @@ import tritonclient.http as httpclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from tests.helpers import H2_PREFACE, h2_frame, h2_request_block
+
 from .conftest import REPO, free_port, frontdoor_on_free_ports, teardown_ray
 
 TWO_APPS = REPO / "deployments" / "two_apps.yaml"
@@ -274,31 +276,21 @@ def test_grpc_requests_read_into_a_slot_odd_or_cut_short_lose_nothing(apps) -> N
             errors.append((info.value.code(), info.value.details()))
         assert errors[0] == errors[1] and errors[0][0] == grpc.StatusCode.INVALID_ARGUMENT
     # Cut short: the head and part of the contents, then the stream is reset (or the connection closed).
-    import hpack
-
     host, port = grpc_url.rsplit(":", 1)
-    block = hpack.Encoder().encode(
-        [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", "/inference.GRPCInferenceService/ModelInfer"),
-            (":authority", "x"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        ]
-    )
+    block = h2_request_block("/inference.GRPCInferenceService/ModelInfer")
     message = _infer_message(n, x.tobytes())
     framed = b"\x00" + len(message).to_bytes(4, "big") + message[: len(message) // 2]
-    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0, 4, 0, 0)
+    preface = H2_PREFACE + h2_frame(0, 4, 0, 0)
     for reset in (True, False):
         with socket.create_connection((host, int(port)), timeout=30) as s:
-            s.sendall(preface + _frame(len(block), 1, 4, 1) + block + _frame(len(framed), 0, 0, 1) + framed)
+            opening = preface + h2_frame(len(block), 1, 4, 1) + block
+            s.sendall(opening + h2_frame(len(framed), 0, 0, 1) + framed)
             deadline = time.monotonic() + 30
             while not _busy_slots() and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert _busy_slots(), "no slot was leased for the message while it arrived"
             if reset:
-                s.sendall(_frame(4, 3, 0, 1) + (8).to_bytes(4, "big"))  # RST_STREAM, CANCEL
+                s.sendall(h2_frame(4, 3, 0, 1) + (8).to_bytes(4, "big"))  # RST_STREAM, CANCEL
                 time.sleep(0.5)
         deadline = time.monotonic() + 30
         while _busy_slots() and time.monotonic() < deadline:
@@ -307,46 +299,31 @@ def test_grpc_requests_read_into_a_slot_odd_or_cut_short_lose_nothing(apps) -> N
     assert np.array_equal(_grpc_identity(grpc_url, x.reshape(1, n)), x.reshape(1, n))
 
 
-def _frame(length: int, kind: int, flags: int, stream: int) -> bytes:
-    return length.to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big")
-
-
 def test_stalled_grpc_clients_outnumbering_the_slots_stop_no_other_caller(apps) -> None:
     """Clients that stall mid-message, and clients that open no window for their answer, more of
     them than the model has slots: legitimate HTTP and gRPC callers of the same model go on being
     answered, and every slot is free again once the stalled clients hold them no longer."""
-    import hpack
-
     _, http_url, grpc_url = apps["apps"]["triton-a"]
     host, port = grpc_url.rsplit(":", 1)
     n = 262144
     x = np.arange(n, dtype=np.float32)
     message = _infer_message(n, x.tobytes())
-    block = hpack.Encoder().encode(
-        [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", "/inference.GRPCInferenceService/ModelInfer"),
-            (":authority", "x"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        ]
-    )
+    block = h2_request_block("/inference.GRPCInferenceService/ModelInfer")
     framed = b"\x00" + len(message).to_bytes(4, "big") + message
-    no_window = _frame(6, 4, 0, 0) + struct.pack(">HI", 4, 0)  # SETTINGS_INITIAL_WINDOW_SIZE = 0
+    no_window = h2_frame(6, 4, 0, 0) + struct.pack(">HI", 4, 0)  # SETTINGS_INITIAL_WINDOW_SIZE = 0
     attackers = []
     try:
         for i in range(12):  # the identity pool has 4 slots
             s = socket.create_connection((host, int(port)), timeout=30)
-            preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+            preface = H2_PREFACE
             if i % 2:  # stalls halfway through its message
-                s.sendall(preface + _frame(0, 4, 0, 0) + _frame(len(block), 1, 4, 1) + block)
+                s.sendall(preface + h2_frame(0, 4, 0, 0) + h2_frame(len(block), 1, 4, 1) + block)
                 half = framed[: len(framed) // 2]
-                s.sendall(_frame(len(half), 0, 0, 1) + half)
+                s.sendall(h2_frame(len(half), 0, 0, 1) + half)
             else:  # sends its whole message, then opens no window for the answer (and reads nothing)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                s.sendall(preface + no_window + _frame(len(block), 1, 4, 1) + block)
-                s.sendall(_frame(len(framed), 0, 1, 1) + framed)
+                s.sendall(preface + no_window + h2_frame(len(block), 1, 4, 1) + block)
+                s.sendall(h2_frame(len(framed), 0, 1, 1) + framed)
             attackers.append(s)
         time.sleep(0.5)
         started = time.monotonic()
@@ -369,22 +346,11 @@ def test_the_replicas_memory_stays_put_under_announced_sizes_and_idle_sockets(ap
     """32 gRPC messages announcing 60 MB each (sending 200 KB, then nothing) and 300 idle
     sockets: the replica's RSS grows by a few MB, not by what the clients announce, and a
     caller is still answered meanwhile."""
-    import hpack
-
     handle, _, grpc_url = apps["apps"]["triton-a"]
     pid = handle.whereami.remote().result()["pid"]
     replica = psutil.Process(pid)
     host, port = grpc_url.rsplit(":", 1)
-    block = hpack.Encoder().encode(
-        [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", "/inference.GRPCInferenceService/ServerLive"),
-            (":authority", "x"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        ]
-    )
+    block = h2_request_block("/inference.GRPCInferenceService/ServerLive")
     announced = 60 * 1024 * 1024
     sent = b"\x00" + announced.to_bytes(4, "big") + b"\x01" * 200_000
     before = replica.memory_info().rss
@@ -392,9 +358,10 @@ def test_the_replicas_memory_stays_put_under_announced_sizes_and_idle_sockets(ap
     try:
         for _ in range(16):
             s = socket.create_connection((host, int(port)), timeout=30)
-            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0, 4, 0, 0))
+            s.sendall(H2_PREFACE + h2_frame(0, 4, 0, 0))
             for stream in (1, 3):
-                s.sendall(_frame(len(block), 1, 4, stream) + block + _frame(len(sent), 0, 0, stream) + sent)
+                opening = h2_frame(len(block), 1, 4, stream) + block
+                s.sendall(opening + h2_frame(len(sent), 0, 0, stream) + sent)
             sockets.append(s)
         for _ in range(300):
             sockets.append(socket.create_connection((host, int(port)), timeout=30))
