@@ -213,7 +213,7 @@ def test_a_trickled_head_meets_a_total_deadline() -> None:
         began = time.monotonic()
         s.sendall(b"GET / HTTP/1.1\r\n")
         answer = b""
-        while time.monotonic() - began < 3 and not answer:
+        while time.monotonic() - began < 5 and not answer:
             try:
                 s.sendall(b"X: a\r\n")  # a byte well within any per-read timeout
             except OSError:
@@ -226,7 +226,7 @@ def test_a_trickled_head_meets_a_total_deadline() -> None:
         elapsed = time.monotonic() - began
     assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer
     assert b"request head not received within 0.5 s" in answer
-    assert elapsed < 2
+    assert elapsed < 4
 
 
 def test_a_body_slower_than_the_minimum_rate_is_cut_off() -> None:
@@ -234,7 +234,7 @@ def test_a_body_slower_than_the_minimum_rate_is_cut_off() -> None:
         began = time.monotonic()
         s.sendall(_GOOD + b"Content-Length: 100000\r\n\r\n")
         answer = b""
-        while time.monotonic() - began < 3 and not answer:
+        while time.monotonic() - began < 5 and not answer:
             try:
                 s.sendall(b"x" * 10)  # 100 bytes/s, never silent for the grace time
             except OSError:
@@ -246,7 +246,7 @@ def test_a_body_slower_than_the_minimum_rate_is_cut_off() -> None:
                 pass
         elapsed = time.monotonic() - began
         assert answer.startswith(b"HTTP/1.1 408 ") and b"too slowly" in answer
-        assert elapsed < 2
+        assert elapsed < 4
         _read_to_close(s)  # and closed
 
 
@@ -256,7 +256,7 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout() -> None:
         assert s.recv(1000).endswith(b"\r\n\r\nx")
         began = time.monotonic()
         assert s.recv(1000) == b""
-        assert 0.2 < time.monotonic() - began < 2
+        assert 0.2 < time.monotonic() - began < 4
 
 
 def test_an_answer_the_client_does_not_read_ends_its_connection() -> None:
@@ -274,8 +274,8 @@ def test_an_answer_the_client_does_not_read_ends_its_connection() -> None:
         s.sendall(_GOOD + b"Content-Length: 0\r\n\r\n")
         began = time.monotonic()
         assert ended.wait(5)  # the handler gave up on the client that reads nothing
-        assert time.monotonic() - began < 2
-        deadline = time.monotonic() + 2
+        assert time.monotonic() - began < 4
+        deadline = time.monotonic() + 4
         while door.open_connections() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not door.open_connections()
@@ -424,7 +424,7 @@ def _door(
         yield door.port, client
 
 
-def _wait_for(condition: Any, limit_s: float = 3.0) -> bool:
+def _wait_for(condition: Any, limit_s: float = 5.0) -> bool:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if condition():
@@ -435,7 +435,7 @@ def _wait_for(condition: Any, limit_s: float = 3.0) -> bool:
 
 def test_a_prompt_client_is_read_into_and_answered_from_the_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     values = np.arange(1 << 18, dtype=np.float32)
-    with _door(monkeypatch, stall_s=1.0) as (port, client), _connect(port) as s:
+    with _door(monkeypatch, stall_s=5.0) as (port, client), _connect(port) as s:
         s.sendall(_infer_request(values) + values.tobytes())
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
         assert client.calls == ["run"]  # the zero-copy path: no copy into memory, no second lease
@@ -450,8 +450,7 @@ def test_a_stalled_body_gives_its_slot_back_and_is_finished_in_memory(
     with _door(monkeypatch, stall_s=0.2) as (port, client), _connect(port) as s:
         s.sendall(_infer_request(values) + data[:1000])
         assert _wait_for(lambda: client.held == 1)  # leased, half filled
-        time.sleep(0.5)
-        assert client.held == 0  # given back while the client dawdles
+        assert _wait_for(lambda: client.held == 0)  # given back while the client dawdles
         s.sendall(data[1000:])
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
         assert client.calls == ["infer"]  # the general path, from memory
@@ -472,7 +471,7 @@ def test_an_answer_not_taken_is_copied_out_and_the_slot_given_back(monkeypatch: 
     with _door(monkeypatch, stall_s=0.2) as (port, client), _connect(port, rcvbuf=4096) as s:
         s.sendall(_infer_request(values) + values.tobytes())
         assert _wait_for(lambda: client.calls == ["run"])
-        assert _wait_for(lambda: client.held == 0, 2.0)  # while the client has read nothing
+        assert _wait_for(lambda: client.held == 0)  # while the client has read nothing
         # The slot was scribbled over when it went back: the answer still holds the outputs.
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
 
@@ -482,6 +481,6 @@ def test_an_answer_not_taken_at_all_ends_at_the_send_deadline(monkeypatch: pytes
     with _door(monkeypatch, stall_s=0.1, send_s=0.5) as (port, client), _connect(port, rcvbuf=4096) as s:
         s.sendall(_infer_request(values) + values.tobytes())
         assert _wait_for(lambda: client.calls == ["run"])
-        assert _wait_for(lambda: client.held == 0, 1.0)
+        assert _wait_for(lambda: client.held == 0)
         time.sleep(1.0)  # the deadline passes: the server closes, what it had queued is all that comes
         assert len(_read_to_close(s)) < values.nbytes
