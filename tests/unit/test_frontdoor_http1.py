@@ -250,6 +250,27 @@ def test_a_body_slower_than_the_minimum_rate_is_cut_off() -> None:
         _read_to_close(s)  # and closed
 
 
+def test_the_servers_own_time_between_reads_is_not_held_against_the_body() -> None:
+    def handler(conn, head, body) -> None:
+        first = body.read(10)
+        time.sleep(0.8)  # the server busy (waiting for a slot, say) past the body's grace time
+        conn.respond(200, [], [first, body.read_all()])
+
+    with _listening(handler, body_grace_s=0.3, body_min_rate=1000) as door, _connect(door.port) as s:
+        s.sendall(_GOOD + b"Content-Length: 20000\r\nConnection: close\r\n\r\n" + b"y" * 20000)
+        answer = _read_to_close(s)
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"y" * 20000)
+
+
+def test_a_content_length_past_the_limit_is_refused_before_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _door(monkeypatch, stall_s=1.0) as (port, client):
+        request = _GOOD.replace(b"/x", b"/v2/models/m/infer") + b"Content-Length: %d\r\n\r\n" % (
+            MAX_BYTES + 1
+        )
+        status, error = _refused(port, request)  # answered, and closed, with no byte of the body sent
+    assert status == 413 and "exceeds the maximum" in error and client.calls == []
+
+
 def test_an_idle_connection_is_closed_after_the_idle_timeout() -> None:
     with _listening(idle_s=0.3) as door, _connect(door.port) as s:
         s.sendall(_GOOD + b"Content-Length: 1\r\n\r\nx")
@@ -414,11 +435,8 @@ def _door(
     def delegate(head, data):
         return 404, [], b"{}"
 
-    def error_answer(error):
-        return 400, json.dumps({"error": str(error)}).encode()
-
     handler = KServeHttpHandler(
-        client, lambda model: "1", delegate, error_answer, MAX_BYTES, slot_stall_s=stall_s
+        client, lambda model: "1", delegate, frontdoor._error_answer, MAX_BYTES, slot_stall_s=stall_s
     )
     with _listening(handler, **timeouts) as door:
         yield door.port, client

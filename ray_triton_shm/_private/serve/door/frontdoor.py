@@ -110,7 +110,8 @@ class FrontDoorConfig:
             long is closed (60: nghttpx's ``--frontend-keep-alive-timeout``).
         http_body_grace_s: An HTTP body may take this long before
             ``http_body_min_rate`` applies, and go this long without a byte, else
-            408 and close (20: Apache's ``RequestReadTimeout body=20``).
+            408 and close (20: Apache's ``RequestReadTimeout body=20``); only the
+            time the server waits for the client counts.
         http_body_min_rate: Bytes a second an HTTP body must average after its
             grace time (500: Apache's ``RequestReadTimeout MinRate=500``).
         http_send_timeout_s: An HTTP answer not written within this (a client

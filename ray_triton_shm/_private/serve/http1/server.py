@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 import socket
 import time
@@ -37,7 +38,7 @@ from urllib.parse import unquote
 
 from ray_triton_shm._private.serve.net.bounded import too_large
 from ray_triton_shm._private.serve.net.listener import IOV_BATCH, TcpListener
-from ray_triton_shm.errors import InputError
+from ray_triton_shm.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +127,12 @@ class HttpTimeouts:
         body_grace_s: A body may take this long before ``body_min_rate`` applies;
             it is also the longest a body may go without a byte (else 408 and close).
         body_min_rate: Bytes a second a body must average once ``body_grace_s`` is past.
+            Both count only the time the server waits for the client's bytes.
         send_s: An answer not written within this (a client that reads nothing)
             ends its connection.
+
+    Raises:
+        ConfigError: A value that is not a finite number > 0.
     """
 
     head_s: float = HEAD_TIMEOUT_S
@@ -135,6 +140,12 @@ class HttpTimeouts:
     body_grace_s: float = BODY_GRACE_S
     body_min_rate: float = BODY_MIN_RATE
     send_s: float = SEND_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name in ("head_s", "idle_s", "body_grace_s", "body_min_rate", "send_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"HttpTimeouts.{name} must be a number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -321,32 +332,35 @@ class _Deadline:
         """Seconds until the deadline."""
         return self._at - time.monotonic()
 
-    def arrived(self, n: int) -> None:
-        """``n`` more bytes came (nothing changes)."""
+    def spent(self, seconds: float, n: int) -> None:
+        """A read waited ``seconds`` and got ``n`` bytes (nothing changes: the deadline is fixed)."""
 
 
 class _BodyClock:
     """A body's read clock: ``grace_s`` at first and between bytes, then ``min_rate`` bytes/s on average.
 
-    Started by the body's first read, not when its head arrives: time the
-    server spends before it reads (waiting for a slot) is not the client's.
+    It counts only the time the server waits for the client (in ``recv``):
+    time the server spends on its own between reads (waiting for a slot,
+    say) is not the client's.
     """
 
     def __init__(self, grace_s: float, min_rate: float) -> None:
         self._grace_s = grace_s
         self._min_rate = min_rate
-        self._start = self._last = time.monotonic()
+        self._waited = 0.0  # in all
+        self._silent = 0.0  # since the last byte
         self._received = 0
 
     def left(self) -> float:
         """Seconds the next read may wait."""
-        rate_at = self._start + self._grace_s + self._received / self._min_rate
-        return min(self._last + self._grace_s, rate_at) - time.monotonic()
+        rate_left = self._grace_s + self._received / self._min_rate - self._waited
+        return min(self._grace_s - self._silent, rate_left)
 
-    def arrived(self, n: int) -> None:
-        """``n`` more bytes came."""
+    def spent(self, seconds: float, n: int) -> None:
+        """A read waited ``seconds`` and got ``n`` bytes."""
+        self._waited += seconds
+        self._silent = 0.0 if n else self._silent + seconds
         self._received += n
-        self._last = time.monotonic()
 
     def late(self) -> Exception:
         """The error of a body that came too slowly."""
@@ -579,15 +593,17 @@ class Connection:
             raise clock.late()
         wait = left if stall_s is None else min(left, stall_s)
         self.sock.settimeout(wait)
+        began = time.monotonic()
         try:
             got = self.sock.recv_into(view)
         except TimeoutError:
+            clock.spent(time.monotonic() - began, 0)
             if stall_s is not None and stall_s < left:
                 return 0
             raise clock.late() from None
         if not got:
             raise ConnectionGone()
-        clock.arrived(got)
+        clock.spent(time.monotonic() - began, got)
         return got
 
     def _fill(self, clock: _Deadline | _BodyClock) -> None:
