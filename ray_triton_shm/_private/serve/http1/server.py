@@ -487,7 +487,7 @@ class Body:
     def _read_chunked(self, out: bytearray | None, max_bytes: int | None) -> None:
         """Read a chunked body to its end: onto ``out``, or dropped (``None``)."""
         clock = self._begin()
-        size_so_far = 0
+        size_so_far = 0 if out is None else len(out)
         extensions = 0
         scratch = memoryview(bytearray(_RECV_BYTES)) if out is None else None
         while True:
@@ -502,11 +502,10 @@ class Body:
             size_so_far += size
             if max_bytes is not None and size_so_far > max_bytes:
                 raise too_large("request body", max_bytes)
-            if scratch is None:
-                assert out is not None
+            if out is not None:
                 self.remaining = size
                 self._append(out, size)
-            else:
+            elif scratch is not None:
                 while size:
                     step = min(size, len(scratch))
                     size -= self._conn.read_exactly(scratch[:step], clock)
