@@ -46,11 +46,6 @@ from starlette.requests import Request
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor, run_on
 from ray_triton_shm._private.serve.door.port_claim import PortClaim
 from ray_triton_shm._private.serve.http1.server import (
-    BODY_GRACE_S,
-    BODY_MIN_RATE,
-    HEAD_TIMEOUT_S,
-    IDLE_TIMEOUT_S,
-    SEND_TIMEOUT_S,
     Body,
     Connection,
     ConnectionGone,
@@ -82,6 +77,7 @@ def _optional_port(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none", "off") else int(text)
 
 
+_HTTP_DEFAULTS = HttpTimeouts()
 _HTTP_SECONDS = (
     "http_head_timeout_s",
     "http_idle_timeout_s",
@@ -129,11 +125,11 @@ class FrontDoorConfig:
     grpc_port: int | None = env_field("FRONTDOOR_GRPC_PORT", None, _optional_port)
     max_connections: int = env_field("FRONTDOOR_MAX_CONNECTIONS", 256)
     grpc_threads: int = env_field("FRONTDOOR_GRPC_THREADS", 16)
-    http_head_timeout_s: float = env_field("FRONTDOOR_HTTP_HEAD_TIMEOUT_S", HEAD_TIMEOUT_S)
-    http_idle_timeout_s: float = env_field("FRONTDOOR_HTTP_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S)
-    http_body_grace_s: float = env_field("FRONTDOOR_HTTP_BODY_GRACE_S", BODY_GRACE_S)
-    http_body_min_rate: float = env_field("FRONTDOOR_HTTP_BODY_MIN_RATE", BODY_MIN_RATE)
-    http_send_timeout_s: float = env_field("FRONTDOOR_HTTP_SEND_TIMEOUT_S", SEND_TIMEOUT_S)
+    http_head_timeout_s: float = env_field("FRONTDOOR_HTTP_HEAD_TIMEOUT_S", _HTTP_DEFAULTS.head_s)
+    http_idle_timeout_s: float = env_field("FRONTDOOR_HTTP_IDLE_TIMEOUT_S", _HTTP_DEFAULTS.idle_s)
+    http_body_grace_s: float = env_field("FRONTDOOR_HTTP_BODY_GRACE_S", _HTTP_DEFAULTS.body_grace_s)
+    http_body_min_rate: float = env_field("FRONTDOOR_HTTP_BODY_MIN_RATE", _HTTP_DEFAULTS.body_min_rate)
+    http_send_timeout_s: float = env_field("FRONTDOOR_HTTP_SEND_TIMEOUT_S", _HTTP_DEFAULTS.send_s)
     http_slot_stall_s: float = env_field("FRONTDOOR_HTTP_SLOT_STALL_S", SLOT_STALL_S)
 
     def __post_init__(self) -> None:
