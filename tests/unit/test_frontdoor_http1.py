@@ -46,7 +46,7 @@ def _connect(port: int, rcvbuf: int | None = None) -> socket.socket:
     s = socket.socket()
     if rcvbuf is not None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.settimeout(10)
+    s.settimeout(30)
     s.connect(("127.0.0.1", port))
     return s
 
@@ -442,7 +442,7 @@ def _door(
         yield door.port, client
 
 
-def _wait_for(condition: Any, limit_s: float = 5.0) -> bool:
+def _wait_for(condition: Any, limit_s: float = 15.0) -> bool:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if condition():
