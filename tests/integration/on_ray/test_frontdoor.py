@@ -239,6 +239,35 @@ def test_callers_gone_mid_answer_give_their_slots_back(apps) -> None:
     assert np.array_equal(_http_identity(http_url, np.ones((1, n), np.float32)), np.ones((1, n), np.float32))
 
 
+def test_a_stalled_body_gives_its_slot_back_at_once(apps) -> None:
+    """A caller that stops halfway through its tensor bytes: the slot is free again within
+    ``http_slot_stall_s`` (1 s) while the caller is still connected, and its answer is right."""
+    _, http_url, _ = apps["apps"]["triton-a"]
+    host, port = http_url.rsplit(":", 1)
+    n = 262144
+    x = np.arange(n, dtype=np.float32).reshape(1, n)
+    body = x.tobytes()
+    header = (
+        b'{"inputs":[{"name":"INPUT0","shape":[1,%d],"datatype":"FP32","parameters":{"binary_data_size":%d}}],'
+        b'"outputs":[{"name":"OUTPUT0","parameters":{"binary_data":true}}]}' % (n, len(body))
+    )
+    head = (
+        b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+    ) % (len(header), len(header) + len(body))
+    assert np.array_equal(_http_identity(http_url, x), x)  # the pool is made, its layout known
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head + header + body[: len(body) // 2])
+        time.sleep(2.5)
+        assert not _busy_slots(), "a slot held by a body that stalled"
+        s.sendall(body[len(body) // 2 :])
+        answer = b""
+        while chunk := s.recv(1 << 20):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert np.array_equal(np.frombuffer(answer[-len(body) :], np.float32).reshape(1, n), x)
+
+
 def _infer_message(n: int, raw: bytes, tail: bytes = b"") -> bytes:
     """A serialised ``ModelInferRequest`` of identity, an FP32 ``[1, n]`` input with ``raw`` as contents."""
     from tritonclient.grpc import service_pb2 as pb

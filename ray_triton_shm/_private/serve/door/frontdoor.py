@@ -13,7 +13,11 @@ close with the replica.
 HTTP inference (no version asked) is read from the socket straight into a
 leased slot (:class:`~ray_triton_shm._private.serve.http1.server.Body`) and
 answered from the slot (``sendmsg`` of the output views): one copy of each
-tensor each way, as in Triton's own endpoint. Every other HTTP route goes to
+tensor each way, as in Triton's own endpoint. A slot never waits on a slow
+client: a body read into it that stalls ``http_slot_stall_s`` is copied out,
+the slot given back, and the rest read into memory (the general path then);
+an answer the client stops taking for as long is copied out and finished from
+memory once the slot is back. Every other HTTP route goes to
 the Serve ingress's own handler (the deployment's ``__call__``), so both
 answer alike. gRPC: see :mod:`ray_triton_shm._private.serve.door.frontdoor_grpc`.
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import threading
 import time
@@ -45,6 +50,8 @@ from ray_triton_shm._private.serve.http1.server import (
     Connection,
     ConnectionGone,
     HttpListener,
+    HttpParseError,
+    HttpTimeouts,
     RequestHead,
 )
 from ray_triton_shm._private.serve.http2.h2_wire import IDLE_TIMEOUT_S, MAX_HEADER_BLOCK, H2Limits
@@ -63,10 +70,23 @@ logger = logging.getLogger(__name__)
 
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 _CALL_TIMEOUT_S = 120.0
+SLOT_STALL_S = 1.0
+"""Longest a leased slot waits on an HTTP client (a body read, an answer write) before it goes back."""
 
 
 def _optional_port(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none", "off") else int(text)
+
+
+_HTTP_DEFAULTS = HttpTimeouts()
+_HTTP_SECONDS = (
+    "http_head_timeout_s",
+    "http_idle_timeout_s",
+    "http_body_grace_s",
+    "http_body_min_rate",
+    "http_send_timeout_s",
+    "http_slot_stall_s",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +104,25 @@ class FrontDoorConfig:
         grpc_idle_timeout_s: How long a gRPC connection with no call open may stay quiet
             before it gets GOAWAY and is closed.
         grpc_max_header_bytes: Longest gRPC header block (headers and metadata) accepted.
+        http_head_timeout_s: An HTTP request's line and headers must arrive within
+            this, from their first byte, else 408 and close (60: nginx's
+            ``client_header_timeout``).
+        http_idle_timeout_s: A kept-alive HTTP connection with no request for this
+            long is closed (60: nghttpx's ``--frontend-keep-alive-timeout``).
+        http_body_grace_s: An HTTP body may take this long before
+            ``http_body_min_rate`` applies, and go this long without a byte, else
+            408 and close (20: Apache's ``RequestReadTimeout body=20``); only the
+            time the server waits for the client counts.
+        http_body_min_rate: Bytes a second an HTTP body must average after its
+            grace time (500: Apache's ``RequestReadTimeout MinRate=500``).
+        http_send_timeout_s: An HTTP answer not written within this (a client
+            that does not read) ends its connection (60: nginx's
+            ``send_timeout``, here for the whole answer).
+        http_slot_stall_s: A leased slot waits no longer than this on an HTTP
+            client: a body that stalls is copied out of the slot and read on in
+            memory, an answer the client does not take is copied out and
+            finished from memory; the slot goes back at once (1; no upstream
+            equivalent: Triton reads a whole body before it uses its memory).
     """
 
     host: str = env_field("FRONTDOOR_HOST", "127.0.0.1")
@@ -93,6 +132,12 @@ class FrontDoorConfig:
     grpc_threads: int = env_field("FRONTDOOR_GRPC_THREADS", 16)
     grpc_idle_timeout_s: float = env_field("FRONTDOOR_GRPC_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S)
     grpc_max_header_bytes: int = env_field("FRONTDOOR_GRPC_MAX_HEADER_BYTES", MAX_HEADER_BLOCK)
+    http_head_timeout_s: float = env_field("FRONTDOOR_HTTP_HEAD_TIMEOUT_S", _HTTP_DEFAULTS.head_s)
+    http_idle_timeout_s: float = env_field("FRONTDOOR_HTTP_IDLE_TIMEOUT_S", _HTTP_DEFAULTS.idle_s)
+    http_body_grace_s: float = env_field("FRONTDOOR_HTTP_BODY_GRACE_S", _HTTP_DEFAULTS.body_grace_s)
+    http_body_min_rate: float = env_field("FRONTDOOR_HTTP_BODY_MIN_RATE", _HTTP_DEFAULTS.body_min_rate)
+    http_send_timeout_s: float = env_field("FRONTDOOR_HTTP_SEND_TIMEOUT_S", _HTTP_DEFAULTS.send_s)
+    http_slot_stall_s: float = env_field("FRONTDOOR_HTTP_SLOT_STALL_S", SLOT_STALL_S)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -111,9 +156,26 @@ class FrontDoorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"frontdoor.{name} must be an integer >= 1, got {value!r}")
-        value = self.grpc_idle_timeout_s
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"frontdoor.grpc_idle_timeout_s must be a number > 0, got {value!r}")
+        for name in (*_HTTP_SECONDS, "grpc_idle_timeout_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ConfigError(f"frontdoor.{name} must be a number > 0, got {value!r}")
+
+    @property
+    def http_timeouts(self) -> HttpTimeouts:
+        """The HTTP listener's time limits."""
+        return HttpTimeouts(
+            head_s=float(self.http_head_timeout_s),
+            idle_s=float(self.http_idle_timeout_s),
+            body_grace_s=float(self.http_body_grace_s),
+            body_min_rate=float(self.http_body_min_rate),
+            send_s=float(self.http_send_timeout_s),
+        )
 
     @classmethod
     def from_args(cls, value: Mapping[str, Any] | None) -> FrontDoorConfig | None:
@@ -142,16 +204,26 @@ class KServeHttpHandler:
         delegate: Answers any other request: ``(head, body) -> (status, headers, body)``.
         error_answer: The KServe error answer of an exception: ``(status, body)``.
         max_bytes: Largest request body (and inflated body) accepted; larger ones are 413.
+        slot_stall_s: Longest a leased slot waits on the client (see
+            :attr:`FrontDoorConfig.http_slot_stall_s`).
     """
 
     def __init__(
-        self, client: Any, served_version: Any, delegate: Any, error_answer: Any, max_bytes: int
+        self,
+        client: Any,
+        served_version: Any,
+        delegate: Any,
+        error_answer: Any,
+        max_bytes: int,
+        *,
+        slot_stall_s: float = SLOT_STALL_S,
     ) -> None:
         self._max_bytes = max_bytes
         self._client = client
         self._served_version = served_version
         self._delegate = delegate
         self._error_answer = error_answer
+        self._stall_s = slot_stall_s
 
     def __call__(self, conn: Connection, head: RequestHead, body: Body) -> None:
         try:
@@ -165,14 +237,14 @@ class KServeHttpHandler:
             data = body.read_all(self._max_bytes)
             status, headers, payload = self._delegate(head, data)
             conn.respond(status, headers, [payload])
-        except ConnectionGone:
-            raise
+        except (ConnectionGone, HttpParseError):
+            raise  # the request's framing is lost (or too slow): the connection answers and closes
         except Exception as e:
             if isinstance(e, RequestTooLargeError):
                 conn.keep_alive = False  # the rest of the body is not read
             else:
                 try:
-                    body.drain()  # the client may still be sending: let it finish, then read the answer
+                    body.drain(self._max_bytes)  # the client may still be sending: let it finish
                 except Exception:
                     conn.keep_alive = False
             status, payload = self._error_answer(e)
@@ -181,7 +253,7 @@ class KServeHttpHandler:
     def _infer(self, conn: Connection, model: str, head: RequestHead, body: Body) -> None:
         client = self._client
         lengths = None if body.chunked else fast_path_lengths(head.headers)
-        prefix = b""
+        data = bytearray()
         if lengths is not None:
             header_length, body_length = lengths
             prefix = body.read(min(header_length, body_length))
@@ -194,9 +266,18 @@ class KServeHttpHandler:
             if planned is not None and planned[1]:
                 decoded, spans = planned
                 if shm_plan(client, model, decoded.inputs, decoded.outputs):
-                    self._infer_in_slot(conn, model, decoded, spans, body)
-                    return
-        data = prefix + body.read_all(self._max_bytes - len(prefix))
+                    stalled = self._infer_in_slot(conn, model, prefix, decoded, spans, body)
+                    if stalled is None:
+                        return
+                    data = stalled
+            if not data:
+                data += prefix
+        body.read_rest_into(data, self._max_bytes)
+        self._infer_general(conn, model, head, bytes(data))
+
+    def _infer_general(self, conn: Connection, model: str, head: RequestHead, data: bytes) -> None:
+        """Decode the whole body ``data``, run it with ``client.infer``, answer from memory."""
+        client = self._client
         encoding = (head.headers.get("content-encoding") or "identity").strip().lower()
         if encoding != "identity":
             data = bounded.inflate(data, encoding, self._max_bytes)
@@ -213,29 +294,67 @@ class KServeHttpHandler:
         self,
         conn: Connection,
         model: str,
+        prefix: bytes,
         decoded: kserve.DecodedRequest,
         spans: list[kserve.BinarySpan],
         body: Body,
-    ) -> None:
-        """Lease a slot, read the tensor bytes from the socket into it, run, answer from the slot."""
+    ) -> bytearray | None:
+        """Lease a slot, read the tensor bytes from the socket into it, run, answer from the slot.
+
+        The slot is held only while the client keeps pace: a read or a write that
+        waits ``slot_stall_s`` for it copies the slot's bytes to memory and gives
+        the slot back.
+
+        Args:
+            conn: The connection.
+            model: The model.
+            prefix: The body's JSON header (its first bytes, read already).
+            decoded: The request, its binary inputs placeholders.
+            spans: Where the binary inputs lie in the body, one after another.
+            body: The rest of the body.
+
+        Returns:
+            ``None`` once answered; or, when the body stalled, the body read so
+            far (``prefix`` and the tensor bytes that came), the slot given back.
+
+        Raises:
+            InputError: The body is longer than its tensors, or as ``client.run``.
+            HttpTimeoutError: The body came too slowly.
+            ConnectionGone: The client went, or did not take the answer in time.
+        """
         client = self._client
         version = self._served_version(model)
         with client.lease(model) as lease:
             for name, array in decoded.inputs.items():  # JSON inputs of the same request
                 if all(span.name != name for span in spans):
                     lease.input(name, array.shape)[...] = array
+            filled: list[memoryview] = []
             for span in spans:
                 target = lease.input(span.name, decoded.inputs[span.name].shape)
-                body.readinto(memoryview(target.reshape(-1).view(np.uint8)))
+                view = memoryview(target.reshape(-1).view(np.uint8))
                 del target
+                got = body.readinto(view, self._stall_s)
+                filled.append(view[:got])
+                if got < len(view):  # the client stalled: what came goes to memory, the slot back
+                    data = bytearray(prefix)
+                    for part in filled:
+                        data += part
+                    del view, filled, part
+                    return data
+                del view
+            del filled
             if body.remaining:
                 raise InputError("the request body is longer than its tensors")
             outputs = run_leased(client, model, lease, decoded.outputs)
             parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
             del outputs
-            conn.respond(200, list(headers.items()), parts)  # written from the slot, then it goes back
+            # Written from the slot while the client takes it; what it does not take in
+            # time is copied out (rest), sent once the slot is back.
+            rest = conn.respond(200, list(headers.items()), parts, self._stall_s)
             # No view of the slot outlives the lease: it goes straight back, not pinned.
             del parts
+        conn.send_rest(rest)
+        return None
 
 
 class FrontDoor:
@@ -275,9 +394,14 @@ class FrontDoor:
                     self._delegate_http,
                     _error_answer,
                     deployment._max_request_bytes,
+                    slot_stall_s=config.http_slot_stall_s,
                 )
                 self.http = HttpListener(
-                    config.host, config.http_port, handler, max_connections=config.max_connections
+                    config.host,
+                    config.http_port,
+                    handler,
+                    max_connections=config.max_connections,
+                    timeouts=config.http_timeouts,
                 )
                 if not config.http_port:
                     self._claims.append(PortClaim(self.http.port, app_name))

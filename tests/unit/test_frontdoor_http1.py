@@ -1,0 +1,504 @@
+"""The front door's HTTP/1.1 listener against hostile clients: real sockets on 127.0.0.1, small limits.
+
+Strict framing (RFC 9112: each refusal answered, then the connection closed),
+memory that grows with the bytes that arrive rather than the sizes announced,
+time limits (a request head's total deadline, a body's minimum rate, the idle
+wait, the answer's deadline), and a slot that never waits on a slow client.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ray_triton_shm._private.serve.door import frontdoor
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig, KServeHttpHandler
+from ray_triton_shm._private.serve.http1.server import HttpListener, HttpTimeouts
+from ray_triton_shm.errors import ConfigError
+
+MAX_BYTES = 64 << 20
+
+
+def _echo(conn, head, body) -> None:
+    data = body.read_all(MAX_BYTES)
+    conn.respond(200, [("content-type", "application/octet-stream")], [data])
+
+
+@contextmanager
+def _listening(handler: Any = _echo, **timeouts: float) -> Iterator[HttpListener]:
+    door = HttpListener("127.0.0.1", 0, handler, timeouts=HttpTimeouts(**timeouts))
+    try:
+        yield door
+    finally:
+        door.close()
+
+
+def _connect(port: int, rcvbuf: int | None = None) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(30)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def _read_to_close(s: socket.socket) -> bytes:
+    chunks = []
+    while True:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _refused(port: int, data: bytes) -> tuple[int, str]:
+    """(status, error) of the answer to ``data``; asserts the server closed the connection after it."""
+    with _connect(port) as s:
+        s.sendall(data)
+        answer = _read_to_close(s)  # returns only once the server closed
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"connection: close" in head
+    return int(head.split(b" ")[1]), json.loads(body)["error"]
+
+
+# -- strict framing ---------------------------------------------------------
+
+_GOOD = b"POST /x HTTP/1.1\r\nHost: a\r\n"
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "message"),
+    [
+        # Content-Length and Transfer-Encoding (RFC 9112 6.1, 6.3)
+        (_GOOD + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", 400, "together"),
+        (_GOOD + b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n", 400, "together"),
+        (_GOOD + b"Transfer-Encoding: gzip, chunked\r\n\r\n", 501, "unsupported Transfer-Encoding"),
+        (_GOOD + b"Transfer-Encoding: chunked, chunked\r\n\r\n", 400, "more than once"),
+        (_GOOD + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", 400, "more than once"),
+        (_GOOD + b"Transfer-Encoding: chunked, gzip\r\n\r\n", 400, "does not end with chunked"),
+        (_GOOD + b"Transfer-Encoding: xchunked\r\n\r\n", 400, "does not end with chunked"),
+        (_GOOD + b"Transfer-Encoding: ,chunked\r\n\r\n", 400, "does not end with chunked"),
+        (b"POST /x HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", 400, "HTTP/1.0"),
+        # Content-Length
+        (_GOOD + b"Content-Length: 1\r\nContent-Length: 2\r\n\r\n", 400, "conflicting"),
+        (_GOOD + b"Content-Length: +5\r\n\r\n", 400, "invalid Content-Length"),
+        (_GOOD + b"Content-Length: 0x5\r\n\r\n", 400, "invalid Content-Length"),
+        (_GOOD + b"Content-Length: 5, 5\r\n\r\n", 400, "invalid Content-Length"),
+        (_GOOD + b"Content-Length: 1_0\r\n\r\n", 400, "invalid Content-Length"),
+        (_GOOD + b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n", 413, "too large"),
+        # line ends, folding, names and values
+        (b"GET / HTTP/1.1\nHost: a\n\n", 400, "bare LF"),
+        (b"GET / HTTP/1.1\r\nHost: a\nX-Smuggle: 1\r\n\r\n", 400, "bare CR or LF"),
+        (b"GET / HTTP/1.1\r\nX: a\rb\r\n\r\n", 400, "bare CR or LF"),
+        (b"GET / HTTP/1.1\r\nX: a\r\n b\r\n\r\n", 400, "obsolete line folding"),
+        (b"GET / HTTP/1.1\r\nX: a\r\n\tb\r\n\r\n", 400, "obsolete line folding"),
+        (b"GET / HTTP/1.1\r\nHost : a\r\n\r\n", 400, "malformed header line"),
+        (b"GET / HTTP/1.1\r\nX(y): a\r\n\r\n", 400, "malformed header line"),
+        (b"GET / HTTP/1.1\r\n: a\r\n\r\n", 400, "malformed header line"),
+        (b"GET / HTTP/1.1\r\nX: a\x00b\r\n\r\n", 400, "control character"),
+        (b"GET / HTTP/1.1\r\nX: a\x7fb\r\n\r\n", 400, "control character"),
+        (b"GET / HTTP/1.1\r\nX: a\x0bb\r\n\r\n", 400, "control character"),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, "more than one Host"),
+        # the request line
+        (b"GET  / HTTP/1.1\r\n\r\n", 400, "malformed request line"),
+        (b"GET /\tHTTP/1.1\r\n\r\n", 400, "malformed request line"),
+        (b"GET / HTTP/1.1 x\r\n\r\n", 400, "malformed request line"),
+        (b"GET / http/1.1\r\n\r\n", 400, "malformed request line"),
+        (b"G@T / HTTP/1.1\r\n\r\n", 400, "malformed request line"),
+        (b"GET /a\x01b HTTP/1.1\r\n\r\n", 400, "malformed request line"),
+        (b"GET /\xff HTTP/1.1\r\n\r\n", 400, "malformed request line"),
+        (b"\r\nGET / HTTP/1.1\r\n\r\n", 400, "malformed request line"),
+        (b"GET / HTTP/1.2\r\n\r\n", 505, "protocol version"),
+    ],
+)
+def test_a_malformed_head_is_refused_and_its_connection_closed(
+    data: bytes, status: int, message: str
+) -> None:
+    with _listening() as door:
+        assert _refused(door.port, data)[0] == status
+        got = _refused(door.port, data)[1]
+        assert message in got
+
+
+_CHUNKED = _GOOD + b"Transfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "message"),
+    [
+        (b"0x5\r\nhello\r\n0\r\n\r\n", "malformed chunk size"),
+        (b"+5\r\nhello\r\n0\r\n\r\n", "malformed chunk size"),
+        (b"-1\r\nx\r\n0\r\n\r\n", "malformed chunk size"),
+        (b" 5\r\nhello\r\n0\r\n\r\n", "malformed chunk size"),
+        (b"5 \r\nhello\r\n0\r\n\r\n", "malformed chunk size"),
+        (b"5_0\r\nhello\r\n0\r\n\r\n", "malformed chunk size"),
+        (b"\r\nhello\r\n0\r\n\r\n", "malformed chunk size"),
+        (b"1" + b"0" * 16 + b"\r\nhello\r\n0\r\n\r\n", "more than 16 hex digits"),
+        (b"5;a\x01b\r\nhello\r\n0\r\n\r\n", "malformed chunk size"),
+        (b"5;" + b"e" * 2000 + b"\r\nhello\r\n0\r\n\r\n", "line over"),
+        ((b"1;" + b"e" * 1000 + b"\r\nx\r\n") * 20 + b"0\r\n\r\n", "chunk extensions over"),
+        (b"5\nhello\r\n0\r\n\r\n", "bare LF"),
+        (b"5\r\nhello\n0\r\n\r\n", "not followed by CRLF"),
+        (b"3\r\nhello\r\n0\r\n\r\n", "not followed by CRLF"),
+        (b"5\r\nhello\r\n0\r\nX: a\r\n b\r\n\r\n", "malformed trailer"),
+        (b"5\r\nhello\r\n0\r\nX: a\x00\r\n\r\n", "control character in trailer"),
+        (b"5\r\nhello\r\n0\r\nX: a\nY: b\r\n\r\n", "bare LF"),
+    ],
+)
+def test_a_malformed_chunked_body_is_refused_and_its_connection_closed(chunks: bytes, message: str) -> None:
+    with _listening() as door:
+        status, error = _refused(door.port, _CHUNKED + chunks)
+    assert status == 400 and message in error
+
+
+def test_well_formed_requests_still_pass() -> None:
+    with _listening() as door, _connect(door.port) as s:
+        s.sendall(
+            _GOOD
+            + b"Content-Length: 3\r\nContent-Length: 3\r\nX: a\tb \xe9\r\n\r\nabc"  # same length twice
+            + _GOOD
+            + b"Transfer-Encoding: Chunked\r\n\r\n"
+            + b"A;name=value ; other\r\n0123456789\r\n0\r\nTrailer: yes\r\n\r\n"
+            + _GOOD
+            + b"Content-Length: 1\r\nConnection: close\r\n\r\nZ"
+        )
+        answer = _read_to_close(s)
+    assert answer.count(b"HTTP/1.1 200 OK") == 3
+    assert b"\r\n\r\nabc" in answer and b"\r\n\r\n0123456789" in answer and answer.endswith(b"\r\n\r\nZ")
+
+
+# -- memory -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        _GOOD + b"Content-Length: 40000000\r\n\r\n",
+        _CHUNKED + b"2000000\r\n",  # one chunk of 32 MiB
+    ],
+)
+def test_memory_grows_with_the_bytes_that_arrive_not_the_size_announced(head: bytes) -> None:
+    reading = threading.Event()
+
+    def handler(conn, head, body) -> None:
+        reading.set()
+        body.read_all(MAX_BYTES)
+
+    tracemalloc.start()
+    try:
+        with _listening(handler) as door, _connect(door.port) as s:
+            s.sendall(head + b"x" * 1000)
+            assert reading.wait(5)
+            time.sleep(0.3)  # the server is waiting for the rest
+            _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes held for a body of 1000 bytes"
+
+
+# -- time ---------------------------------------------------------------------
+
+
+def test_a_trickled_head_meets_a_total_deadline() -> None:
+    with _listening(head_s=0.5, idle_s=5) as door, _connect(door.port) as s:
+        began = time.monotonic()
+        s.sendall(b"GET / HTTP/1.1\r\n")
+        answer = b""
+        while time.monotonic() - began < 5 and not answer:
+            try:
+                s.sendall(b"X: a\r\n")  # a byte well within any per-read timeout
+            except OSError:
+                break
+            s.settimeout(0.1)
+            try:
+                answer = s.recv(1000)
+            except TimeoutError:
+                pass
+        elapsed = time.monotonic() - began
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer
+    assert b"request head not received within 0.5 s" in answer
+    assert elapsed < 4
+
+
+def test_a_body_slower_than_the_minimum_rate_is_cut_off() -> None:
+    with _listening(body_grace_s=0.3, body_min_rate=1000) as door, _connect(door.port) as s:
+        began = time.monotonic()
+        s.sendall(_GOOD + b"Content-Length: 100000\r\n\r\n")
+        answer = b""
+        while time.monotonic() - began < 5 and not answer:
+            try:
+                s.sendall(b"x" * 10)  # 100 bytes/s, never silent for the grace time
+            except OSError:
+                break
+            s.settimeout(0.1)
+            try:
+                answer = s.recv(1000)
+            except TimeoutError:
+                pass
+        elapsed = time.monotonic() - began
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"too slowly" in answer
+        assert elapsed < 4
+        _read_to_close(s)  # and closed
+
+
+def test_the_servers_own_time_between_reads_is_not_held_against_the_body() -> None:
+    def handler(conn, head, body) -> None:
+        first = body.read(10)
+        time.sleep(0.8)  # the server busy (waiting for a slot, say) past the body's grace time
+        conn.respond(200, [], [first, body.read_all()])
+
+    with _listening(handler, body_grace_s=0.3, body_min_rate=1000) as door, _connect(door.port) as s:
+        s.sendall(_GOOD + b"Content-Length: 20000\r\nConnection: close\r\n\r\n" + b"y" * 20000)
+        answer = _read_to_close(s)
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"y" * 20000)
+
+
+def test_a_content_length_past_the_limit_is_refused_before_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _door(monkeypatch, stall_s=1.0) as (port, client):
+        request = _GOOD.replace(b"/x", b"/v2/models/m/infer") + b"Content-Length: %d\r\n\r\n" % (
+            MAX_BYTES + 1
+        )
+        status, error = _refused(port, request)  # answered, and closed, with no byte of the body sent
+    assert status == 413 and "exceeds the maximum" in error and client.calls == []
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout() -> None:
+    with _listening(idle_s=0.3) as door, _connect(door.port) as s:
+        s.sendall(_GOOD + b"Content-Length: 1\r\n\r\nx")
+        assert s.recv(1000).endswith(b"\r\n\r\nx")
+        began = time.monotonic()
+        assert s.recv(1000) == b""
+        assert 0.2 < time.monotonic() - began < 4
+
+
+def test_an_answer_the_client_does_not_read_ends_its_connection() -> None:
+    answer = bytes(32 << 20)
+    ended = threading.Event()
+
+    def handler(conn, head, body) -> None:
+        body.read_all()
+        try:
+            conn.respond(200, [], [answer])
+        finally:
+            ended.set()
+
+    with _listening(handler, send_s=0.5) as door, _connect(door.port, rcvbuf=4096) as s:
+        s.sendall(_GOOD + b"Content-Length: 0\r\n\r\n")
+        began = time.monotonic()
+        assert ended.wait(5)  # the handler gave up on the client that reads nothing
+        assert time.monotonic() - began < 4
+        deadline = time.monotonic() + 4
+        while door.open_connections() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not door.open_connections()
+
+
+# -- config -------------------------------------------------------------------
+
+
+def test_config_time_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HEAD_TIMEOUT_S", "IDLE_TIMEOUT_S", "BODY_GRACE_S", "BODY_MIN_RATE", "SEND_TIMEOUT_S"):
+        monkeypatch.delenv(f"RAY_TRITON_SHM_FRONTDOOR_HTTP_{name}", raising=False)
+    monkeypatch.delenv("RAY_TRITON_SHM_FRONTDOOR_HTTP_SLOT_STALL_S", raising=False)
+    config = FrontDoorConfig(http_port=0)
+    assert config.http_timeouts == HttpTimeouts(
+        head_s=60.0, idle_s=60.0, body_grace_s=20.0, body_min_rate=500.0, send_s=60.0
+    )
+    assert config.http_slot_stall_s == 1.0
+    monkeypatch.setenv("RAY_TRITON_SHM_FRONTDOOR_HTTP_IDLE_TIMEOUT_S", "5.5")
+    assert FrontDoorConfig(http_port=0).http_timeouts.idle_s == 5.5
+    assert FrontDoorConfig.from_args({"http_port": 0, "http_send_timeout_s": 3}).http_timeouts.send_s == 3.0
+    for name in (
+        "http_head_timeout_s",
+        "http_idle_timeout_s",
+        "http_body_grace_s",
+        "http_body_min_rate",
+        "http_send_timeout_s",
+        "http_slot_stall_s",
+    ):
+        for bad in (0, -1, float("inf"), float("nan"), True, "1"):
+            with pytest.raises(ConfigError, match=name):
+                FrontDoorConfig(http_port=0, **{name: bad})
+    monkeypatch.setenv("RAY_TRITON_SHM_FRONTDOOR_HTTP_SLOT_STALL_S", "soon")
+    with pytest.raises(ConfigError, match="RAY_TRITON_SHM_FRONTDOOR_HTTP_SLOT_STALL_S"):
+        FrontDoorConfig(http_port=0)
+
+
+# -- slots and slow clients ---------------------------------------------------------
+
+
+class _Lease:
+    """A slot of the fake client: its inputs are arrays it scribbles over when it goes back."""
+
+    def __init__(self, client: _Client) -> None:
+        self._client = client
+        self.buffers: dict[str, np.ndarray] = {}
+        self.released = False
+
+    def __enter__(self) -> _Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def input(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.buffers:
+            self.buffers[name] = np.zeros(shape, np.float32)
+        return self.buffers[name]
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            for array in self.buffers.values():
+                array[...] = -1.0  # the slot's next user: whatever was sent from here after this is wrong
+            with self._client.lock:
+                self._client.held -= 1
+
+
+class _Client:
+    """A node client with one model whose output is its input (``Y = X``), counting slots held."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held = 0
+        self.calls: list[str] = []
+
+    def lease(self, model: str) -> _Lease:
+        with self.lock:
+            self.held += 1
+        return _Lease(self)
+
+    def run(self, lease: _Lease, outputs: Any) -> dict[str, np.ndarray]:
+        self.calls.append("run")
+        return {"Y": lease.buffers["X"]}
+
+    def infer(self, model: str, inputs: dict[str, np.ndarray], **kwargs: Any) -> dict[str, np.ndarray]:
+        self.calls.append("infer")
+        return {"Y": np.array(inputs["X"])}
+
+
+def _infer_request(values: np.ndarray) -> bytes:
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "X",
+                    "shape": [values.size],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": values.nbytes},
+                }
+            ],
+            "outputs": [{"name": "Y", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    return (
+        b"POST /v2/models/m/infer HTTP/1.1\r\nHost: a\r\n"
+        + f"Inference-Header-Content-Length: {len(header)}\r\n".encode()
+        + f"Content-Length: {len(header) + values.nbytes}\r\n\r\n".encode()
+        + header
+    )
+
+
+def _answer_values(s: socket.socket, count: int) -> np.ndarray:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), data[:300]
+    length = int(head.lower().split(b"\r\ncontent-length: ")[1].split(b"\r\n")[0])
+    whole = bytearray(length)
+    whole[: len(body)] = body
+    view, have = memoryview(whole), len(body)
+    while have < length:
+        got = s.recv_into(view[have:])
+        assert got, "closed mid-answer"
+        have += got
+    return np.frombuffer(whole, np.float32, offset=length - 4 * count)
+
+
+@contextmanager
+def _door(
+    monkeypatch: pytest.MonkeyPatch, stall_s: float, **timeouts: float
+) -> Iterator[tuple[int, _Client]]:
+    monkeypatch.setattr(frontdoor, "shm_plan", lambda *args: True)
+    client = _Client()
+
+    def delegate(head, data):
+        return 404, [], b"{}"
+
+    handler = KServeHttpHandler(
+        client, lambda model: "1", delegate, frontdoor._error_answer, MAX_BYTES, slot_stall_s=stall_s
+    )
+    with _listening(handler, **timeouts) as door:
+        yield door.port, client
+
+
+def _wait_for(condition: Any, limit_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_prompt_client_is_read_into_and_answered_from_the_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = np.arange(1 << 18, dtype=np.float32)
+    with _door(monkeypatch, stall_s=5.0) as (port, client), _connect(port) as s:
+        s.sendall(_infer_request(values) + values.tobytes())
+        np.testing.assert_array_equal(_answer_values(s, values.size), values)
+        assert client.calls == ["run"]  # the zero-copy path: no copy into memory, no second lease
+        assert _wait_for(lambda: client.held == 0)
+
+
+def test_a_stalled_body_gives_its_slot_back_and_is_finished_in_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    values = np.arange(1 << 16, dtype=np.float32)
+    data = values.tobytes()
+    with _door(monkeypatch, stall_s=0.2) as (port, client), _connect(port) as s:
+        s.sendall(_infer_request(values) + data[:1000])
+        assert _wait_for(lambda: client.held == 1)  # leased, half filled
+        assert _wait_for(lambda: client.held == 0)  # given back while the client dawdles
+        s.sendall(data[1000:])
+        np.testing.assert_array_equal(_answer_values(s, values.size), values)
+        assert client.calls == ["infer"]  # the general path, from memory
+
+
+def test_a_body_too_slow_while_in_a_slot_gets_408_and_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = np.arange(1 << 16, dtype=np.float32)
+    with _door(monkeypatch, stall_s=10.0, body_grace_s=0.3) as (port, client), _connect(port) as s:
+        s.sendall(_infer_request(values) + values.tobytes()[:1000])
+        answer = _read_to_close(s)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer
+        assert _wait_for(lambda: client.held == 0)
+        assert client.calls == []
+
+
+def test_an_answer_not_taken_is_copied_out_and_the_slot_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: more than the sockets' buffers hold
+    with _door(monkeypatch, stall_s=0.2) as (port, client), _connect(port, rcvbuf=4096) as s:
+        s.sendall(_infer_request(values) + values.tobytes())
+        assert _wait_for(lambda: client.calls == ["run"])
+        assert _wait_for(lambda: client.held == 0)  # while the client has read nothing
+        # The slot was scribbled over when it went back: the answer still holds the outputs.
+        np.testing.assert_array_equal(_answer_values(s, values.size), values)
+
+
+def test_an_answer_not_taken_at_all_ends_at_the_send_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = np.arange(4 << 20, dtype=np.float32)
+    with _door(monkeypatch, stall_s=0.1, send_s=0.5) as (port, client), _connect(port, rcvbuf=4096) as s:
+        s.sendall(_infer_request(values) + values.tobytes())
+        assert _wait_for(lambda: client.calls == ["run"])
+        assert _wait_for(lambda: client.held == 0)
+        time.sleep(1.0)  # the deadline passes: the server closes, what it had queued is all that comes
+        assert len(_read_to_close(s)) < values.nbytes
