@@ -24,6 +24,7 @@ from ray_triton_shm._private.serve.door import frontdoor
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig, KServeHttpHandler
 from ray_triton_shm._private.serve.http1.server import HttpListener, HttpTimeouts
 from ray_triton_shm.errors import ConfigError
+from tests.helpers import wait_for
 
 MAX_BYTES = 64 << 20
 
@@ -280,6 +281,29 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout() -> None:
         assert 0.2 < time.monotonic() - began < 4
 
 
+def test_hundreds_of_idle_connections_cost_no_thread_and_lock_no_caller_out() -> None:
+    door = HttpListener("127.0.0.1", 0, _echo, max_connections=4)
+    before = threading.active_count()
+    idle = []
+    try:
+        for i in range(300):
+            s = _connect(door.port)
+            if i % 2:  # half of them make a request first, then keep the connection open and quiet
+                s.sendall(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi")
+                assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            idle.append(s)
+        assert wait_for(lambda: len(door.open_connections()) == 300, 10)
+        time.sleep(0.3)  # past the linger: every idle connection is parked
+        assert threading.active_count() - before <= 8  # the workers, not a thread per socket
+        with _connect(door.port) as s:
+            s.sendall(b"POST /x HTTP/1.1\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello")
+            assert _read_to_close(s).endswith(b"hello")
+    finally:
+        for s in idle:
+            s.close()
+        door.close()
+
+
 def test_an_answer_the_client_does_not_read_ends_its_connection() -> None:
     answer = bytes(32 << 20)
     ended = threading.Event()
@@ -442,22 +466,13 @@ def _door(
         yield door.port, client
 
 
-def _wait_for(condition: Any, limit_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
-
-
 def test_a_prompt_client_is_read_into_and_answered_from_the_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     values = np.arange(1 << 18, dtype=np.float32)
     with _door(monkeypatch, stall_s=5.0) as (port, client), _connect(port) as s:
         s.sendall(_infer_request(values) + values.tobytes())
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
         assert client.calls == ["run"]  # the zero-copy path: no copy into memory, no second lease
-        assert _wait_for(lambda: client.held == 0)
+        assert wait_for(lambda: client.held == 0)
 
 
 def test_a_stalled_body_gives_its_slot_back_and_is_finished_in_memory(
@@ -467,8 +482,8 @@ def test_a_stalled_body_gives_its_slot_back_and_is_finished_in_memory(
     data = values.tobytes()
     with _door(monkeypatch, stall_s=0.2) as (port, client), _connect(port) as s:
         s.sendall(_infer_request(values) + data[:1000])
-        assert _wait_for(lambda: client.held == 1)  # leased, half filled
-        assert _wait_for(lambda: client.held == 0)  # given back while the client dawdles
+        assert wait_for(lambda: client.held == 1)  # leased, half filled
+        assert wait_for(lambda: client.held == 0)  # given back while the client dawdles
         s.sendall(data[1000:])
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
         assert client.calls == ["infer"]  # the general path, from memory
@@ -480,7 +495,7 @@ def test_a_body_too_slow_while_in_a_slot_gets_408_and_its_slot_back(monkeypatch:
         s.sendall(_infer_request(values) + values.tobytes()[:1000])
         answer = _read_to_close(s)
         assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer
-        assert _wait_for(lambda: client.held == 0)
+        assert wait_for(lambda: client.held == 0)
         assert client.calls == []
 
 
@@ -488,8 +503,8 @@ def test_an_answer_not_taken_is_copied_out_and_the_slot_given_back(monkeypatch: 
     values = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: more than the sockets' buffers hold
     with _door(monkeypatch, stall_s=0.2) as (port, client), _connect(port, rcvbuf=4096) as s:
         s.sendall(_infer_request(values) + values.tobytes())
-        assert _wait_for(lambda: client.calls == ["run"])
-        assert _wait_for(lambda: client.held == 0)  # while the client has read nothing
+        assert wait_for(lambda: client.calls == ["run"])
+        assert wait_for(lambda: client.held == 0)  # while the client has read nothing
         # The slot was scribbled over when it went back: the answer still holds the outputs.
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
 
@@ -498,7 +513,7 @@ def test_an_answer_not_taken_at_all_ends_at_the_send_deadline(monkeypatch: pytes
     values = np.arange(4 << 20, dtype=np.float32)
     with _door(monkeypatch, stall_s=0.1, send_s=0.5) as (port, client), _connect(port, rcvbuf=4096) as s:
         s.sendall(_infer_request(values) + values.tobytes())
-        assert _wait_for(lambda: client.calls == ["run"])
-        assert _wait_for(lambda: client.held == 0)
+        assert wait_for(lambda: client.calls == ["run"])
+        assert wait_for(lambda: client.held == 0)
         time.sleep(1.0)  # the deadline passes: the server closes, what it had queued is all that comes
         assert len(_read_to_close(s)) < values.nbytes

@@ -30,14 +30,16 @@ import json
 import logging
 import math
 import re
+import select
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
 
 from ray_triton_shm._private.serve.net.bounded import too_large
-from ray_triton_shm._private.serve.net.listener import IOV_BATCH, TcpListener
+from ray_triton_shm._private.serve.net.listener import IDLE_LINGER_S, IOV_BATCH, TcpListener
 from ray_triton_shm.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
@@ -781,10 +783,19 @@ class Connection:
             self.send_parts([rest])
 
     # -- serving ----------------------------------------------------------
-    def serve(self) -> None:
-        """Serve requests until the peer closes, a request is refused or too slow, or the socket is shut."""
+    def serve(self) -> float | None:
+        """Serve requests while they come.
+
+        Returns:
+            ``None`` when the connection is over (the peer closed, a request was refused
+            or too slow, the socket was shut: it is closed then), or, when it is idle
+            between requests, how long it may stay so (``timeouts.idle_s``): the caller
+            waits for its next bytes without a thread, then calls ``serve`` again.
+        """
         try:
             while self.keep_alive:
+                if self._start == self._end and not select.select([self.sock], [], [], IDLE_LINGER_S)[0]:
+                    return self.timeouts.idle_s
                 try:
                     head = self.read_head()
                     if head is None:
@@ -798,10 +809,10 @@ class Connection:
                     return
             self._linger()
         except (ConnectionGone, OSError):
-            return
-        finally:
-            with contextlib.suppress(OSError):
-                self.sock.close()
+            pass
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        return None
 
     def _linger(self, limit_s: float = 1.0, limit_bytes: int = 1 << 20) -> None:
         """Close gently after an answer the client may not have finished sending for.
@@ -823,13 +834,14 @@ def _error_json(message: str) -> bytes:
 
 
 class HttpListener(TcpListener):
-    """A listening socket (``SO_REUSEPORT``) and a thread per connection, each running ``handler``.
+    """A listening socket (``SO_REUSEPORT``): each connection served in a thread while it has
+    requests, and parked in the listener's selector (no thread) while it is idle between them.
 
     Args:
         host: Address to bind.
         port: Port to bind (``0``: one the OS picks; see :attr:`port`).
         handler: Called for every request, in the connection's thread.
-        max_connections: Connections served at once; more wait in the backlog.
+        max_connections: Connections served at once; idle ones wait without a thread.
         timeouts: How long a client may take (heads, bodies, idle waits, answers).
 
     Raises:
@@ -846,8 +858,33 @@ class HttpListener(TcpListener):
         timeouts: HttpTimeouts | None = None,
     ) -> None:
         chosen = timeouts or HttpTimeouts()
+        connections: dict[socket.socket, Connection] = {}
+        lock = threading.Lock()
 
-        def serve(sock: socket.socket) -> None:
-            Connection(sock, handler, timeouts=chosen).serve()
+        def serve(sock: socket.socket) -> float | None:
+            with lock:
+                connection = connections.get(sock)
+                if connection is None:
+                    connection = connections[sock] = Connection(sock, handler, timeouts=chosen)
+            wait = None
+            try:
+                wait = connection.serve()
+            finally:
+                if wait is None:
+                    with lock:
+                        connections.pop(sock, None)
+            return wait
 
-        super().__init__(host, port, serve, protocol="HTTP", max_connections=max_connections)
+        def expire(sock: socket.socket) -> None:
+            with lock:
+                connections.pop(sock, None)
+
+        super().__init__(
+            host,
+            port,
+            serve,
+            protocol="HTTP",
+            max_connections=max_connections,
+            first_wait_s=chosen.idle_s,
+            expire=expire,
+        )

@@ -88,6 +88,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     frame_header,
 )
 from ray_triton_shm._private.serve.net.bounded import ByteBudget
+from ray_triton_shm._private.serve.net.listener import IDLE_LINGER_S
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,6 @@ _FIXED_LENGTH = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
 _MAX_SETTINGS_BYTES = 6 * 64
 
 _IDLE_CHECK_S = 0.5  # while calls run, how often the reader looks whether the connection went idle
-IDLE_LINGER_S = 0.1
-"""How long a connection with no call open keeps its thread for the next call before it is parked."""
 
 Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
 

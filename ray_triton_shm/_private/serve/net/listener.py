@@ -77,6 +77,10 @@ def send_parts(
                 sent = 0
 
 
+IDLE_LINGER_S = 0.1
+"""How long a connection with nothing to do keeps its thread for its next request before it is
+parked (a client calling back to back is served without a hand-over between threads)."""
+
 MAX_OPEN = 4096
 """Connections a listener keeps open at once, idle ones included; past it a new one is closed at once."""
 
