@@ -16,13 +16,9 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig, KServeHttpHandler
 from ray_triton_shm._private.serve.door.port_claim import PortClaim, app_digest, port_claims
-from ray_triton_shm._private.serve.http1.server import (
-    HttpListener,
-    HttpParseError,
-    HttpTimeouts,
-    parse_head,
-    response_head,
-)
+from ray_triton_shm._private.serve.http1.head import HttpParseError, parse_head, response_head
+from ray_triton_shm._private.serve.http1.server import HttpListener
+from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
 from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
     encode_infer_response_parts,
     encode_varint,

@@ -22,7 +22,8 @@ import pytest
 
 from ray_triton_shm._private.serve.door import frontdoor
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig, KServeHttpHandler
-from ray_triton_shm._private.serve.http1.server import HttpListener, HttpTimeouts
+from ray_triton_shm._private.serve.http1.server import HttpListener
+from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
 from ray_triton_shm.errors import ConfigError
 from tests.helpers import wait_for
 

@@ -11,7 +11,7 @@ per connection; gRPC calls that share a connection run on a thread pool), and
 close with the replica.
 
 HTTP inference (no version asked) is read from the socket straight into a
-leased slot (:class:`~ray_triton_shm._private.serve.http1.server.Body`) and
+leased slot (:class:`~ray_triton_shm._private.serve.http1.body.Body`) and
 answered from the slot (``sendmsg`` of the output views): one copy of each
 tensor each way, as in Triton's own endpoint. A slot never waits on a slow
 client: a body read into it that stalls ``http_slot_stall_s`` is copied out,
@@ -45,15 +45,10 @@ from starlette.requests import Request
 
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor, run_on
 from ray_triton_shm._private.serve.door.port_claim import PortClaim
-from ray_triton_shm._private.serve.http1.server import (
-    Body,
-    Connection,
-    ConnectionGone,
-    HttpListener,
-    HttpParseError,
-    HttpTimeouts,
-    RequestHead,
-)
+from ray_triton_shm._private.serve.http1.body import Body
+from ray_triton_shm._private.serve.http1.head import HttpParseError, RequestHead
+from ray_triton_shm._private.serve.http1.server import Connection, HttpListener
+from ray_triton_shm._private.serve.http1.timing import ConnectionGone, HttpTimeouts
 from ray_triton_shm._private.serve.http2.h2_wire import IDLE_TIMEOUT_S, MAX_HEADER_BLOCK, H2Limits
 from ray_triton_shm._private.serve.net import bounded
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
