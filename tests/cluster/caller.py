@@ -4,7 +4,8 @@ Takes turns over its endpoints (each a protocol and ``address:port``, e.g. the
 front door's gRPC port and Serve's gRPC proxy of one host), with the fault
 soak's requests (:func:`~ray_triton_shm._private.cli.soak_caller.make_request`:
 values no other request carries, every output value checked). Counts per
-endpoint: correct, wrong, errors by kind, and the epoch seconds of every
+endpoint: correct, wrong, errors by kind (the fault soak's kinds, and ``connection
+unreachable`` for an address that no host answers any more), and the epoch seconds of every
 correct answer and of every error (for recovery times). Writes its counts as
 JSON to ``--out`` every few seconds, and a last time on SIGTERM.
 
@@ -16,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -27,6 +29,13 @@ from typing import Any
 from ray_triton_shm._private.cli import soak_caller
 
 _MAX_TIMES = 20000
+
+
+def _classify(error: BaseException) -> str:
+    """:func:`soak_caller.classify`, and a host that is gone (no route to it) as a connection error."""
+    if isinstance(error, OSError) and error.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return "connection unreachable"
+    return soak_caller.classify(error)
 
 
 class Endpoint:
@@ -69,7 +78,7 @@ class Endpoint:
                 self.connect()
             outputs = self.infer(model, inputs, list(expected))
         except Exception as e:
-            kind = soak_caller.classify(e)
+            kind = _classify(e)
             counts["errors"][kind] = counts["errors"].get(kind, 0) + 1
             if len(counts["error_at"]) < _MAX_TIMES:
                 counts["error_at"].append(round(time.time(), 3))

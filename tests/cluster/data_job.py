@@ -72,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ray_triton_shm._private.node.node_config import split_app_args
 
     spec = yaml.safe_load(open(args.config))
-    config, _ = split_app_args(spec["applications"][0]["args"])
+    # The app's node settings, as the Serve app reads them (its front door is the replicas' own).
+    node_args = {k: v for k, v in spec["applications"][0]["args"].items() if k != "frontdoor"}
+    config, _ = split_app_args(node_args)
     ray.init(address="auto", log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     started = time.time()

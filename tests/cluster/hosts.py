@@ -201,6 +201,26 @@ class Host:
             self.command(argv), env={**self._env, **(env or {})}, stdin=subprocess.DEVNULL, **kwargs
         )
 
+    def inner_pid(self, proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+        """The pid (as this machine sees it) of the process that ``proc`` (an ``nsenter`` of
+        :meth:`popen`) started in the host: ``nsenter`` forks it into the pid namespace and waits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{entry}/stat", "rb") as f:
+                        ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                if ppid == proc.pid:
+                    return int(entry)
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: {proc.args} exited (code {proc.returncode})")
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name}: no process under nsenter {proc.pid}")
+
     def path(self, inside: str) -> Path:
         """Where ``inside`` (an absolute path in this host's mount namespace) is seen from this machine."""
         return Path(f"/proc/{self.init_pid}/root") / inside.lstrip("/")

@@ -41,7 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ray_triton_shm.node import NodeClient, get_node_actor
 
     spec = yaml.safe_load(open(args.config))
-    config, _ = split_app_args(spec["applications"][0]["args"])
+    # The app's node settings, as the Serve app reads them (its front door is the replicas' own).
+    node_args = {k: v for k, v in spec["applications"][0]["args"].items() if k != "frontdoor"}
+    config, _ = split_app_args(node_args)
     ray.init(address="auto", log_to_driver=False)
     here = ray.get_runtime_context().get_node_id()
     a = np.arange(16, dtype=np.int32).reshape(1, 16) + 7000

@@ -22,6 +22,7 @@ and ``nsenter``; skipped with the reason otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,9 +57,11 @@ OBJECT_STORE_BYTES = 200 * 1024 * 1024
 REPLICAS = 3
 MAX_PER_NODE = 2
 FRONT_HTTP, FRONT_GRPC, PROXY_HTTP, PROXY_GRPC = 8100, 8101, 8000, 9000
+START_TRIES = 3
 START_S = 300.0
 """The longest wait for a Ray node, the app, or a replica (a loaded 2-core machine is slow)."""
 SEGMENT_PREFIX = "rtshm_"
+DATA_ROWS = 2400
 
 
 def _check(result: subprocess.CompletedProcess[str], what: str) -> str:
@@ -92,34 +95,29 @@ class Cluster:
         self.client: Host | None = None
         self.node_of: dict[str, str] = {}  # host name -> Ray node id
         self.commands: dict[str, list[str]] = {}
+        self.start_tries: dict[str, int] = {}
 
-    def start_ray(self, *hosts: Host, role: str) -> None:
-        """Run cluster.yaml's start commands of ``role`` on ``hosts``, the hosts side by side."""
-        head_address = self.head.address if self.head else hosts[0].address
-        procs = []
-        for host in hosts:
-            commands = ray_hosts.start_commands(
-                role, host.address, head_address, NUM_CPUS, OBJECT_STORE_BYTES
-            )
-            self.commands[host.name] = commands
-            script = " && ".join(f"( {command} )" for command in commands)
-            out = tempfile.TemporaryFile(mode="w+")
-            procs.append(
-                (
-                    host,
-                    script,
-                    out,
-                    host.popen(["bash", "-c", script], env=_auth_env(), stdout=out, stderr=out),
-                )
-            )
-        for host, script, out, proc in procs:
-            try:
-                code = proc.wait(START_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-            assert code == 0, f"{host.name}: {script} failed (exit {code}):\n{_tail(out)}"
-            out.close()
+    def start_ray(self, host: Host, role: str) -> None:
+        """Run cluster.yaml's start commands of ``role`` on ``host``.
+
+        ``ray start`` gives up when its raylet has not registered within 30 s (fixed in Ray), which a
+        loaded 2-core machine can take longer than: the commands run again (``ray stop`` first) up to
+        :data:`START_TRIES` times.
+        """
+        head_address = self.head.address if self.head else host.address
+        commands = ray_hosts.start_commands(role, host.address, head_address, NUM_CPUS, OBJECT_STORE_BYTES)
+        self.commands[host.name] = commands
+        for attempt in range(1, START_TRIES + 1):
+            outputs = []
+            for command in commands:
+                result = host.run(["bash", "-c", command], timeout=START_S, env=_auth_env())
+                outputs.append(f"$ {command}\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
+                if result.returncode != 0:
+                    break
+            else:
+                self.start_tries[host.name] = attempt
+                return
+        raise AssertionError(f"{host.name}: Ray did not start in {START_TRIES} tries:\n" + "\n".join(outputs))
 
     def python(self, host: Host, module: str, *args: str, timeout: float = START_S) -> dict[str, Any]:
         """Run ``python -m module args`` on ``host``; its last JSON line."""
@@ -149,10 +147,13 @@ class Cluster:
         return int((deployment.get("replica_states") or {}).get("RUNNING", 0))
 
     def deploy(self, num_replicas: int) -> None:
-        """Write the app's config to the head's /tmp and run cluster.yaml's deploy command there."""
+        """Write the app's config to each host's /tmp and run cluster.yaml's deploy command on the head."""
         assert self.head is not None
         spec = ray_hosts.app_config(num_replicas, MAX_PER_NODE)
-        self.head.path(ray_hosts.APP_CONFIG).write_text(yaml.safe_dump(spec))
+        # Every host has the app's config (a cluster's nodes have the synced checkout): the Data job
+        # and the probe read its node settings where they run.
+        for host in self.ray_hosts():
+            host.path(ray_hosts.APP_CONFIG).write_text(yaml.safe_dump(spec))
         command = ray_hosts.deploy_command()
         _check(
             self.head.run(["bash", "-c", command], timeout=START_S, env=_auth_env()),
@@ -190,6 +191,11 @@ def _segments(host: Host) -> list[str]:
     return [name for name in host.shm() if name.startswith(SEGMENT_PREFIX)]
 
 
+def _has_pool(segments: list[str]) -> bool:
+    """Whether ``segments`` hold a node pool: its slots (``_node_``) and its slot table (``_slots_``)."""
+    return any("_node_" in s for s in segments) and any("_slots_" in s for s in segments)
+
+
 def _segment_owners_here(host: Host) -> list[str]:
     """The segments of ``host`` whose owner pid (in the name) is not a process of the host."""
     # Pids in a segment's name are the host's own (its pid namespace): /proc inside the host has them.
@@ -212,8 +218,9 @@ def cluster() -> Iterator[Cluster]:
         made.head = hosts.add()
         made.workers = [hosts.add(), hosts.add()]
         made.client = hosts.add()
-        made.start_ray(made.head, role="head")
-        made.start_ray(*made.workers, role="worker")
+        made.start_ray(made.head, "head")
+        for worker in made.workers:
+            made.start_ray(worker, "worker")
         _wait(
             lambda: sum(n["alive"] for n in made.view()["nodes"]) == 3,
             START_S,
@@ -267,7 +274,25 @@ def test_ray_runs_as_cluster_yaml_starts_it(cluster: Cluster) -> None:
     assert deployed["proxy_location"] == "EveryNode"
 
 
+_ONE_CALL = """
+import sys
+import numpy as np
+from ray_triton_shm._private.cli import soak_caller
+for n, address in enumerate(sys.argv[1:]):
+    model, inputs, expected = soak_caller.make_request(199, 2 * n + 1)
+    outputs = soak_caller.http_caller(address, 60)(model, inputs, list(expected))
+    assert soak_caller.check(expected, outputs) is None, (address, soak_caller.check(expected, outputs))
+print("ok", len(sys.argv) - 1)
+"""
+
+
 def test_each_host_runs_its_own_node_actor_triton_and_segments(cluster: Cluster) -> None:
+    # One request through each host's front door from the client host: its replica takes a slot of
+    # its node's pool, so each host's pool segment exists (pools are made on first use).
+    assert cluster.client is not None
+    doors = [f"{h.address}:{FRONT_HTTP}" for h in cluster.ray_hosts()]
+    out = _check(cluster.client.run([str(VENV_BIN / "python"), "-c", _ONE_CALL, *doors]), "one call per host")
+    assert out.split() == ["ok", str(len(doors))]
     by_host = _replicas_by_host(cluster)
     assert by_host == {h.name: 1 for h in cluster.ray_hosts()}, f"replicas per host: {by_host}"
     view = cluster.view()
@@ -278,9 +303,7 @@ def test_each_host_runs_its_own_node_actor_triton_and_segments(cluster: Cluster)
         assert len(host.processes("_NodeActor")) == 1, f"{host.name}: not one node actor"
         assert len(host.processes("bin/tritonserver --model-repository")) == 1, f"{host.name}: not one Triton"
         segments = _segments(host)
-        assert any("_pool_" in s for s in segments), (
-            f"{host.name}: no pool segment in its /dev/shm: {segments}"
-        )
+        assert _has_pool(segments), f"{host.name}: no pool segment (node, slots) in its /dev/shm: {segments}"
         assert not _segment_owners_here(host), f"{host.name}: segments of processes not on this host"
         listing[host.name] = host.shm()
     names = [set(_segments(h)) for h in cluster.ray_hosts()]
@@ -334,11 +357,10 @@ class Callers:
 
     def __init__(self, client: Host) -> None:
         self.client = client
-        self.procs: dict[str, tuple[subprocess.Popen, str]] = {}
+        self.procs: dict[str, tuple[subprocess.Popen, int, str, Any]] = {}
         self.next_index = 1
 
     def start(self, target: Host) -> None:
-        assert self.client is not None
         for protocol, front, proxy in (("http", FRONT_HTTP, PROXY_HTTP), ("grpc", FRONT_GRPC, PROXY_GRPC)):
             out = f"/tmp/caller-{target.name}-{protocol}.json"
             app = ",triton" if protocol == "grpc" else ""
@@ -348,13 +370,14 @@ class Callers:
                 "--endpoint", f"{protocol},{target.address}:{proxy}{app}",
             ]  # fmt: skip
             self.next_index += 1
-            proc = self.client.popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            self.procs[f"{target.name}/{protocol}"] = (proc, out)
+            log = tempfile.TemporaryFile(mode="w+")
+            proc = self.client.popen(argv, stdout=log, stderr=log)
+            self.procs[f"{target.name}/{protocol}"] = (proc, self.client.inner_pid(proc), out, log)
 
     def counts(self) -> dict[str, dict[str, Any]]:
         """Per endpoint (``host/protocol/port``): the latest counts its caller wrote."""
         found = {}
-        for key, (_, out) in self.procs.items():
+        for key, (_, _, out, _) in self.procs.items():
             path = self.client.path(out)
             if not path.exists():
                 continue
@@ -363,17 +386,28 @@ class Callers:
         return found
 
     def stop(self) -> dict[str, dict[str, Any]]:
-        for proc, _ in self.procs.values():
+        """SIGTERM every caller (the process in the client host, not its nsenter); their last counts."""
+        for proc, inner, _, _ in self.procs.values():
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)  # nsenter passes it on to the caller
-        for key, (proc, _) in self.procs.items():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(inner, signal.SIGTERM)
+        problems = []
+        for key, (proc, inner, _, log) in self.procs.items():
             try:
-                proc.wait(60)
+                code = proc.wait(60)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                raise AssertionError(f"caller {key} did not stop on SIGTERM") from None
-            assert proc.returncode == 0, f"caller {key} exit {proc.returncode}: {proc.stderr.read()[-2000:]}"
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(inner, signal.SIGKILL)
+                code = proc.wait(30)
+                problems.append(f"caller {key} did not stop on SIGTERM")
+            if code != 0:
+                problems.append(f"caller {key} exit {code}: {_tail(log, 2000)}")
+            log.close()
+        assert not problems, problems
         return self.counts()
+
+
+_COUNTED = ("requests", "correct", "wrong", "errors")
 
 
 def _tail(stream: Any, chars: int = 4000) -> str:
@@ -395,6 +429,8 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
     survivors = [cluster.head, cluster.workers[0]]
     callers = Callers(cluster.client)
     data = None
+    data_pid = 0
+    data_out = tempfile.TemporaryFile(mode="w+")
     data_err = tempfile.TemporaryFile(mode="w+")  # Ray's log lines: more than a pipe holds
     try:
         for host in cluster.ray_hosts():
@@ -406,13 +442,17 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
         )
         data = cluster.head.popen(
             [str(VENV_BIN / "python"), "-m", "tests.cluster.data_job", "--config", ray_hosts.APP_CONFIG,
-             "--rows", "2400", "--workers", "3", "--batch", "8", "--pause", "0.4"],
-            stdout=subprocess.PIPE, stderr=data_err, text=True, env=_auth_env(),
+             "--rows", str(DATA_ROWS), "--workers", "3", "--batch", "8", "--pause", "0.4"],
+            stdout=data_out, stderr=data_err, env=_auth_env(),
         )  # fmt: skip
+        data_pid = cluster.head.inner_pid(data)
+
         # The Data job under way (a first block of rows back) before the host goes.
-        assert data.stdout is not None
-        line = data.stdout.readline()
-        assert line.startswith('{"progress"'), f"the Data job did not start: {line!r} {_tail(data_err)}"
+        def data_progress() -> bool:
+            assert data.poll() is None, f"the Data job ended early:\n{_tail(data_out)}\n{_tail(data_err)}"
+            return '{"progress"' in _tail(data_out)
+
+        _wait(data_progress, START_S, "the Data job's first rows")
         time.sleep(5)
 
         # Host 3 is lost: its pid namespace killed as one, its link down.
@@ -470,7 +510,7 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
         joined = cluster.hosts.add()
         cluster.workers.append(joined)
         join_at = time.time()
-        cluster.start_ray(joined, role="worker")
+        cluster.start_ray(joined, "worker")
         _wait(
             lambda: any(n["alive"] and n["address"] == joined.address for n in cluster.view()["nodes"]),
             START_S,
@@ -501,25 +541,25 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
             "the new host's front door and proxy answering the client host",
         )
         traffic_s = time.time() - join_at
-        assert any("_pool_" in s for s in _segments(joined)), (
-            f"no pool segment on the new host: {joined.shm()}"
-        )
+        assert _has_pool(_segments(joined)), f"no pool segment on the new host: {joined.shm()}"
         time.sleep(10)
 
         # The Data job: every row once, every value right, each worker on its own host's Triton.
-        out, _ = data.communicate(timeout=START_S)
-        assert data.returncode == 0, f"the Data job failed:\n{_tail(data_err)}"
-        job = _json_line(out)
+        code = data.wait(START_S)
+        assert code == 0, f"the Data job failed (exit {code}):\n{_tail(data_out)}\n{_tail(data_err)}"
+        job = _json_line(_tail(data_out, 100_000))
     finally:
         final = callers.stop()
         if data is not None and data.poll() is None:
-            data.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(data_pid, signal.SIGKILL)
             data.wait(30)
+        data_out.close()
         data_err.close()
 
-    assert job["returned"] == job["rows"] == 2400 and job["missing"] == 0 and job["duplicated"] == 0, job
+    assert job["returned"] == job["rows"] == DATA_ROWS and job["missing"] == 0 and job["duplicated"] == 0, job
     assert job["wrong"] == 0 and job["foreign_triton"] == 0, job
-    assert sum(job["per_node"].values()) == 2400
+    assert sum(job["per_node"].values()) == DATA_ROWS
 
     wrong = {key: c["wrong"] for key, c in final.items() if c["wrong"]}
     assert not wrong, f"wrong answers: {wrong}; samples: {[final[k]['samples'] for k in wrong]}"
@@ -537,9 +577,7 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
         assert c["correct"] > 0, f"{key}: no correct answer"
 
     summary = {
-        "calls": {
-            key: {k: c[k] for k in ("requests", "correct", "wrong", "errors")} for key, c in sorted(final.items())
-        },
+        "calls": {key: {k: c[k] for k in _COUNTED} for key, c in final.items()},
         "wrong": sum(c["wrong"] for c in final.values()),
         "loss": {
             "node_dead_s": round(dead_s, 1),
@@ -551,6 +589,7 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
         "join": {"node_alive_s": round(node_s, 1), "replica_and_triton_s": round(triton_s, 1),
                  "traffic_s": round(traffic_s, 1)},
         "replicas_by_host": _replicas_by_host(cluster),
+        "ray_start_tries": cluster.start_tries,
         "data_job": job,
         "shm_after": {h.name: h.shm() for h in cluster.ray_hosts()},
         "client_shm": cluster.client.shm(),
