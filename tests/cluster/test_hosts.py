@@ -521,7 +521,7 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
             n["id"] for n in cluster.view()["nodes"] if n["alive"] and n["address"] == joined.address
         )
         assert not joined.processes("tritonserver"), "a Triton on the new host before any replica"
-        cluster.deploy(MAX_PER_NODE * len(survivors) + 1)
+        cluster.deploy(MAX_PER_NODE * len(survivors) + 1)  # one more than hosts 1 and 2 may hold
         _wait(
             lambda: (
                 joined.processes("ServeReplica:triton")
@@ -531,6 +531,9 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
             "a replica and its Triton on the new host",
         )
         triton_s = time.time() - join_at
+        grown = MAX_PER_NODE * len(survivors) + 1
+        _wait(lambda: cluster.replicas_running() == grown, START_S, f"{grown} replicas running", poll_s=2)
+        running_s = time.time() - join_at
         callers.start(joined)
         _wait(
             lambda: (
@@ -557,6 +560,32 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
         data_out.close()
         data_err.close()
 
+    summary = {
+        "calls": {key: {k: c[k] for k in _COUNTED} for key, c in final.items()},
+        "wrong": sum(c["wrong"] for c in final.values()),
+        "loss": {
+            "node_dead_s": round(dead_s, 1),
+            "replicas_replaced_s": round(dead_s + replaced_s, 1),
+            "first_correct_after_last_error_s": recovered,
+            "lost_host_shm": lost_shm,
+            "errors_at_loss": {k: c["errors"] for k, c in loss_counts.items() if c["errors"]},
+        },
+        "join": {"node_alive_s": round(node_s, 1), "replica_and_triton_s": round(triton_s, 1),
+                 "replica_running_s": round(running_s, 1),
+                 "traffic_s": round(traffic_s, 1)},
+        "replicas_by_host": _replicas_by_host(cluster),
+        "ray_start_tries": cluster.start_tries,
+        "data_job": job,
+        "data_rows_by_host": {
+            next((h for h, n in cluster.node_of.items() if n == node), node): rows
+            for node, rows in job["per_node"].items()
+        },
+        "shm_after": {h.name: h.shm() for h in cluster.ray_hosts()},
+        "client_shm": cluster.client.shm(),
+    }  # fmt: skip
+    _report("scenario", summary)
+    print(json.dumps(summary, indent=1))
+
     assert job["returned"] == job["rows"] == DATA_ROWS and job["missing"] == 0 and job["duplicated"] == 0, job
     assert job["wrong"] == 0 and job["foreign_triton"] == 0, job
     assert sum(job["per_node"].values()) == DATA_ROWS
@@ -576,23 +605,44 @@ def test_client_host_load_through_a_host_loss_and_a_join(cluster: Cluster) -> No
     for key, c in final.items():
         assert c["correct"] > 0, f"{key}: no correct answer"
 
+
+def test_the_head_lost_takes_the_cluster_down_and_the_workers_clean_up(cluster: Cluster) -> None:
+    """Out of the scenario's scope (no GCS fault tolerance is configured, as in cluster.yaml): what
+    losing the head does. Measured, and checked only for what must hold: the workers' Ray, replicas,
+    node actors and Tritons end, and their /dev/shm is left without a segment of ours."""
+    assert cluster.head is not None and cluster.client is not None
+    workers = [w for w in cluster.workers if not w.killed]
+    callers = Callers(cluster.client)
+    callers.next_index = 150
+    callers.start(workers[0])
+    _wait(lambda: all(c["correct"] > 0 for c in callers.counts().values()), 120, "the worker answering")
+    killed_at = time.time()
+    cluster.head.kill()
+    gone = {}
+    for host in workers:
+        _wait(
+            lambda host=host: not host.processes("ray/raylet/raylet"),
+            START_S,
+            f"{host.name}: its raylet ends",
+        )
+        gone[f"{host.name}_raylet_s"] = round(time.time() - killed_at, 1)
+    for host in workers:
+        _wait(
+            lambda host=host: not host.processes("tritonserver") and not _segments(host),
+            START_S,
+            f"{host.name}: its Triton and segments gone",
+        )
+        gone[f"{host.name}_triton_and_segments_s"] = round(time.time() - killed_at, 1)
+    final = callers.stop()
+    door = final[f"{workers[0].name}/http/{FRONT_HTTP}"]
+    last = max(door["correct_at"], default=0.0)
     summary = {
+        **gone,
+        "front_door_answered_until_s": round(last - killed_at, 1) if last > killed_at else None,
         "calls": {key: {k: c[k] for k in _COUNTED} for key, c in final.items()},
-        "wrong": sum(c["wrong"] for c in final.values()),
-        "loss": {
-            "node_dead_s": round(dead_s, 1),
-            "replicas_replaced_s": round(dead_s + replaced_s, 1),
-            "first_correct_after_last_error_s": recovered,
-            "lost_host_shm": lost_shm,
-            "errors_at_loss": {k: c["errors"] for k, c in loss_counts.items() if c["errors"]},
-        },
-        "join": {"node_alive_s": round(node_s, 1), "replica_and_triton_s": round(triton_s, 1),
-                 "traffic_s": round(traffic_s, 1)},
-        "replicas_by_host": _replicas_by_host(cluster),
-        "ray_start_tries": cluster.start_tries,
-        "data_job": job,
-        "shm_after": {h.name: h.shm() for h in cluster.ray_hosts()},
-        "client_shm": cluster.client.shm(),
-    }  # fmt: skip
-    _report("scenario", summary)
+        "shm_after": {h.name: h.shm() for h in workers},
+        "left": {h.name: len(h.pids()) for h in workers},
+    }
+    _report("head_lost", summary)
     print(json.dumps(summary, indent=1))
+    assert all(c["wrong"] == 0 for c in final.values()), final
