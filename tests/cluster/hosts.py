@@ -87,7 +87,8 @@ def _ns_inode(pid: int, kind: str) -> int | None:
         return None
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
+    """The command line of ``pid`` as one string ('' once it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -243,17 +244,21 @@ class Host:
 
     def processes(self, word: str) -> list[int]:
         """This host's processes whose command line contains ``word``."""
-        return [pid for pid in self.pids() if word in _cmdline(pid)]
+        return [pid for pid in self.pids() if word in cmdline(pid)]
 
-    def kill(self, timeout_s: float = 30.0) -> None:
-        """Lose the host: SIGKILL its pid 1 (the kernel kills every process of the namespace with it),
-        and take its link down, so that nothing answers at its address any more."""
+    def kill(self, timeout_s: float = 30.0, link_down: bool = True) -> None:
+        """Lose the host: SIGKILL its pid 1 (the kernel kills every process of the namespace with it).
+
+        With ``link_down`` its link goes down too, so that nothing answers at its address any more
+        (a machine gone); without, its address still answers, refusing connections (its processes gone).
+        """
         if self.killed:
             return
         self.killed = True
+        if link_down:
+            _ip("link", "set", self._veth, "down", check=False)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.init_pid, signal.SIGKILL)
-        _ip("link", "set", self._veth, "down", check=False)
         deadline = time.monotonic() + timeout_s
         while self.pids() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -348,7 +353,7 @@ class Hosts:
             if name == self.bridge or any(name == h._veth for h in self.hosts):
                 left.append(f"link {name}")
         for host in self.hosts:
-            left += [f"process {pid} of {host.name}: {_cmdline(pid)[:200]}" for pid in host.pids()]
+            left += [f"process {pid} of {host.name}: {cmdline(pid)[:200]}" for pid in host.pids()]
         return left
 
     def _remove_stale(self) -> None:
