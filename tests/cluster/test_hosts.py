@@ -12,11 +12,12 @@ actor, Triton and segments; a client pointed at another host's node actor
 fails; then the load: the client host calls every host's front door and Serve
 proxy (HTTP and gRPC) while a Ray Data job runs from the head, host 3 is lost
 (its pid namespace killed as one), Serve replaces its replica on hosts 1 and 2,
-and host 5 joins and takes traffic. Every answer is checked; the counts and
-recovery times are printed and written to ``$RAY_TRITON_SHM_CLUSTER_REPORT``
+and host 5 joins and takes traffic; last, the head's processes die and the
+workers' Ray, Tritons and segments must end. Every answer is checked; the counts
+and recovery times are printed and written to ``$RAY_TRITON_SHM_CLUSTER_REPORT``
 (default ``.cache/cluster-test.json``).
 
-Run with ``make cluster-test`` (a few minutes). Needs root, ``ip``, ``unshare``
+Run with ``make cluster-test`` (about 7 minutes on 2 cores). Needs root, ``ip``, ``unshare``
 and ``nsenter``; skipped with the reason otherwise.
 """
 
