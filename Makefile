@@ -66,7 +66,7 @@ integration: setup native
 	$(PY) -m pytest tests/integration --ignore=tests/integration/on_ray
 	@set -e; for module in $(RAY_TESTS); do $(PY) -m pytest $$module; done
 
-# A Ray cluster of real hosts on this machine (about 7 minutes on 2 cores; needs root): each
+# A Ray cluster of real hosts on this machine (about 6 minutes on 2 cores; needs root): each
 # host a network, mount and pid namespace of its own on a bridge (198.18.0.0/15), Ray started on hosts 1-3 by
 # cluster.yaml's commands, the Serve app, unmodified tritonclient processes on a client host, a
 # Data job from the head, host 3 lost and host 5 joining under load, then the head lost

@@ -17,7 +17,7 @@ workers' Ray, Tritons and segments must end. Every answer is checked; the counts
 and recovery times are printed and written to ``$RAY_TRITON_SHM_CLUSTER_REPORT``
 (default ``.cache/cluster-test.json``).
 
-Run with ``make cluster-test`` (about 7 minutes on 2 cores). Needs root, ``ip``, ``unshare``
+Run with ``make cluster-test`` (about 6 minutes on 2 cores). Needs root, ``ip``, ``unshare``
 and ``nsenter``; skipped with the reason otherwise.
 """
 
