@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: bench-sharing native setup demo test unit integration lint dist bench bench-quick bench-env bench-docs soak soak-faults cleanup clean
+.PHONY: bench-sharing native setup demo test unit integration cluster-test lint dist bench bench-quick bench-env bench-docs soak soak-faults cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,15 @@ unit: $(STAMP)
 integration: setup native
 	$(PY) -m pytest tests/integration --ignore=tests/integration/on_ray
 	@set -e; for module in $(RAY_TESTS); do $(PY) -m pytest $$module; done
+
+# A Ray cluster of real hosts on this machine (about 6 minutes on 2 cores; needs root): each
+# host a network, mount and pid namespace of its own on a bridge (198.18.0.0/15), Ray started on hosts 1-3 by
+# cluster.yaml's commands, the Serve app, unmodified tritonclient processes on a client host, a
+# Data job from the head, host 3 lost and host 5 joining under load, then the head lost
+# (tests/cluster). Not part of `make test`; skipped, with the reason, where namespaces
+# cannot be made.
+cluster-test: setup
+	$(PY) -m pytest tests/cluster -s -p no:cacheprovider
 
 # The benchmark's own extras: matplotlib (the `bench` extra) in the venv, and
 # triton-shm-client, the library compared against, in .cache/bench-extra only
