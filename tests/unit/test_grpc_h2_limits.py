@@ -274,3 +274,36 @@ def test_a_control_frame_announcing_megabytes_is_refused_from_its_head(server, k
         sock.sendall(frame_header(8 * 1024 * 1024, kind, 0, 1 if kind == RST_STREAM else 0))
         frames = h2_frames_until_closed(sock)  # refused before any of the payload is sent
     assert _goaway_code(frames) in (6, ENHANCE_YOUR_CALM)  # FRAME_SIZE_ERROR, or too large a SETTINGS
+
+
+@pytest.mark.parametrize(
+    ("increments", "code"),
+    # A zero increment: PROTOCOL_ERROR (1); a window past 2^31-1: FLOW_CONTROL_ERROR (3).
+    [([0], 1), ([2**31 - 1, 2**31 - 1], 3)],
+)
+def test_a_bad_window_update_resets_its_stream_and_the_connection_goes_on(server, increments, code) -> None:
+    release = threading.Event()
+
+    def handler(call: Call) -> None:
+        message = bytes(call.request())
+        if message == b"wait":
+            release.wait(10)
+        call.respond([message])
+
+    listener = server(handler, threads=2)
+    with _connect(listener) as sock:
+        updates = b"".join(frame_header(4, 8, 0, 1) + n.to_bytes(4, "big") for n in increments)
+        sock.sendall(_request(1, b"wait") + updates + _request(3, b"next"))
+        sock.settimeout(10)
+        data, frames = b"", []
+        while not any(kind == RST_STREAM and stream == 1 for kind, stream, _ in frames) or not any(
+            kind == HEADERS and stream == 3 for kind, stream, _ in frames
+        ):
+            got = sock.recv(65536)
+            assert got, "the server closed the connection"
+            data += got
+            frames = h2_whole_frames(data)
+        release.set()
+    reset = next(payload for kind, stream, payload in frames if kind == RST_STREAM and stream == 1)
+    assert int.from_bytes(reset, "big") == code
+    assert not any(kind == GOAWAY for kind, _, _ in frames)

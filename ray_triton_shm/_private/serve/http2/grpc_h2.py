@@ -501,6 +501,9 @@ class H2Connection(AnswerWriter):
                     self._peer_initial_window = value
                     for stream in self._streams.values():
                         stream.send_window += delta
+                        if stream.send_window > MAX_WINDOW:
+                            message = f"stream {stream.id}'s window over 2^31-1"
+                            raise H2ProtocolError(FLOW_CONTROL_ERROR, message)
                     self._flow.notify_all()
             elif key == MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME <= value <= OUR_MAX_FRAME:
@@ -515,6 +518,7 @@ class H2Connection(AnswerWriter):
         if len(payload) != 4:
             raise H2ProtocolError(FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
         increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        failed = None  # a stream error (RFC 9113, 6.9): that stream is reset, the connection goes on
         with self._flow:
             if not stream_id:
                 if not increment:
@@ -526,7 +530,23 @@ class H2Connection(AnswerWriter):
                 stream = self._streams.get(stream_id)
                 if stream is not None:
                     stream.send_window += increment
+                    if not increment:
+                        failed = stream, PROTOCOL_ERROR
+                    elif stream.send_window > MAX_WINDOW:
+                        failed = stream, FLOW_CONTROL_ERROR
             self._flow.notify_all()
+        if failed is not None:
+            self._reset(*failed)
+
+    def _reset(self, stream: Stream, code: int) -> None:
+        """End ``stream`` with RST_STREAM ``code`` (a stream error); its call, if running, is abandoned."""
+        with self._flow:
+            self._streams.pop(stream.id, None)
+            stream.reset = True
+            if not stream.dispatched:
+                stream.release()
+            self._flow.notify_all()
+        self._send([frame_header(4, RST_STREAM, 0, stream.id), code.to_bytes(4, "big")])
 
     # -- running calls -------------------------------------------------------------------
     def _run(self, stream: Stream) -> None:
