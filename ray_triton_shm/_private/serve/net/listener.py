@@ -270,12 +270,10 @@ class _Parking:
     def park(self, conn: socket.socket, wait_s: float) -> None:
         """Wait for ``conn``'s next bytes, at most ``wait_s`` seconds, with no thread of its own."""
         with self._lock:
-            if self._closed:
-                raise_closed = True
-            else:
-                raise_closed = False
+            closed = self._closed
+            if not closed:
                 self._incoming.append((conn, time.monotonic() + wait_s))
-        if raise_closed:
+        if closed:  # the listener is closing: the connection ends now
             self._expired(conn)
             return
         with contextlib.suppress(OSError):

@@ -1,7 +1,8 @@
-"""The ingress's limits on what a client sends: body size, JSON, shapes; and the bounded version cache.
+"""The protocol's limits on what a client sends: JSON, shapes; and the bounded version cache.
 
 Shared by every KServe v2 listener (HTTP and gRPC): what they refuse, they
-refuse before numpy, a parser or a cache sees it.
+refuse before numpy, a parser or a cache sees it. Limits on bytes (a body's
+size, what it inflates to) are the transports' (:mod:`~ray_triton_shm._private.serve.net.bounded`).
 """
 
 from __future__ import annotations
