@@ -47,7 +47,7 @@ from ray_triton_shm._private.serve.http1.head import (
     response_head,
 )
 from ray_triton_shm._private.serve.http1.timing import BodyClock, ConnectionGone, Deadline, HttpTimeouts
-from ray_triton_shm._private.serve.net.listener import IDLE_LINGER_S, IOV_BATCH, TcpListener
+from ray_triton_shm._private.serve.net.listener import IDLE_LINGER_S, IOV_BATCH, TcpListener, consumed
 
 logger = logging.getLogger(__name__)
 
@@ -226,14 +226,7 @@ class Connection:
                 if stall_s is not None and stall_s < left:
                     return views[first:]
                 raise ConnectionGone(f"the answer was not taken within {self.timeouts.send_s:g} s") from None
-            while sent:
-                size = len(views[first])
-                if sent >= size:
-                    sent -= size
-                    first += 1
-                else:
-                    views[first] = views[first][sent:]
-                    sent = 0
+            first = consumed(views, first, sent)
         return []
 
     def respond(

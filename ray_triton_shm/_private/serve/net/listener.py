@@ -25,6 +25,22 @@ IOV_BATCH = 512
 """Buffers handed to one ``sendmsg`` call (the kernel takes at most ``IOV_MAX``, 1024 on Linux)."""
 
 
+def consumed(views: list[memoryview], first: int, sent: int) -> int:
+    """The index of the first view not wholly sent after ``sent`` more bytes went from ``views[first:]``.
+
+    A view sent in part is replaced by its unsent rest.
+    """
+    while sent:
+        size = len(views[first])
+        if sent >= size:
+            sent -= size
+            first += 1
+        else:
+            views[first] = views[first][sent:]
+            sent = 0
+    return first
+
+
 Unsent = Callable[[list[memoryview]], list[memoryview]]
 """Given the views not sent yet, what to send instead (copies of them, say)."""
 
@@ -67,14 +83,7 @@ def send_parts(
                     del rest
                     on_stall = None
                 continue
-        while sent:
-            size = len(views[first])
-            if sent >= size:
-                sent -= size
-                first += 1
-            else:
-                views[first] = views[first][sent:]
-                sent = 0
+        first = consumed(views, first, sent)
 
 
 IDLE_LINGER_S = 0.1
