@@ -37,6 +37,7 @@ from starlette.responses import Response
 from ray_triton_shm._private.node.node_config import split_app_args
 from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING, frontdoor_autoscaling_policy
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.frontdoor_observe import FrontDoorObserver
 from ray_triton_shm._private.serve.ingress import kserve_http
 from ray_triton_shm._private.serve.ingress.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors, kserve_limits, kserve_routes
@@ -151,7 +152,11 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             context = serve.get_replica_context()
             try:
                 self._frontdoor = FrontDoor(
-                    frontdoor, self, context.app_name, max_ongoing=_max_ongoing_requests(context)
+                    frontdoor,
+                    self,
+                    context.app_name,
+                    max_ongoing=_max_ongoing_requests(context),
+                    observer=FrontDoorObserver(context),
                 )
             except BaseException:
                 self._client.close()

@@ -37,7 +37,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ray_triton_shm._private.serve.door.calls import CallGate
+from ray_triton_shm._private.serve.door.calls import CallGate, Observer
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor, run_on
 from ray_triton_shm._private.serve.door.frontdoor_http import SLOT_STALL_S, KServeHttpHandler, error_answer
 from ray_triton_shm._private.serve.door.port_claim import PortClaim
@@ -189,6 +189,7 @@ class FrontDoor:
         app_name: The Serve app's name (the gRPC ``application`` metadata must match it).
         max_ongoing: Calls the door runs at once (the deployment's
             ``max_ongoing_requests``); more are refused ``UNAVAILABLE`` (503). ``None``: no bound.
+        observer: Called with each call's record once it ends (metrics, access log).
 
     Raises:
         FrontDoorError: A port cannot be bound, or another app on this node has it
@@ -196,10 +197,16 @@ class FrontDoor:
     """
 
     def __init__(
-        self, config: FrontDoorConfig, deployment: Any, app_name: str, *, max_ongoing: int | None = None
+        self,
+        config: FrontDoorConfig,
+        deployment: Any,
+        app_name: str,
+        *,
+        max_ongoing: int | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.config = config
-        self.calls = CallGate(max_ongoing)
+        self.calls = CallGate(max_ongoing, observer)
         self._deployment = deployment
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="frontdoor-loop", daemon=True)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.door.calls import CallGate
+from ray_triton_shm._private.serve.door.calls import CallGate, CallRecord
 from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection, Refuse
 from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
 from ray_triton_shm._private.serve.http2.h2_wire import Call, CallError, H2Limits, StreamGone
@@ -53,7 +53,7 @@ from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
 from ray_triton_shm._private.serve.protocol.grpc_messages import decode_infer_request, status_of
 from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import SERVICE, STREAM_REFUSED, GrpcAnswerError
 from ray_triton_shm._private.serve.protocol.slot_plan import run_leased, shm_plan
-from ray_triton_shm.errors import InputError, LayoutError
+from ray_triton_shm.errors import InputError, LayoutError, OverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -298,12 +298,23 @@ class GrpcDoor:
         """Answer one call (its method was accepted by :meth:`refuse`)."""
         name = call.method[len(_PREFIX) :]
         try:
-            with self._gate.call():
-                self._handle(call, name)
-        except (CallError, StreamGone):
+            with self._gate.call("grpc", name, call.method) as record:
+                self._answer(call, name, record)
+        except OverloadedError as e:  # past max_ongoing_requests: refused before it runs
+            raise CallError(*status_of(e)) from e
+
+    def _answer(self, call: Call, name: str, record: CallRecord) -> None:
+        try:
+            self._handle(call, name)
+            record.status = "OK"
+        except CallError as e:
+            record.status = e.code
+            raise
+        except StreamGone:
             raise
         except Exception as e:
             code, message = status_of(e)
+            record.status = code
             if code == "INTERNAL" and not isinstance(e, GrpcAnswerError):
                 logger.warning("front door gRPC: %s", message, exc_info=e)
             raise CallError(code, message) from e

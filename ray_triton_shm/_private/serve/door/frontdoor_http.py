@@ -69,8 +69,12 @@ class KServeHttpHandler:
 
     def __call__(self, conn: Connection, head: RequestHead, body: Body) -> None:
         try:
-            with self._gate.call():
-                self._answer(conn, head, body)
+            with self._gate.call("http", head.method, head.path) as record:
+                conn.status = 0
+                try:
+                    self._answer(conn, head, body)
+                finally:
+                    record.status = str(conn.status) if conn.status else ""
         except OverloadedError as e:  # the body is not read: the connection ends after the answer
             conn.keep_alive = False
             status, payload = self._error_answer(e)

@@ -84,6 +84,8 @@ class Connection:
         self._end = 0
         self._send_deadline = 0.0
         self.keep_alive = True
+        self.status = 0
+        """The status of the last answer begun (0: none yet)."""
 
     # -- reading ----------------------------------------------------------
     def _recv(self, view: memoryview, clock: Deadline | BodyClock, stall_s: float | None = None) -> int:
@@ -263,6 +265,7 @@ class Connection:
             ConnectionGone: The deadline passed, or the peer is gone.
         """
         self._send_deadline = time.monotonic() + self.timeouts.send_s
+        self.status = status
         if self._draining is not None and self._draining():
             self.keep_alive = False
         length = sum(memoryview(p).nbytes for p in parts)
