@@ -148,8 +148,11 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             self._client, node_config.server.explicit_model_control, node_config.max_request_bytes
         )
         self._frontdoor: FrontDoor | None = None
+        self._door_reported = 0.0
+        self._app_name = ""
         if frontdoor is not None:
             context = serve.get_replica_context()
+            self._app_name = context.app_name
             try:
                 self._frontdoor = FrontDoor(
                     frontdoor,
@@ -196,10 +199,17 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The front door's calls running, which Serve's autoscaler counts with its own requests.
 
-        See :func:`frontdoor_autoscaling_policy`.
+        See :func:`frontdoor_autoscaling_policy`. Every few seconds the door's
+        state also goes to the node actor, for ``ray-triton-shm status``.
         """
         door = self._frontdoor
-        return {FRONTDOOR_ONGOING: float(door.calls.ongoing if door is not None else 0)}
+        if door is None:
+            return {FRONTDOOR_ONGOING: 0.0}
+        now = time.monotonic()
+        if now - self._door_reported >= _DOOR_REPORT_S:  # Serve calls this often: status gets some
+            self._door_reported = now
+            self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()})
+        return {FRONTDOOR_ONGOING: float(door.calls.ongoing)}
 
     async def frontdoor_stats(self) -> dict[str, Any]:
         """This replica's front door: ports, open connections, calls (``{}``: the app has none)."""
@@ -320,6 +330,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
 PROBE_TIMEOUT_S = kserve_routes.PROBE_TIMEOUT_S
 """How long a health or readiness probe waits for the node's Triton before answering "not ready"."""
 _VERSION_TTL_S = 10.0
+_DOOR_REPORT_S = 2.0
 
 
 def _max_ongoing_requests(context: Any) -> int | None:
