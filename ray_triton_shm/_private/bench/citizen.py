@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -25,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 import yaml
+from ray import serve
+
+from ray_triton_shm.node import shutdown_node_actors
+from ray_triton_shm.serve import run_config_file
 
 REPO_DEPLOYMENTS = Path(__file__).resolve().parents[3] / "deployments"
 SHIPPED = REPO_DEPLOYMENTS / "triton_shm.yaml"
@@ -89,24 +97,16 @@ class Callers:
 
     def _client(self, kind: str) -> Any:
         if kind == "http":
-            import tritonclient.http as httpclient
-
             return httpclient.InferenceServerClient(
                 self._target.http_url, connection_timeout=self._timeout_s, network_timeout=self._timeout_s
             )
-        import tritonclient.grpc as grpcclient
-
         return grpcclient.InferenceServerClient(self._target.grpc_url)
 
     def _call(self, kind: str, client: Any, x: np.ndarray) -> np.ndarray:
         if kind == "http":
-            import tritonclient.http as httpclient
-
             tensor = httpclient.InferInput("INPUT0", [1, N], "FP32")
             tensor.set_data_from_numpy(x)
             return client.infer("identity", [tensor]).as_numpy("OUTPUT0")
-        import tritonclient.grpc as grpcclient
-
         tensor = grpcclient.InferInput("INPUT0", [1, N], "FP32")
         tensor.set_data_from_numpy(x)
         result = client.infer(
@@ -142,8 +142,6 @@ class Callers:
 
 def free_port() -> int:
     """A port the OS has free now."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -182,8 +180,6 @@ def target_of(spec: dict[str, Any], path: str) -> Target:
 
 def deploy(spec: dict[str, Any], directory: Path, name: str) -> Any:
     """Deploy ``spec`` (written to ``directory/name``); returns the app's handle."""
-    from ray_triton_shm.serve import run_config_file
-
     path = directory / name
     path.write_text(yaml.safe_dump(spec))
     return run_config_file(str(path))[spec["applications"][0]["name"]]
@@ -194,8 +190,6 @@ _PIDS: dict[str, int] = {}
 
 def replicas(app: str = "triton") -> dict[str, int]:
     """{replica actor name: pid} of the app's replicas alive now (a new one's pid once it answers)."""
-    import ray
-
     names = [
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
@@ -210,8 +204,6 @@ def replicas(app: str = "triton") -> dict[str, int]:
 
 def replica_names(app: str = "triton") -> set[str]:
     """The names of the app's replica actors now, without asking them anything."""
-    import ray
-
     return {
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
@@ -321,11 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default="frontdoor,serve")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args(argv)
-    import ray
-    from ray import serve
-
-    from ray_triton_shm.node import shutdown_node_actors
-
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     results: list[tuple[str, str, dict[str, Any]]] = []
     try:

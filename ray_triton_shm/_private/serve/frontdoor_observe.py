@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ray.serve import metrics
+
 from ray_triton_shm._private.serve.door.calls import CallRecord
 
 _ACCESS_LOG = logging.getLogger("ray.serve")
@@ -30,8 +32,6 @@ class FrontDoorObserver:
     """
 
     def __init__(self, context: Any) -> None:
-        from ray.serve import metrics
-
         tags = ("route", "protocol", "method", "status_code")
         self._requests = metrics.Counter(
             "ray_triton_shm_frontdoor_requests",
