@@ -28,6 +28,7 @@ __all__ = [
     "ModelControlRefusedError",
     "NoGpuError",
     "OutputTooLargeError",
+    "OverloadedError",
     "PoolClosedError",
     "PoolTimeoutError",
     "RayTritonShmError",
@@ -255,6 +256,23 @@ class RefusedError(RayTritonShmError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class OverloadedError(RefusedError):
+    """A replica's front door has as many calls running as its deployment's ``max_ongoing_requests``.
+
+    Answered ``UNAVAILABLE`` (HTTP 503), as Serve's own back-pressure: the client
+    may try again (another replica may take it).
+
+    Args:
+        limit: The replica's ``max_ongoing_requests``.
+    """
+
+    def __init__(self, limit: int) -> None:
+        RayTritonShmError.__init__(self, limit)
+        self.limit = limit
+        self.message = f"this replica is running its max_ongoing_requests ({limit}) calls; try again shortly"
+        self.status = "UNAVAILABLE"
 
 
 class SharedMemoryRefusedError(RefusedError):

@@ -35,7 +35,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ray_triton_shm._private.node.node_config import split_app_args
+from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING, frontdoor_autoscaling_policy
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.frontdoor_observe import FrontDoorObserver
 from ray_triton_shm._private.serve.ingress import kserve_http
 from ray_triton_shm._private.serve.ingress.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors, kserve_limits, kserve_routes
@@ -55,6 +57,7 @@ __all__ = [
     "app",
     "build_app",
     "build_node_config",
+    "frontdoor_autoscaling_policy",
     "resolve_model_repository",
     "run_config_file",
 ]
@@ -145,9 +148,19 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             self._client, node_config.server.explicit_model_control, node_config.max_request_bytes
         )
         self._frontdoor: FrontDoor | None = None
+        self._door_reported = 0.0
+        self._app_name = ""
         if frontdoor is not None:
+            context = serve.get_replica_context()
+            self._app_name = context.app_name
             try:
-                self._frontdoor = FrontDoor(frontdoor, self, serve.get_replica_context().app_name)
+                self._frontdoor = FrontDoor(
+                    frontdoor,
+                    self,
+                    context.app_name,
+                    max_ongoing=_max_ongoing_requests(context),
+                    observer=FrontDoorObserver(context),
+                )
             except BaseException:
                 self._client.close()
                 raise
@@ -162,11 +175,45 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         )
 
     def __del__(self) -> None:
-        """Close the front door's listeners (Serve calls this when the replica stops)."""
+        """Drain the front door, then close it (Serve calls this when the replica stops).
+
+        New connections go to the app's other replicas on this node; calls in
+        flight finish within the front door's ``drain_timeout_s``.
+        """
         door = self.__dict__.get("_frontdoor")
         if door is not None:
             self._frontdoor = None
-            door.close()
+            wait_s = door.config.drain_timeout_s
+            if not door.drain(wait_s):
+                logger.warning("front door: calls still running after %g s were cut", wait_s)
+
+    async def check_health(self) -> None:
+        """Serve's health check: the front door (when the app has one) must be accepting connections.
+
+        Raises:
+            FrontDoorError: A listener stopped accepting, or the door's event loop is gone.
+        """
+        if self._frontdoor is not None:
+            self._frontdoor.check()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The front door's calls running, which Serve's autoscaler counts with its own requests.
+
+        See :func:`frontdoor_autoscaling_policy`. Every few seconds the door's
+        state also goes to the node actor, for ``ray-triton-shm status``.
+        """
+        door = self._frontdoor
+        if door is None:
+            return {FRONTDOOR_ONGOING: 0.0}
+        now = time.monotonic()
+        if now - self._door_reported >= _DOOR_REPORT_S:  # Serve calls this often: status gets some
+            self._door_reported = now
+            self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()})
+        return {FRONTDOOR_ONGOING: float(door.calls.ongoing)}
+
+    async def frontdoor_stats(self) -> dict[str, Any]:
+        """This replica's front door: ports, open connections, calls (``{}``: the app has none)."""
+        return self._frontdoor.stats() if self._frontdoor is not None else {}
 
     async def frontdoor_ports(self) -> dict[str, int | None]:
         """The ports this replica's front door listens on (``None``: that protocol has none)."""
@@ -283,6 +330,14 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
 PROBE_TIMEOUT_S = kserve_routes.PROBE_TIMEOUT_S
 """How long a health or readiness probe waits for the node's Triton before answering "not ready"."""
 _VERSION_TTL_S = 10.0
+_DOOR_REPORT_S = 2.0
+
+
+def _max_ongoing_requests(context: Any) -> int | None:
+    """The deployment's ``max_ongoing_requests`` (``None`` where Serve's context does not say)."""
+    config = getattr(context, "_deployment_config", None)
+    value = getattr(config, "max_ongoing_requests", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _error_response(error: Exception) -> Response:

@@ -35,6 +35,7 @@ ARGS: dict[str, tuple] = {
     "OutputTooLargeError": ("output 'OUTPUT0' should be at least 400 bytes", "INTERNAL", "identity"),
     "RefusedError": ("ModelStreamInfer is not supported by this endpoint", "UNIMPLEMENTED"),
     "SharedMemoryRefusedError": ("system shared-memory registration is not supported", "UNIMPLEMENTED"),
+    "OverloadedError": (32,),
     "ModelControlRefusedError": ("cannot load model 'simple': no explicit model control", "UNAVAILABLE"),
     "SettingsRefusedError": ("changing log settings is not supported by this endpoint", "UNIMPLEMENTED"),
 }
@@ -48,6 +49,7 @@ ATTRS: dict[str, tuple[str, ...]] = {
     "OutputTooLargeError": ("message", "status", "model"),
     "RefusedError": ("message", "status"),
     "SharedMemoryRefusedError": ("message", "status"),
+    "OverloadedError": ("limit", "message", "status"),
     "ModelControlRefusedError": ("message", "status"),
     "SettingsRefusedError": ("message", "status"),
 }

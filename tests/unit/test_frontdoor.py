@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig, KServeHttpHandler
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler
 from ray_triton_shm._private.serve.door.port_claim import PortClaim, app_digest, port_claims
 from ray_triton_shm._private.serve.http1.head import HttpParseError, parse_head, response_head
 from ray_triton_shm._private.serve.http1.server import HttpListener

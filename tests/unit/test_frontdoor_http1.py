@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.serve.door import frontdoor
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig, KServeHttpHandler
+from ray_triton_shm._private.serve.door import frontdoor_http
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
 from ray_triton_shm.errors import ConfigError
@@ -454,14 +455,14 @@ def _answer_values(s: socket.socket, count: int) -> np.ndarray:
 def _door(
     monkeypatch: pytest.MonkeyPatch, stall_s: float, **timeouts: float
 ) -> Iterator[tuple[int, _Client]]:
-    monkeypatch.setattr(frontdoor, "shm_plan", lambda *args: True)
+    monkeypatch.setattr(frontdoor_http, "shm_plan", lambda *args: True)
     client = _Client()
 
     def delegate(head, data):
         return 404, [], b"{}"
 
     handler = KServeHttpHandler(
-        client, lambda model: "1", delegate, frontdoor._error_answer, MAX_BYTES, slot_stall_s=stall_s
+        client, lambda model: "1", delegate, frontdoor_http.error_answer, MAX_BYTES, slot_stall_s=stall_s
     )
     with _listening(handler, **timeouts) as door:
         yield door.port, client

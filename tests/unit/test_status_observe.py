@@ -26,6 +26,18 @@ NODE = {
     ],
     "pools": {"add_sub": {"slots": 8, "free": 5, "in_use": 2, "quarantined": 1, "slot_bytes": 512}},
     "users": [{"user": "u1", "pid": 41, "kind": "serve", "for_s": 3.0}],
+    "frontdoors": [
+        {
+            "pid": 41,
+            "app": "triton",
+            "http_port": 8100,
+            "grpc_port": 8101,
+            "connections": 9,
+            "ongoing": 3,
+            "calls": 1200,
+            "refused": 2,
+        },
+    ],
     "idle_shutdown_s": 30.0,
     "traffic": [{"model": "add_sub", "path": "shm", "requests": 12, "bytes": 3 << 20}],
 }
@@ -39,6 +51,8 @@ def test_render_shows_every_part_of_a_node() -> None:
     pool_line = next(line for line in text.splitlines() if line.strip().startswith("add_sub") and "B" in line)
     assert pool_line.split()[:5] == ["add_sub", "8", "5", "2", "1"]
     assert "users: 1 (serve 1)" in text
+    door_line = next(line for line in text.splitlines() if line.strip().startswith("triton"))
+    assert door_line.split() == ["triton", "41", "8100", "8101", "9", "3", "1200", "2"]
     traffic_line = next(line for line in text.splitlines() if " shm " in line)
     assert traffic_line.split() == ["add_sub", "shm", "12", "3.0", "MB"]
     assert "1 node(s), 3.0 MB moved in all" in text

@@ -150,6 +150,24 @@ def render(nodes: list[dict[str, Any]]) -> str:
             + (f" ({shown})" if shown else "")
             + ("" if idle is None else f"; stops {idle:g} s after the last one")
         )
+        doors = node.get("frontdoors") or []
+        if doors:
+            rows = [
+                [
+                    str(d.get("app", "")),
+                    str(d.get("pid", "")),
+                    str(d.get("http_port") or "-"),
+                    str(d.get("grpc_port") or "-"),
+                    str(d.get("connections", 0)),
+                    str(d.get("ongoing", 0)),
+                    str(d.get("calls", 0)),
+                    str(d.get("refused", 0)),
+                ]
+                for d in doors
+            ]
+            header = ["front door", "replica pid", "HTTP", "gRPC", "connections", "running", "calls"]
+            header.append("refused")
+            out += _table(header, rows)
         pools = node["pools"]
         if pools:
             rows = [

@@ -91,6 +91,8 @@ class _NodeActor:
         self._configs: dict[str, dict[str, Any]] = {}
         # (model, path) -> [requests, bytes], summed from the clients' reports.
         self._traffic: dict[tuple[str, str], list[int]] = {}
+        # user id -> its front door's last report (ports, connections, calls), while it is attached.
+        self._doors: dict[str, dict[str, Any]] = {}
         for model in config.preload:
             self._ensure_pool(model)
         self._stopping = threading.Event()
@@ -390,13 +392,23 @@ class _NodeActor:
                 entry[0] += int(requests)
                 entry[1] += int(nbytes)
 
+    def report_door(self, user_id: str, stats: dict[str, Any]) -> None:
+        """A replica's front door as it is now: ports, connections, calls (see ``status``)."""
+        with self._lock:
+            self._doors[str(user_id)] = dict(stats)
+
     def status(self) -> dict[str, Any]:
         """What ``ray-triton-shm status`` shows: Triton, its models, pools, traffic by path, the reaper."""
+        users = self._users.snapshot()
+        attached = {str(u["user"]) for u in users}
         with self._lock:
             traffic = [
                 {"model": model, "path": path, "requests": v[0], "bytes": v[1]}
                 for (model, path), v in sorted(self._traffic.items())
             ]
+            for user_id in set(self._doors) - attached:  # a replica gone: its door with it
+                del self._doors[user_id]
+            doors = [self._doors[u] for u in sorted(self._doors)]
             grpc = self._grpc
         health = self._health.snapshot()
         try:
@@ -415,7 +427,8 @@ class _NodeActor:
             "info": dataclasses.asdict(self.info()),
             "health": health,
             "pools": self._pools.stats(),
-            "users": self._users.snapshot(),
+            "users": users,
+            "frontdoors": doors,
             "idle_shutdown_s": self.config.idle_shutdown_s,
             "reaper": self._reaper.state(),
             "models": models,

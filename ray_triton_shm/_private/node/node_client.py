@@ -320,6 +320,15 @@ class NodeClient:
         if error.server_fingerprint and actor is not None:
             ray.get(actor.layout_changed.remote(error.model), timeout=60)
 
+    def report_door(self, stats: dict[str, Any]) -> None:
+        """Tell the node actor how this process's front door stands (``status`` shows it); fire-and-forget."""
+        actor = self._actor
+        if actor is not None:
+            try:
+                actor.report_door.remote(self._user_id, stats)
+            except Exception as e:  # the actor may be restarting: status misses one report
+                logger.debug("front-door report failed: %s", e)
+
     def model_changed(self, model: str) -> None:
         """Tell the node that ``model`` was loaded, reloaded or unloaded on its Triton by someone else.
 

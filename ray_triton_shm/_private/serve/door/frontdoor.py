@@ -2,24 +2,20 @@
 
 Clients outside Ray (``tritonclient.http``, ``tritonclient.grpc``) reach the
 replica without Serve's proxy in between. Every replica of the app on a node
-binds the same ports (``SO_REUSEPORT``): the kernel spreads the connections
-among them, and any node's address works on a multi-node cluster (bind
+listens on the same ports, and any node's address works on a multi-node cluster (bind
 ``0.0.0.0`` there). A replica of another app given the same port refuses to
-start (:mod:`~ray_triton_shm._private.serve.door.port_claim`). The listeners run in
-the replica's process, in threads of their own (blocking sockets, one thread
-per connection; gRPC calls that share a connection run on a thread pool), and
-close with the replica.
+start (:mod:`~ray_triton_shm._private.serve.door.port_claim`), and the app's
+replicas on a node accept from one listening socket, handed from replica to
+replica. The listeners run in the replica's process, in threads of their own
+(a thread per connection while it has work, idle ones parked in a selector;
+gRPC calls run on a thread pool), and close with the replica.
 
-HTTP inference (no version asked) is read from the socket straight into a
-leased slot (:class:`~ray_triton_shm._private.serve.http1.body.Body`) and
-answered from the slot (``sendmsg`` of the output views): one copy of each
-tensor each way, as in Triton's own endpoint. A slot never waits on a slow
-client: a body read into it that stalls ``http_slot_stall_s`` is copied out,
-the slot given back, and the rest read into memory (the general path then);
-an answer the client stops taking for as long is copied out and finished from
-memory once the slot is back. Every other HTTP route goes to
-the Serve ingress's own handler (the deployment's ``__call__``), so both
-answer alike. gRPC: see :mod:`ray_triton_shm._private.serve.door.frontdoor_grpc`.
+HTTP: see :mod:`~ray_triton_shm._private.serve.door.frontdoor_http`; gRPC: see
+:mod:`~ray_triton_shm._private.serve.door.frontdoor_grpc`. The door's calls are
+counted (:class:`~ray_triton_shm._private.serve.door.calls.CallGate`): Serve's
+autoscaler sees them as the replica's ongoing requests, and past the
+deployment's ``max_ongoing_requests`` a call is refused ``UNAVAILABLE`` (503).
+On shutdown the door drains (:meth:`FrontDoor.drain`).
 
 Configured in the app's args::
 
@@ -33,40 +29,27 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-import numpy as np
 from starlette.requests import Request
 
+from ray_triton_shm._private.serve.door.calls import CallGate, Observer
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor, run_on
+from ray_triton_shm._private.serve.door.frontdoor_http import SLOT_STALL_S, KServeHttpHandler, error_answer
 from ray_triton_shm._private.serve.door.port_claim import PortClaim
-from ray_triton_shm._private.serve.http1.body import Body
-from ray_triton_shm._private.serve.http1.head import HttpParseError, RequestHead
-from ray_triton_shm._private.serve.http1.server import Connection, HttpListener
-from ray_triton_shm._private.serve.http1.timing import ConnectionGone, HttpTimeouts
+from ray_triton_shm._private.serve.http1.head import RequestHead
+from ray_triton_shm._private.serve.http1.server import HttpListener
+from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
 from ray_triton_shm._private.serve.http2.h2_wire import IDLE_TIMEOUT_S, MAX_HEADER_BLOCK, H2Limits
-from ray_triton_shm._private.serve.net import bounded
-from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
-from ray_triton_shm._private.serve.protocol.slot_plan import fast_path_lengths, run_leased, shm_plan
-from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm.config import env_field
-from ray_triton_shm.errors import (
-    ConfigError,
-    InputError,
-    RequestTooLargeError,
-)
+from ray_triton_shm.errors import ConfigError, FrontDoorError
 
 logger = logging.getLogger(__name__)
 
-_INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
-_CALL_TIMEOUT_S = 120.0
-SLOT_STALL_S = 1.0
-"""Longest a leased slot waits on an HTTP client (a body read, an answer write) before it goes back."""
 
 
 def _optional_port(text: str) -> int | None:
@@ -118,6 +101,11 @@ class FrontDoorConfig:
             memory, an answer the client does not take is copied out and
             finished from memory; the slot goes back at once (1; no upstream
             equivalent: Triton reads a whole body before it uses its memory).
+        drain_timeout_s: When the replica stops (downscale, redeploy, ``serve
+            shutdown``), how long its calls in flight may take to finish after it
+            stops accepting (HTTP/2 clients get GOAWAY, HTTP/1.1 answers
+            ``Connection: close``); keep it under the deployment's
+            ``graceful_shutdown_timeout_s`` (Serve's default: 20).
     """
 
     host: str = env_field("FRONTDOOR_HOST", "127.0.0.1")
@@ -133,6 +121,7 @@ class FrontDoorConfig:
     http_body_min_rate: float = env_field("FRONTDOOR_HTTP_BODY_MIN_RATE", _HTTP_DEFAULTS.body_min_rate)
     http_send_timeout_s: float = env_field("FRONTDOOR_HTTP_SEND_TIMEOUT_S", _HTTP_DEFAULTS.send_s)
     http_slot_stall_s: float = env_field("FRONTDOOR_HTTP_SLOT_STALL_S", SLOT_STALL_S)
+    drain_timeout_s: float = env_field("FRONTDOOR_DRAIN_TIMEOUT_S", 10.0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -151,7 +140,7 @@ class FrontDoorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"frontdoor.{name} must be an integer >= 1, got {value!r}")
-        for name in (*_HTTP_SECONDS, "grpc_idle_timeout_s"):
+        for name in (*_HTTP_SECONDS, "grpc_idle_timeout_s", "drain_timeout_s"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -190,168 +179,6 @@ class FrontDoorConfig:
         return cls(**dict(value))
 
 
-class KServeHttpHandler:
-    """The front door's HTTP requests: inference read into slots; every other route to ``delegate``.
-
-    Args:
-        client: The replica's :class:`NodeClient`.
-        served_version: The version Triton runs for a request without one.
-        delegate: Answers any other request: ``(head, body) -> (status, headers, body)``.
-        error_answer: The KServe error answer of an exception: ``(status, body)``.
-        max_bytes: Largest request body (and inflated body) accepted; larger ones are 413.
-        slot_stall_s: Longest a leased slot waits on the client (see
-            :attr:`FrontDoorConfig.http_slot_stall_s`).
-    """
-
-    def __init__(
-        self,
-        client: Any,
-        served_version: Any,
-        delegate: Any,
-        error_answer: Any,
-        max_bytes: int,
-        *,
-        slot_stall_s: float = SLOT_STALL_S,
-    ) -> None:
-        self._max_bytes = max_bytes
-        self._client = client
-        self._served_version = served_version
-        self._delegate = delegate
-        self._error_answer = error_answer
-        self._stall_s = slot_stall_s
-
-    def __call__(self, conn: Connection, head: RequestHead, body: Body) -> None:
-        try:
-            if not body.chunked and body.remaining > self._max_bytes:  # refused before it is read
-                raise bounded.too_large("request body", self._max_bytes)
-            if head.method == "POST":
-                match = _INFER.match(head.path)
-                if match and match.group(2) is None:
-                    self._infer(conn, match.group(1), head, body)
-                    return
-            data = body.read_all(self._max_bytes)
-            status, headers, payload = self._delegate(head, data)
-            conn.respond(status, headers, [payload])
-        except (ConnectionGone, HttpParseError):
-            raise  # the request's framing is lost (or too slow): the connection answers and closes
-        except Exception as e:
-            if isinstance(e, RequestTooLargeError):
-                conn.keep_alive = False  # the rest of the body is not read
-            else:
-                try:
-                    body.drain(self._max_bytes)  # the client may still be sending: let it finish
-                except Exception:
-                    conn.keep_alive = False
-            status, payload = self._error_answer(e)
-            conn.respond(status, [("content-type", "application/json")], [payload])
-
-    def _infer(self, conn: Connection, model: str, head: RequestHead, body: Body) -> None:
-        client = self._client
-        lengths = None if body.chunked else fast_path_lengths(head.headers)
-        data = bytearray()
-        if lengths is not None:
-            header_length, body_length = lengths
-            prefix = body.read(min(header_length, body_length))
-            planned = None
-            if len(prefix) == min(header_length, body_length):
-                try:
-                    planned = kserve.plan_request(prefix, header_length, body_length)
-                except InputError:
-                    planned = None  # the general path raises the same error
-            if planned is not None and planned[1]:
-                decoded, spans = planned
-                if shm_plan(client, model, decoded.inputs, decoded.outputs):
-                    stalled = self._infer_in_slot(conn, model, prefix, decoded, spans, body)
-                    if stalled is None:
-                        return
-                    data = stalled
-            if not data:
-                data += prefix
-        body.read_rest_into(data, self._max_bytes)
-        self._infer_general(conn, model, head, bytes(data))
-
-    def _infer_general(self, conn: Connection, model: str, head: RequestHead, data: bytes) -> None:
-        """Decode the whole body ``data``, run it with ``client.infer``, answer from memory."""
-        client = self._client
-        encoding = (head.headers.get("content-encoding") or "identity").strip().lower()
-        if encoding != "identity":
-            data = bounded.inflate(data, encoding, self._max_bytes)
-        decoded = kserve.decode_request(
-            data, kserve.parse_header_length(head.headers.get(kserve.HEADER_LENGTH))
-        )
-        version = self._served_version(model)
-        outputs = client.infer(model, decoded.inputs, outputs=decoded.outputs, copy=False)
-        host = {name: to_host(value) for name, value in outputs.items()}
-        parts, headers = kserve.encode_response_parts(model, decoded, host, version)
-        conn.respond(200, list(headers.items()), parts)
-
-    def _infer_in_slot(
-        self,
-        conn: Connection,
-        model: str,
-        prefix: bytes,
-        decoded: kserve.DecodedRequest,
-        spans: list[kserve.BinarySpan],
-        body: Body,
-    ) -> bytearray | None:
-        """Lease a slot, read the tensor bytes from the socket into it, run, answer from the slot.
-
-        The slot is held only while the client keeps pace: a read or a write that
-        waits ``slot_stall_s`` for it copies the slot's bytes to memory and gives
-        the slot back.
-
-        Args:
-            conn: The connection.
-            model: The model.
-            prefix: The body's JSON header (its first bytes, read already).
-            decoded: The request, its binary inputs placeholders.
-            spans: Where the binary inputs lie in the body, one after another.
-            body: The rest of the body.
-
-        Returns:
-            ``None`` once answered; or, when the body stalled, the body read so
-            far (``prefix`` and the tensor bytes that came), the slot given back.
-
-        Raises:
-            InputError: The body is longer than its tensors, or as ``client.run``.
-            HttpTimeoutError: The body came too slowly.
-            ConnectionGone: The client went, or did not take the answer in time.
-        """
-        client = self._client
-        version = self._served_version(model)
-        with client.lease(model) as lease:
-            for name, array in decoded.inputs.items():  # JSON inputs of the same request
-                if all(span.name != name for span in spans):
-                    lease.input(name, array.shape)[...] = array
-            filled: list[memoryview] = []
-            for span in spans:
-                target = lease.input(span.name, decoded.inputs[span.name].shape)
-                view = memoryview(target.reshape(-1).view(np.uint8))
-                del target
-                got = body.readinto(view, self._stall_s)
-                filled.append(view[:got])
-                if got < len(view):  # the client stalled: what came goes to memory, the slot back
-                    data = bytearray(prefix)
-                    for part in filled:
-                        data += part
-                    del view, filled, part
-                    return data
-                del view
-            del filled
-            if body.remaining:
-                raise InputError("the request body is longer than its tensors")
-            outputs = run_leased(client, model, lease, decoded.outputs)
-            parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
-            del outputs
-            # Written from the slot while the client takes it; what it does not take in
-            # time is copied out (rest), sent once the slot is back.
-            rest = conn.respond(200, list(headers.items()), parts, self._stall_s)
-            # No view of the slot outlives the lease: it goes straight back, not pinned.
-            del parts
-        conn.send_rest(rest)
-        return None
-
-
 class FrontDoor:
     """A replica's front door: its HTTP and gRPC listeners and the event loop they delegate to.
 
@@ -360,14 +187,26 @@ class FrontDoor:
         deployment: The :class:`~ray_triton_shm.serve.TritonDeployment` instance
             (its client, its ``__call__`` for other HTTP routes, its gRPC methods).
         app_name: The Serve app's name (the gRPC ``application`` metadata must match it).
+        max_ongoing: Calls the door runs at once (the deployment's
+            ``max_ongoing_requests``); more are refused ``UNAVAILABLE`` (503). ``None``: no bound.
+        observer: Called with each call's record once it ends (metrics, access log).
 
     Raises:
         FrontDoorError: A port cannot be bound, or another app on this node has it
             (nothing is left listening then).
     """
 
-    def __init__(self, config: FrontDoorConfig, deployment: Any, app_name: str) -> None:
+    def __init__(
+        self,
+        config: FrontDoorConfig,
+        deployment: Any,
+        app_name: str,
+        *,
+        max_ongoing: int | None = None,
+        observer: Observer | None = None,
+    ) -> None:
         self.config = config
+        self.calls = CallGate(max_ongoing, observer)
         self._deployment = deployment
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="frontdoor-loop", daemon=True)
@@ -378,18 +217,23 @@ class FrontDoor:
         self._claims: list[PortClaim] = []
         try:
             # A fixed port is claimed before it is bound (another app's claim: refused, nothing
-            # bound); a port the OS picks is new, and is claimed once known.
-            for port in (config.http_port, config.grpc_port):
+            # bound), and its listening socket is the one the app's replicas on this node share;
+            # a port the OS picks is new, this replica's own, and is claimed once known.
+            listening = {}
+            for protocol, port in (("HTTP", config.http_port), ("gRPC", config.grpc_port)):
                 if port:
-                    self._claims.append(PortClaim(port, app_name))
+                    claim = PortClaim(port, app_name)
+                    self._claims.append(claim)
+                    listening[protocol] = claim.listening_socket(config.host, protocol)
             if config.http_port is not None:
                 handler = KServeHttpHandler(
                     deployment._client,
                     self.served_version,
                     self._delegate_http,
-                    _error_answer,
+                    error_answer,
                     deployment._max_request_bytes,
                     slot_stall_s=config.http_slot_stall_s,
+                    gate=self.calls,
                 )
                 self.http = HttpListener(
                     config.host,
@@ -397,6 +241,7 @@ class FrontDoor:
                     handler,
                     max_connections=config.max_connections,
                     timeouts=config.http_timeouts,
+                    listening=listening.pop("HTTP", None),
                 )
                 if not config.http_port:
                     self._claims.append(PortClaim(self.http.port, app_name))
@@ -416,12 +261,66 @@ class FrontDoor:
                         idle_timeout_s=config.grpc_idle_timeout_s,
                     ),
                     max_connections=config.max_connections,
+                    gate=self.calls,
+                    listening=listening.pop("gRPC", None),
                 )
                 if not config.grpc_port:
                     self._claims.append(PortClaim(self.grpc.port, app_name))
         except BaseException:
+            for sock in listening.values():
+                sock.close()
             self.close()
             raise
+
+    def _listeners(self) -> list[Any]:
+        return [listener for listener in (self.http, self.grpc) if listener is not None]
+
+    def check(self) -> None:
+        """Raise unless the door can serve: each listener accepting, its loop running.
+
+        Raises:
+            FrontDoorError: A listener stopped accepting, or the door's event loop is gone.
+        """
+        if not self._thread.is_alive():
+            raise FrontDoorError("the front door's event loop has stopped")
+        for listener in self._listeners():
+            if not listener.accepting:
+                raise FrontDoorError(f"the front door no longer accepts connections on port {listener.port}")
+
+    def stats(self) -> dict[str, Any]:
+        """The door's ports, open connections and calls (running, taken, refused for the bound)."""
+        return {
+            "http_port": self.http.port if self.http is not None else None,
+            "grpc_port": self.grpc.port if self.grpc is not None else None,
+            "connections": sum(len(listener.open_connections()) for listener in self._listeners()),
+            "ongoing": self.calls.ongoing,
+            "calls": self.calls.total,
+            "refused": self.calls.refused,
+        }
+
+    def drain(self, wait_s: float) -> bool:
+        """Stop taking connections, let the calls in flight finish (at most ``wait_s``), then close.
+
+        New connections go to the app's other replicas on this node (the port
+        stays open while one holds it). HTTP/2 clients get GOAWAY; HTTP/1.1
+        answers carry ``Connection: close``; a connection idle meanwhile is closed.
+
+        Returns:
+            Whether every connection ended within ``wait_s`` (else the rest were shut).
+        """
+        for claim in self._claims:  # the app's next replicas borrow the socket from another
+            claim.close()
+        results: list[bool] = []
+        threads = [
+            threading.Thread(target=lambda listener=listener: results.append(listener.drain(wait_s)))
+            for listener in self._listeners()
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.close()
+        return all(results)
 
     def served_version(self, model: str) -> str:
         """The deployment's cached answer, or its lookup run on the front door's loop."""
@@ -489,8 +388,3 @@ class _Servicer:
         if callable(value) and not name.startswith("__"):
             return value.__get__(self)  # the method, bound to this object
         return getattr(self._deployment, name)
-
-
-def _error_answer(error: Exception) -> tuple[int, bytes]:
-    """The KServe error answer of ``error`` (as the Serve ingress answers it)."""
-    return kserve_errors.error_answer(error)

@@ -1,8 +1,8 @@
 """The front door's gRPC half: Triton's ``inference.GRPCInferenceService`` served by the replica itself.
 
 A lean gRPC server of our own (:mod:`~ray_triton_shm._private.serve.http2.grpc_h2`:
-HTTP/2 on blocking sockets, a thread per connection, calls on a thread pool;
-``SO_REUSEPORT``, so every replica of the app on a node shares the port):
+HTTP/2 on blocking sockets, a thread per connection while it has work, calls on a
+thread pool; every replica of the app on a node accepts from one listening socket):
 
 * ``ModelInfer``: the request's description (the fields before its raw input
   contents) is read first, and :meth:`GrpcDoor.place` leases a slot of the model
@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
+from ray_triton_shm._private.serve.door.calls import CallGate, CallRecord
 from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection, Refuse
 from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
 from ray_triton_shm._private.serve.http2.h2_wire import Call, CallError, H2Limits, StreamGone
@@ -52,7 +53,7 @@ from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
 from ray_triton_shm._private.serve.protocol.grpc_messages import decode_infer_request, status_of
 from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import SERVICE, STREAM_REFUSED, GrpcAnswerError
 from ray_triton_shm._private.serve.protocol.slot_plan import run_leased, shm_plan
-from ray_triton_shm.errors import InputError, LayoutError
+from ray_triton_shm.errors import InputError, LayoutError, OverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ _PREFIX = f"/{SERVICE}/"
 
 
 class H2Listener(TcpListener):
-    """A gRPC server on ``host:port`` (``SO_REUSEPORT``): a thread per connection, calls on a pool.
+    """A gRPC server on ``host:port``: a thread per busy connection, calls on a pool.
 
     Args:
         host: Address to bind.
@@ -71,6 +72,7 @@ class H2Listener(TcpListener):
         threads: Calls run at once.
         limits: What each connection may cost (see :class:`H2Limits`).
         max_connections: Connections served at once; more wait in the backlog.
+        listening: A listening socket to accept from instead of binding one.
 
     Raises:
         FrontDoorError: The address cannot be bound.
@@ -87,6 +89,7 @@ class H2Listener(TcpListener):
         threads: int = 16,
         limits: H2Limits | None = None,
         max_connections: int = 256,
+        listening: socket.socket | None = None,
     ) -> None:
         limits = limits or H2Limits()
         self.budget = ByteBudget(limits.max_buffered_bytes, "the listener's max_buffered_bytes")
@@ -125,13 +128,24 @@ class H2Listener(TcpListener):
                 max_connections=max_connections,
                 first_wait_s=limits.preface_timeout_s,
                 expire=expire,
+                listening=listening,
             )
         except BaseException:
             self._pool.shutdown(wait=False)
             raise
 
+    def drain(self, wait_s: float, quiet_s: float = 0.5) -> bool:
+        """Stop accepting, send every connection GOAWAY, and let its calls finish (see ``TcpListener``)."""
+        self.stop_accepting(wait_s)
+        with self._connections_lock:
+            connections = list(self._connections.values())
+        for connection in connections:
+            connection.go_away()
+        return super().drain(wait_s, quiet_s)
+
     def close(self, grace_s: float = 1.0) -> None:
         """Stop listening; tell every client to go away; wait up to ``grace_s`` for calls running."""
+        self.stop_accepting(grace_s)
         with self._connections_lock:
             connections = list(self._connections.values())
         for connection in connections:
@@ -158,6 +172,8 @@ class GrpcDoor:
         limits: What each connection may cost (see :class:`H2Limits`); its ``max_message`` is
             the node's ``max_request_bytes``.
         max_connections: Connections served at once (a thread each); more wait in the backlog.
+        gate: Counts the calls running and refuses one past its bound (``UNAVAILABLE``).
+        listening: A listening socket to accept from instead of binding one.
 
     Raises:
         FrontDoorError: The address cannot be bound.
@@ -176,7 +192,10 @@ class GrpcDoor:
         threads: int,
         limits: H2Limits | None = None,
         max_connections: int = 256,
+        gate: CallGate | None = None,
+        listening: socket.socket | None = None,
     ) -> None:
+        self._gate = gate or CallGate()
         self._client = client
         self._servicer = servicer
         self._served_version = served_version
@@ -191,9 +210,23 @@ class GrpcDoor:
             threads=threads,
             limits=limits,
             max_connections=max_connections,
+            listening=listening,
         )
         self.host = host
         self.port = self._server.port
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new connections are still taken."""
+        return self._server.accepting
+
+    def open_connections(self) -> list[socket.socket]:
+        """The connections open now, idle ones included."""
+        return self._server.open_connections()
+
+    def drain(self, wait_s: float) -> bool:
+        """Stop accepting, GOAWAY to every client, let calls finish; see :meth:`H2Listener.drain`."""
+        return self._server.drain(wait_s)
 
     def close(self, grace_s: float = 1.0) -> None:
         """Stop the server; returns when it no longer listens."""
@@ -265,25 +298,40 @@ class GrpcDoor:
         """Answer one call (its method was accepted by :meth:`refuse`)."""
         name = call.method[len(_PREFIX) :]
         try:
-            if name == "ModelInfer":
-                self.infer(call)
-                return
-            request_cls, _ = _messages(name)  # type: ignore[misc]
-            try:
-                request = request_cls.FromString(bytes(call.request()))
-            except CallError:
-                raise
-            except Exception as e:  # protobuf's DecodeError
-                raise InputError(f"the {name}Request message is malformed: {e}") from e
-            response = self._run(getattr(self._servicer, name)(request, None))
-            call.respond([response.SerializeToString()])
-        except (CallError, StreamGone):
+            with self._gate.call("grpc", name, call.method) as record:
+                self._answer(call, name, record)
+        except OverloadedError as e:  # past max_ongoing_requests: refused before it runs
+            raise CallError(*status_of(e)) from e
+
+    def _answer(self, call: Call, name: str, record: CallRecord) -> None:
+        try:
+            self._handle(call, name)
+            record.status = "OK"
+        except CallError as e:
+            record.status = e.code
+            raise
+        except StreamGone:
             raise
         except Exception as e:
             code, message = status_of(e)
+            record.status = code
             if code == "INTERNAL" and not isinstance(e, GrpcAnswerError):
                 logger.warning("front door gRPC: %s", message, exc_info=e)
             raise CallError(code, message) from e
+
+    def _handle(self, call: Call, name: str) -> None:
+        if name == "ModelInfer":
+            self.infer(call)
+            return
+        request_cls, _ = _messages(name)  # type: ignore[misc]
+        try:
+            request = request_cls.FromString(bytes(call.request()))
+        except CallError:
+            raise
+        except Exception as e:  # protobuf's DecodeError
+            raise InputError(f"the {name}Request message is malformed: {e}") from e
+        response = self._run(getattr(self._servicer, name)(request, None))
+        call.respond([response.SerializeToString()])
 
     def infer(self, call: Call) -> None:
         """Answer a ``ModelInfer`` call: through one slot, answered from it, where the request fits one.

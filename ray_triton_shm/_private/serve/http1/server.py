@@ -62,12 +62,20 @@ class Connection:
         sock: The connected socket.
         handler: Called for each request.
         timeouts: How long the client may take.
+        draining: Whether the server is draining: each answer then ends its
+            connection (``Connection: close``).
     """
 
     def __init__(
-        self, sock: socket.socket, handler: Handler, *, timeouts: HttpTimeouts | None = None
+        self,
+        sock: socket.socket,
+        handler: Handler,
+        *,
+        timeouts: HttpTimeouts | None = None,
+        draining: Callable[[], bool] | None = None,
     ) -> None:
         self.sock = sock
+        self._draining = draining
         self._handler = handler
         self.timeouts = timeouts or HttpTimeouts()
         self._buf = bytearray(RECV_BYTES)
@@ -76,6 +84,8 @@ class Connection:
         self._end = 0
         self._send_deadline = 0.0
         self.keep_alive = True
+        self.status = 0
+        """The status of the last answer begun (0: none yet)."""
 
     # -- reading ----------------------------------------------------------
     def _recv(self, view: memoryview, clock: Deadline | BodyClock, stall_s: float | None = None) -> int:
@@ -255,6 +265,9 @@ class Connection:
             ConnectionGone: The deadline passed, or the peer is gone.
         """
         self._send_deadline = time.monotonic() + self.timeouts.send_s
+        self.status = status
+        if self._draining is not None and self._draining():
+            self.keep_alive = False
         length = sum(memoryview(p).nbytes for p in parts)
         head = response_head(status, headers, length, self.keep_alive)
         rest = self.send_parts([head, *parts], stall_s)
@@ -323,7 +336,7 @@ def _error_json(message: str) -> bytes:
 
 
 class HttpListener(TcpListener):
-    """A listening socket (``SO_REUSEPORT``): each connection served in a thread while it has
+    """A listening socket: each connection served in a thread while it has
     requests, and parked in the listener's selector (no thread) while it is idle between them.
 
     Args:
@@ -332,6 +345,8 @@ class HttpListener(TcpListener):
         handler: Called for every request, in the connection's thread.
         max_connections: Connections served at once; idle ones wait without a thread.
         timeouts: How long a client may take (heads, bodies, idle waits, answers).
+        listening: A listening socket to accept from instead of binding one (see
+            :class:`~ray_triton_shm._private.serve.net.listener.TcpListener`).
 
     Raises:
         FrontDoorError: The address cannot be bound.
@@ -345,6 +360,7 @@ class HttpListener(TcpListener):
         *,
         max_connections: int = 256,
         timeouts: HttpTimeouts | None = None,
+        listening: socket.socket | None = None,
     ) -> None:
         chosen = timeouts or HttpTimeouts()
         connections: dict[socket.socket, Connection] = {}
@@ -354,7 +370,9 @@ class HttpListener(TcpListener):
             with lock:
                 connection = connections.get(sock)
                 if connection is None:
-                    connection = connections[sock] = Connection(sock, handler, timeouts=chosen)
+                    connection = connections[sock] = Connection(
+                        sock, handler, timeouts=chosen, draining=lambda: self.draining
+                    )
             wait = None
             try:
                 wait = connection.serve()
@@ -376,4 +394,5 @@ class HttpListener(TcpListener):
             max_connections=max_connections,
             first_wait_s=chosen.idle_s,
             expire=expire,
+            listening=listening,
         )

@@ -1,11 +1,16 @@
-"""A listening TCP socket (``SO_REUSEPORT``) whose idle connections wait in a selector, and vectored sends.
+"""A listening TCP socket whose idle connections wait in a selector, and vectored sends.
 
 Both halves of the front door use it: the HTTP/1.1 listener and the gRPC (HTTP/2) one.
+The listening socket may be shared with other processes (handed over with
+``SCM_RIGHTS``): each accepts from the one queue, so a process that stops
+accepting leaves new connections to the others. It is non-blocking, waited on
+with ``poll``: of the processes woken for a connection, one gets it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import itertools
 import logging
@@ -102,7 +107,7 @@ called again in a thread, or ``expire`` is called and it is closed)."""
 
 
 class TcpListener:
-    """A listening socket (``SO_REUSEPORT``): connections served in threads while busy, parked while idle.
+    """A listening socket: connections served in threads while busy, parked while idle.
 
     A new connection, and one whose ``serve`` returned a wait, sits in one
     selector (no thread of its own) until it has bytes to read; then ``serve``
@@ -114,6 +119,9 @@ class TcpListener:
         host: Address to bind.
         port: Port to bind (``0``: one the OS picks; see :attr:`port`).
         serve: See :data:`Serve`; the socket is closed after it returns ``None``.
+        listening: A listening socket to accept from instead of binding one (its
+            ``host`` and ``port``; another process may accept from it too). The
+            listener owns it: :meth:`close` closes this process's copy.
         protocol: Named in errors and thread names (``HTTP``, ``gRPC``).
         max_connections: Connections served at once (a thread each).
         first_wait_s: How long a new connection may wait for its first byte.
@@ -136,6 +144,7 @@ class TcpListener:
         first_wait_s: float = 10.0,
         expire: Callable[[socket.socket], None] | None = None,
         max_open: int = MAX_OPEN,
+        listening: socket.socket | None = None,
     ) -> None:
         self._serve_connection = serve
         self._expire = expire
@@ -145,17 +154,12 @@ class TcpListener:
         self._lock = threading.Condition()
         self._open: set[socket.socket] = set()
         self._closed = False
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
-            sock.listen(1024)
-        except OSError as e:
-            sock.close()
-            raise FrontDoorError(f"cannot listen for {protocol} on {host}:{port}: {e}") from e
+        self._accepting = True
+        self._draining = False
+        sock = listening if listening is not None else bind_listening(host, port, protocol)
+        sock.setblocking(False)
         self._sock = sock
+        self._wake_r, self._wake_w = socket.socketpair()
         self.host = host
         self.port = sock.getsockname()[1]
         self._parked = _Parking(self._run, self._expired, f"frontdoor-{protocol.lower()}-{self.port}-idle")
@@ -166,11 +170,24 @@ class TcpListener:
         self._thread.start()
 
     def _accept(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         while True:
+            poller.poll()
+            if not self._accepting:
+                return
             try:
                 conn, _ = self._sock.accept()
-            except OSError:  # closed
+            except (BlockingIOError, InterruptedError):  # another process (or nobody) took it
+                continue
+            except OSError as e:
+                if e.errno in (errno.ECONNABORTED, errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(0.01 if e.errno == errno.ECONNABORTED else 0.1)
+                    continue
+                logger.error("front door: %s listener stops accepting: %s", self._protocol, e)
                 return
+            conn.setblocking(True)
             with self._lock:
                 if self._closed or len(self._open) >= self._max_open:
                     full = not self._closed
@@ -219,34 +236,96 @@ class TcpListener:
             self._open.discard(conn)
             self._lock.notify_all()
 
+    @property
+    def accepting(self) -> bool:
+        """Whether new connections are still taken from the listening socket (its thread alive)."""
+        return self._accepting and self._thread.is_alive()
+
+    def stop_accepting(self, wait_s: float = 5.0) -> None:
+        """Take no new connection and close this process's copy of the listening socket.
+
+        Connections already accepted go on. Where another process shares the
+        listening socket, new connections go to it; where none does, the port
+        closes. Idempotent.
+        """
+        with self._lock:
+            if not self._accepting:
+                return
+            self._accepting = False
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=wait_s)
+        self._sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
     def open_connections(self) -> list[socket.socket]:
         """The connections open now, idle ones included."""
         with self._lock:
             return list(self._open)
+
+    @property
+    def draining(self) -> bool:
+        """Whether the listener is draining: answers should end their connections."""
+        return self._draining
+
+    def drain(self, wait_s: float, quiet_s: float = 0.5) -> bool:
+        """Stop accepting, then let the open connections finish; each closes once quiet.
+
+        A connection idle (parked) for ``quiet_s`` is closed (its ``expire``
+        goodbye first); one with work goes on, and the serving code sees
+        :attr:`draining` (an HTTP answer then ends its connection, HTTP/2 sends GOAWAY).
+
+        Returns:
+            Whether every connection ended within ``wait_s`` seconds.
+        """
+        self._draining = True
+        self.stop_accepting(wait_s)
+        self._parked.cap(quiet_s)
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._open, timeout=wait_s)
 
     def close(self, wait_s: float = 5.0) -> None:
         """Stop listening and shut every open connection.
 
         Returns once every connection's thread has finished with it, or after
         ``wait_s`` seconds (a call still running in one is left to end).
+        Idempotent.
         """
+        self.stop_accepting(wait_s)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             open_now = list(self._open)
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        self._sock.close()
         for conn in self._parked.close():
             self._end(conn)
         for conn in open_now:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=wait_s)
         with self._lock:
             self._lock.wait_for(lambda: not self._open, timeout=wait_s)
         self._workers.shutdown(wait=False)
+
+
+def bind_listening(host: str, port: int, protocol: str, backlog: int = 1024) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, ``SO_REUSEPORT``) and listening.
+
+    Raises:
+        FrontDoorError: The address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        raise FrontDoorError(f"cannot listen for {protocol} on {host}:{port}: {e}") from e
+    return sock
 
 
 class _Parking:
@@ -273,6 +352,8 @@ class _Parking:
         self._parked: dict[socket.socket, float] = {}
         self._count = itertools.count()
         self._closed = False
+        self._cap_s: float | None = None
+        self._recap = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -281,10 +362,20 @@ class _Parking:
         with self._lock:
             closed = self._closed
             if not closed:
+                if self._cap_s is not None:
+                    wait_s = min(wait_s, self._cap_s)
                 self._incoming.append((conn, time.monotonic() + wait_s))
         if closed:  # the listener is closing: the connection ends now
             self._expired(conn)
             return
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def cap(self, wait_s: float) -> None:
+        """From now on no connection stays parked longer than ``wait_s`` seconds (from now)."""
+        with self._lock:
+            self._cap_s = wait_s
+            self._recap = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
@@ -294,6 +385,14 @@ class _Parking:
                 if self._closed:
                     return
                 incoming, self._incoming = self._incoming, []
+                recap, self._recap = self._recap, False
+                cap_s = self._cap_s
+            if recap and cap_s is not None:
+                latest = time.monotonic() + cap_s
+                for conn, deadline in list(self._parked.items()):
+                    if deadline > latest:
+                        self._parked[conn] = latest
+                        heapq.heappush(self._deadlines, (latest, next(self._count), conn))
             for conn, deadline in incoming:
                 try:
                     self._selector.register(conn, selectors.EVENT_READ)

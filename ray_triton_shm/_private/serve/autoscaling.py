@@ -1,0 +1,39 @@
+"""Serve's autoscaling, with the front door's calls counted as the replicas' ongoing requests.
+
+Each replica reports its front door's running calls to Serve
+(``record_autoscaling_stats``, as :data:`FRONTDOOR_ONGOING`); Serve averages
+them per replica over ``look_back_period_s``, as it does its own count of ongoing
+requests. :func:`frontdoor_autoscaling_policy` is Serve's default policy
+(ongoing requests per replica against ``target_ongoing_requests``) over both
+counts together; Serve applies the deployment's bounds, factors and delays to
+its answer, as for any policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FRONTDOOR_ONGOING = "frontdoor_ongoing"
+"""The custom autoscaling metric each replica reports: its front door's calls running."""
+
+
+def frontdoor_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
+    """The replicas an app needs for its ongoing requests, front-door calls included.
+
+    Use it in a deployment's ``autoscaling_config``::
+
+        policy: {policy_function: ray_triton_shm.serve:frontdoor_autoscaling_policy}
+
+    Args:
+        ctx: Serve's ``AutoscalingContext``.
+
+    Returns:
+        The desired number of replicas (Serve rounds it and applies the
+        deployment's bounds and delays) and the policy's state (none).
+    """
+    current = ctx.current_num_replicas
+    if current == 0:
+        return ctx.target_num_replicas, {}
+    door = (ctx.aggregated_metrics or {}).get(FRONTDOOR_ONGOING) or {}
+    ongoing = float(ctx.total_num_requests) + sum(door.values())
+    return current * ongoing / (ctx.config.get_target_ongoing_requests() * current), {}

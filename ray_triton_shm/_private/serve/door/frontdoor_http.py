@@ -1,0 +1,217 @@
+"""The front door's HTTP half: KServe v2 inference read from the socket into slots and answered from them.
+
+HTTP inference (no version asked) is read from the socket straight into a
+leased slot (:class:`~ray_triton_shm._private.serve.http1.body.Body`) and
+answered from the slot (``sendmsg`` of the output views): one copy of each
+tensor each way, as in Triton's own endpoint. A slot never waits on a slow
+client: a body read into it that stalls ``http_slot_stall_s`` is copied out,
+the slot given back, and the rest read into memory (the general path then);
+an answer the client stops taking for as long is copied out and finished from
+memory once the slot is back. Every other HTTP route goes to the Serve
+ingress's own handler (the deployment's ``__call__``), so both answer alike.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from ray_triton_shm._private.serve.door.calls import CallGate
+from ray_triton_shm._private.serve.http1.body import Body
+from ray_triton_shm._private.serve.http1.head import HttpParseError, RequestHead
+from ray_triton_shm._private.serve.http1.server import Connection
+from ray_triton_shm._private.serve.http1.timing import ConnectionGone
+from ray_triton_shm._private.serve.net import bounded
+from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
+from ray_triton_shm._private.serve.protocol.slot_plan import fast_path_lengths, run_leased, shm_plan
+from ray_triton_shm._private.shm.cuda import to_host
+from ray_triton_shm.errors import InputError, OverloadedError, RequestTooLargeError
+
+_INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+SLOT_STALL_S = 1.0
+"""Longest a leased slot waits on an HTTP client (a body read, an answer write) before it goes back."""
+
+
+class KServeHttpHandler:
+    """The front door's HTTP requests: inference read into slots; every other route to ``delegate``.
+
+    Args:
+        client: The replica's :class:`NodeClient`.
+        served_version: The version Triton runs for a request without one.
+        delegate: Answers any other request: ``(head, body) -> (status, headers, body)``.
+        error_answer: The KServe error answer of an exception: ``(status, body)``.
+        max_bytes: Largest request body (and inflated body) accepted; larger ones are 413.
+        slot_stall_s: Longest a leased slot waits on the client (see
+            :attr:`FrontDoorConfig.http_slot_stall_s`).
+        gate: Counts the requests running and refuses one past its bound (503).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        served_version: Any,
+        delegate: Any,
+        error_answer: Any,
+        max_bytes: int,
+        *,
+        slot_stall_s: float = SLOT_STALL_S,
+        gate: CallGate | None = None,
+    ) -> None:
+        self._gate = gate or CallGate()
+        self._max_bytes = max_bytes
+        self._client = client
+        self._served_version = served_version
+        self._delegate = delegate
+        self._error_answer = error_answer
+        self._stall_s = slot_stall_s
+
+    def __call__(self, conn: Connection, head: RequestHead, body: Body) -> None:
+        try:
+            with self._gate.call("http", head.method, head.path) as record:
+                conn.status = 0
+                try:
+                    self._answer(conn, head, body)
+                finally:
+                    record.status = str(conn.status) if conn.status else ""
+        except OverloadedError as e:  # the body is not read: the connection ends after the answer
+            conn.keep_alive = False
+            status, payload = self._error_answer(e)
+            conn.respond(status, [("content-type", "application/json")], [payload])
+
+    def _answer(self, conn: Connection, head: RequestHead, body: Body) -> None:
+        try:
+            if not body.chunked and body.remaining > self._max_bytes:  # refused before it is read
+                raise bounded.too_large("request body", self._max_bytes)
+            if head.method == "POST":
+                match = _INFER.match(head.path)
+                if match and match.group(2) is None:
+                    self._infer(conn, match.group(1), head, body)
+                    return
+            data = body.read_all(self._max_bytes)
+            status, headers, payload = self._delegate(head, data)
+            conn.respond(status, headers, [payload])
+        except (ConnectionGone, HttpParseError):
+            raise  # the request's framing is lost (or too slow): the connection answers and closes
+        except Exception as e:
+            if isinstance(e, RequestTooLargeError):
+                conn.keep_alive = False  # the rest of the body is not read
+            else:
+                try:
+                    body.drain(self._max_bytes)  # the client may still be sending: let it finish
+                except Exception:
+                    conn.keep_alive = False
+            status, payload = self._error_answer(e)
+            conn.respond(status, [("content-type", "application/json")], [payload])
+
+    def _infer(self, conn: Connection, model: str, head: RequestHead, body: Body) -> None:
+        client = self._client
+        lengths = None if body.chunked else fast_path_lengths(head.headers)
+        data = bytearray()
+        if lengths is not None:
+            header_length, body_length = lengths
+            prefix = body.read(min(header_length, body_length))
+            planned = None
+            if len(prefix) == min(header_length, body_length):
+                try:
+                    planned = kserve.plan_request(prefix, header_length, body_length)
+                except InputError:
+                    planned = None  # the general path raises the same error
+            if planned is not None and planned[1]:
+                decoded, spans = planned
+                if shm_plan(client, model, decoded.inputs, decoded.outputs):
+                    stalled = self._infer_in_slot(conn, model, prefix, decoded, spans, body)
+                    if stalled is None:
+                        return
+                    data = stalled
+            if not data:
+                data += prefix
+        body.read_rest_into(data, self._max_bytes)
+        self._infer_general(conn, model, head, bytes(data))
+
+    def _infer_general(self, conn: Connection, model: str, head: RequestHead, data: bytes) -> None:
+        """Decode the whole body ``data``, run it with ``client.infer``, answer from memory."""
+        client = self._client
+        encoding = (head.headers.get("content-encoding") or "identity").strip().lower()
+        if encoding != "identity":
+            data = bounded.inflate(data, encoding, self._max_bytes)
+        decoded = kserve.decode_request(
+            data, kserve.parse_header_length(head.headers.get(kserve.HEADER_LENGTH))
+        )
+        version = self._served_version(model)
+        outputs = client.infer(model, decoded.inputs, outputs=decoded.outputs, copy=False)
+        host = {name: to_host(value) for name, value in outputs.items()}
+        parts, headers = kserve.encode_response_parts(model, decoded, host, version)
+        conn.respond(200, list(headers.items()), parts)
+
+    def _infer_in_slot(
+        self,
+        conn: Connection,
+        model: str,
+        prefix: bytes,
+        decoded: kserve.DecodedRequest,
+        spans: list[kserve.BinarySpan],
+        body: Body,
+    ) -> bytearray | None:
+        """Lease a slot, read the tensor bytes from the socket into it, run, answer from the slot.
+
+        The slot is held only while the client keeps pace: a read or a write that
+        waits ``slot_stall_s`` for it copies the slot's bytes to memory and gives
+        the slot back.
+
+        Args:
+            conn: The connection.
+            model: The model.
+            prefix: The body's JSON header (its first bytes, read already).
+            decoded: The request, its binary inputs placeholders.
+            spans: Where the binary inputs lie in the body, one after another.
+            body: The rest of the body.
+
+        Returns:
+            ``None`` once answered; or, when the body stalled, the body read so
+            far (``prefix`` and the tensor bytes that came), the slot given back.
+
+        Raises:
+            InputError: The body is longer than its tensors, or as ``client.run``.
+            HttpTimeoutError: The body came too slowly.
+            ConnectionGone: The client went, or did not take the answer in time.
+        """
+        client = self._client
+        version = self._served_version(model)
+        with client.lease(model) as lease:
+            for name, array in decoded.inputs.items():  # JSON inputs of the same request
+                if all(span.name != name for span in spans):
+                    lease.input(name, array.shape)[...] = array
+            filled: list[memoryview] = []
+            for span in spans:
+                target = lease.input(span.name, decoded.inputs[span.name].shape)
+                view = memoryview(target.reshape(-1).view(np.uint8))
+                del target
+                got = body.readinto(view, self._stall_s)
+                filled.append(view[:got])
+                if got < len(view):  # the client stalled: what came goes to memory, the slot back
+                    data = bytearray(prefix)
+                    for part in filled:
+                        data += part
+                    del view, filled, part
+                    return data
+                del view
+            del filled
+            if body.remaining:
+                raise InputError("the request body is longer than its tensors")
+            outputs = run_leased(client, model, lease, decoded.outputs)
+            parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
+            del outputs
+            # Written from the slot while the client takes it; what it does not take in
+            # time is copied out (rest), sent once the slot is back.
+            rest = conn.respond(200, list(headers.items()), parts, self._stall_s)
+            # No view of the slot outlives the lease: it goes straight back, not pinned.
+            del parts
+        conn.send_rest(rest)
+        return None
+
+
+def error_answer(error: Exception) -> tuple[int, bytes]:
+    """The KServe error answer of ``error`` (as the Serve ingress answers it)."""
+    return kserve_errors.error_answer(error)

@@ -1,0 +1,80 @@
+"""The front door inside Serve, under 8 external callers: a rolling update, a hung replica, autoscaling.
+
+A local Ray, the node's real Triton, the shipped configs (deployments/triton_shm.yaml
+and triton_shm_autoscaling.yaml) on free ports, and the scenarios of
+:mod:`ray_triton_shm._private.bench.citizen` (which also runs them through
+Serve's proxies for comparison): unmodified tritonclient callers (4 HTTP, 4
+gRPC) outside Ray, every output checked, a new connection after a failed call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ray_triton_shm._private.bench import citizen
+from tests.helpers import wait_for
+
+from .conftest import teardown_ray
+
+pytestmark = pytest.mark.slow
+
+_OWNERS: set[int] = set()  # every process whose /dev/shm segments must be gone at the end
+
+
+@pytest.fixture(scope="module")
+def ray_up():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        teardown_ray()
+    owners = _OWNERS | set(citizen._PIDS.values())
+    assert wait_for(
+        lambda: not [n for n in os.listdir("/dev/shm") if any(n.startswith(f"rtshm_{p}_") for p in owners)],
+        30,
+        0.5,
+    ), "segments left in /dev/shm"
+
+
+@pytest.fixture
+def app_deleted():
+    """Deletes the scenario's app afterwards, noting its node's processes for the /dev/shm check."""
+    yield
+    import ray
+    from ray import serve
+
+    from ray_triton_shm.node import get_node_actor
+
+    info = ray.get(get_node_actor().info.remote())
+    _OWNERS.update({info.actor_pid, info.triton_pid})
+    serve.delete("triton")
+
+
+def test_a_rolling_update_under_load_drops_no_call(ray_up, app_deleted, tmp_path) -> None:
+    result = citizen.rolling_update(tmp_path, "frontdoor")
+    print("rolling update:", result)
+    assert result["replicas_before"] == 2 and result["replaced"]
+    assert result["ok"] > 100
+    assert (result["failed"], result["wrong"]) == (0, 0), result["failures"]
+
+
+def test_a_hung_replica_takes_no_new_connection_and_is_replaced(ray_up, app_deleted, tmp_path) -> None:
+    result = citizen.hung_replica(tmp_path, "frontdoor", stopped_s=30.0)
+    print("hung replica:", result)
+    assert result["replacement_started"] and result["replacement_started_s"] <= 15.0
+    assert result["wrong"] == 0 and result["failed_before_stop"] == 0
+    # At most the calls on the connections it held when it stopped: one per caller.
+    assert result["failed"] <= 8, result["failures"]
+
+
+def test_autoscaling_follows_front_door_load(ray_up, app_deleted, tmp_path) -> None:
+    result = citizen.autoscaling(tmp_path, "frontdoor", load_s=40.0)
+    print("autoscaling (s, replicas):", result["timeline"])
+    assert result["timeline"][0][1] == 1
+    assert result["peak"] >= 2, "front-door load did not scale the app up"
+    assert result["back_to_1"], "the app did not scale back down after the load"
+    assert result["wrong"] == 0 and result["ok"] > 0

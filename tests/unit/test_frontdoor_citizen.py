@@ -1,0 +1,231 @@
+"""The front door as Serve's replicas need it, without Ray: one shared accept queue, drain, the call bound."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING, frontdoor_autoscaling_policy
+from ray_triton_shm._private.serve.door.calls import CallGate
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler, error_answer
+from ray_triton_shm._private.serve.door.port_claim import PortClaim, claim_names
+from ray_triton_shm._private.serve.http1.server import HttpListener
+from ray_triton_shm._private.serve.net.listener import TcpListener
+from ray_triton_shm.errors import OverloadedError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answer(name: bytes):
+    def serve(conn: socket.socket) -> None:
+        conn.sendall(name + b"\n")
+
+    return serve
+
+
+_REPLICA = """
+import os, sys
+from ray_triton_shm._private.serve.door.port_claim import PortClaim
+from ray_triton_shm._private.serve.net.listener import TcpListener
+claim = PortClaim({port}, "app")
+sock = claim.listening_socket("127.0.0.1", "HTTP")
+def serve(conn):
+    conn.sendall(b"child\\n")
+listener = TcpListener("127.0.0.1", {port}, serve, protocol="HTTP", listening=sock)
+print(os.fstat(sock.fileno()).st_ino, flush=True)
+sys.stdin.read()
+"""
+
+
+def _ask(port: int, timeout: float = 3.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+        conn.sendall(b"x")  # a parked connection is served once it has bytes
+        return conn.recv(100)
+
+
+def test_a_stopped_replica_takes_no_new_connection_the_others_take_them_all() -> None:
+    port = _free_port()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _REPLICA.format(port=port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    listener = None
+    claim = None
+    try:
+        assert child.stdout is not None
+        inode = int(child.stdout.readline())
+        assert _ask(port) == b"child\n"
+        claim = PortClaim(port, "app")
+        sock = claim.listening_socket("127.0.0.1", "HTTP")
+        assert os.fstat(sock.fileno()).st_ino == inode  # handed over, not bound beside it
+        listener = TcpListener("127.0.0.1", port, _answer(b"parent"), protocol="HTTP", listening=sock)
+        os.kill(child.pid, signal.SIGSTOP)  # a hung replica
+        try:
+            answers = [_ask(port) for _ in range(40)]
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        assert answers == [b"parent\n"] * 40
+    finally:
+        child.kill()
+        child.wait()
+        if listener is not None:
+            listener.close()
+        if claim is not None:
+            claim.close()
+    assert not [n for n in claim_names(port)]
+
+
+def test_the_port_stays_open_while_one_replica_holds_it() -> None:
+    port = _free_port()
+    first_claim = PortClaim(port, "app")
+    first = TcpListener(
+        "127.0.0.1",
+        port,
+        _answer(b"first"),
+        protocol="HTTP",
+        listening=first_claim.listening_socket("127.0.0.1", "HTTP"),
+    )
+    second_claim = PortClaim(port, "app")
+    second = TcpListener(
+        "127.0.0.1",
+        port,
+        _answer(b"second"),
+        protocol="HTTP",
+        listening=second_claim.listening_socket("127.0.0.1", "HTTP"),
+    )
+    try:
+        first_claim.close()
+        first.stop_accepting()
+        assert {_ask(port) for _ in range(10)} == {b"second\n"}  # the old one left, the port did not
+        third_claim = PortClaim(port, "app")  # borrows from the second, the only holder now
+        third = TcpListener(
+            "127.0.0.1",
+            port,
+            _answer(b"third"),
+            protocol="HTTP",
+            listening=third_claim.listening_socket("127.0.0.1", "HTTP"),
+        )
+        second_claim.close()
+        second.close()
+        assert {_ask(port) for _ in range(10)} == {b"third\n"}
+        third_claim.close()
+        third.close()
+        with pytest.raises(ConnectionRefusedError):  # the last holder gone: the port closed
+            _ask(port)
+    finally:
+        for each in (first, second):
+            each.close()
+        first_claim.close()
+        second_claim.close()
+
+
+def _echo(conn, head, body) -> None:
+    data = body.read_all()
+    conn.respond(200, [("content-type", "text/plain")], [data])
+
+
+def test_drain_ends_kept_alive_connections_after_their_answer() -> None:
+    door = HttpListener("127.0.0.1", 0, _echo)
+    port = door.port
+    busy = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    busy.request("POST", "/", body=b"one")
+    first = busy.getresponse()
+    assert (first.read(), first.getheader("connection")) == (b"one", None)  # kept alive
+    idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+    time.sleep(0.3)  # accepted, parked
+    drained: list[bool] = []
+    drainer = threading.Thread(target=lambda: drained.append(door.drain(5.0, quiet_s=2.0)))
+    drainer.start()
+    time.sleep(0.3)
+    busy.request("POST", "/", body=b"two")  # a request on a connection open before the drain
+    second = busy.getresponse()
+    assert (second.read(), second.getheader("connection")) == (b"two", "close")
+    assert idle.recv(10) == b""  # an idle connection is closed once quiet
+    drainer.join(10)
+    assert drained == [True]
+    with pytest.raises(ConnectionRefusedError):  # no one else held the socket: the port closed
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    busy.close()
+    idle.close()
+    door.close()
+
+
+def test_the_call_bound_refuses_past_max_ongoing_requests() -> None:
+    gate = CallGate(2)
+    with gate.call(), gate.call():
+        assert gate.ongoing == 2
+        with pytest.raises(OverloadedError, match=r"max_ongoing_requests \(2\)"), gate.call():
+            pass
+    assert (gate.ongoing, gate.total, gate.refused) == (0, 2, 1)
+
+
+class _Client:
+    def infer(self, model, inputs, **kwargs):
+        raise AssertionError("a refused call never runs")
+
+
+def test_a_full_front_door_answers_503_as_serves_back_pressure() -> None:
+    gate = CallGate(1)
+    handler = KServeHttpHandler(_Client(), lambda m: "1", None, error_answer, 1 << 20, gate=gate)
+    door = HttpListener("127.0.0.1", 0, handler)
+    try:
+        with gate.call():  # one call running: the bound
+            conn = http.client.HTTPConnection("127.0.0.1", door.port, timeout=10)
+            body = json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}]})
+            conn.request("POST", "/v2/models/m/infer", body=body)
+            response = conn.getresponse()
+            assert response.status == 503
+            assert "max_ongoing_requests (1)" in json.loads(response.read())["error"]
+            conn.close()
+    finally:
+        door.close()
+
+
+class _Deployment:
+    _client = None
+    _max_request_bytes = 1 << 20
+
+
+def test_the_doors_health_check_fails_once_it_stops_accepting() -> None:
+    door = FrontDoor(FrontDoorConfig(http_port=0), _Deployment(), "app", max_ongoing=4)
+    try:
+        door.check()
+        assert door.stats()["ongoing"] == 0 and door.calls.limit == 4
+        door.http.stop_accepting()
+        with pytest.raises(Exception, match="no longer accepts connections"):
+            door.check()
+    finally:
+        door.close()
+
+
+def _ctx(current: int, serve_requests: float, door: list[float], target: float = 2.0) -> SimpleNamespace:
+    return SimpleNamespace(
+        current_num_replicas=current,
+        target_num_replicas=current,
+        total_num_requests=serve_requests,
+        aggregated_metrics={FRONTDOOR_ONGOING: {f"r{i}": v for i, v in enumerate(door)}},
+        config=SimpleNamespace(get_target_ongoing_requests=lambda: target),
+    )
+
+
+def test_the_policy_counts_front_door_calls_as_ongoing_requests() -> None:
+    assert frontdoor_autoscaling_policy(_ctx(1, 0.0, [8.0]))[0] == pytest.approx(4.0)  # up
+    assert frontdoor_autoscaling_policy(_ctx(2, 2.0, [1.0, 1.0]))[0] == pytest.approx(2.0)
+    assert frontdoor_autoscaling_policy(_ctx(3, 0.0, [0.0, 0.0, 0.0]))[0] == 0.0  # down (to min)
+    no_door = _ctx(2, 4.0, [])
+    no_door.aggregated_metrics = None
+    assert frontdoor_autoscaling_policy(no_door)[0] == pytest.approx(2.0)  # Serve's own requests only
