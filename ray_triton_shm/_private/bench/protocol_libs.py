@@ -14,7 +14,8 @@ machine differs:
 * ``grpc-ours``: the front door's gRPC listener (hand-written HTTP/2 framing,
   HPACK by ``hpack``), the message placed straight into the slot from the socket;
 * ``grpc-h2``: a gRPC server on ``h2`` (hyper-h2) and its ``hpack``
-  (:class:`~ray_triton_shm._private.bench.protocol_variants.LibH2Server`).
+  (:class:`~ray_triton_shm._private.bench.protocol_variants.LibH2Server`);
+* ``grpc-ngh2``: the same server on nghttp2 (the ``ngh2`` binding).
 
 Callers are processes of their own (``--callers``, each with one connection,
 one call at a time): raw HTTP/1.1 requests shaped as ``tritonclient.http``
@@ -249,7 +250,12 @@ def measure(
 
 # -- the run -----------------------------------------------------------------------------------
 
-PAIRS = (("http1-ours", "http1-httptools"), ("http1-ours", "http1-h11"), ("grpc-ours", "grpc-h2"))
+PAIRS = (
+    ("http1-ours", "http1-httptools"),
+    ("http1-ours", "http1-h11"),
+    ("grpc-ours", "grpc-h2"),
+    ("grpc-ours", "grpc-ngh2"),
+)
 
 
 PARSERS: dict[str, Callable[[Any], RequestHead]] = {
@@ -257,7 +263,7 @@ PARSERS: dict[str, Callable[[Any], RequestHead]] = {
     "http1-httptools": parse_head,
     "http1-h11": parse_head_h11,
 }
-VARIANTS = (*PARSERS, "grpc-ours", "grpc-h2")
+VARIANTS = (*PARSERS, "grpc-ours", "grpc-h2", "grpc-ngh2")
 
 
 def head_cost_us(parse: Callable[[Any], RequestHead], size: int, repeat: int = 20000) -> float:
@@ -276,7 +282,7 @@ def _start(name: str, pool: SlotPool) -> Variant:
     if name == "grpc-ours":
         ours = grpc_server(pool)
         return Variant(name, "grpc", ours.port, ours.close)
-    lib = LibH2Server(pool.lease)
+    lib = LibH2Server(pool.lease, name.removeprefix("grpc-"))
     return Variant(name, "grpc", lib.port, lib.close)
 
 

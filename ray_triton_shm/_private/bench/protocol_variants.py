@@ -6,9 +6,10 @@ against the transport that ships:
 * :func:`parse_head_h11`: the HTTP/1.1 listener with ``h11`` reading request
   heads (bodies still read by the listener straight into the handler's buffer);
 * :class:`LibH2Server`: a gRPC server whose HTTP/2 (frames, flow control, HPACK)
-  is ``h2``'s (hyper-h2, sans-I/O): bytes read from the socket are fed to
-  ``h2``, the request message's bytes it hands back are copied into a slot, and
-  the answer is given to ``h2`` as views of the slot.
+  is a sans-I/O library's, ``h2`` (hyper-h2, pure Python) or ``ngh2`` (nghttp2,
+  C): bytes read from the socket are fed to it, the request message's bytes it
+  hands back are copied into a slot, and the answer is given to it as views of
+  the slot.
 
 The shipped HTTP/1.1 head reader (llhttp through ``httptools``) and the
 hand-written one are both in :mod:`~ray_triton_shm._private.serve.http1.head`.
@@ -29,6 +30,7 @@ import h2.connection
 import h2.events
 import h2.settings
 import h11
+import ngh2
 
 from ray_triton_shm._private.serve.http1.head import (
     HttpParseError,
@@ -73,15 +75,17 @@ CallHandler = Callable[[int, Any, memoryview], "list[memoryview]"]
 
 
 class LibH2Server:
-    """A gRPC server (unary calls) on ``h2``: a thread per connection; each call runs in it.
+    """A gRPC server (unary calls) on an HTTP/2 library: a thread per connection; each call runs in it.
 
     Args:
         lease: Takes a slot (an object with ``view``, a writable ``memoryview``, and ``release()``).
+        library: ``"h2"`` (hyper-h2) or ``"ngh2"`` (nghttp2).
         port: Port to bind on 127.0.0.1 (``0``: one the OS picks; see :attr:`port`).
     """
 
-    def __init__(self, lease: Callable[[], Any], port: int = 0) -> None:
+    def __init__(self, lease: Callable[[], Any], library: str = "h2", port: int = 0) -> None:
         self._lease = lease
+        self._conn = _H2Conn if library == "h2" else _NgConn
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", port))
@@ -97,7 +101,7 @@ class LibH2Server:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=_H2Conn(sock, self._lease).serve, daemon=True, name="h2-conn").start()
+            threading.Thread(target=self._conn(sock, self._lease).serve, daemon=True, name="h2-conn").start()
 
     def close(self) -> None:
         """Stop accepting connections."""
@@ -116,6 +120,21 @@ class _Call:
         self.prefix = bytearray()
         self.length = -1
         self.filled = 0
+
+
+def _land(call: _Call, data: bytes, lease: Callable[[], Any]) -> None:
+    """Copy a DATA payload of a call into its slot (after the message's 5-byte prefix)."""
+    view = memoryview(data)
+    if call.length < 0:
+        need = 5 - len(call.prefix)
+        call.prefix += view[:need]
+        view = view[need:]
+        if len(call.prefix) < 5:
+            return
+        call.length = struct.unpack(">I", call.prefix[1:5])[0]
+        call.slot = lease()
+    call.slot.view[call.filled : call.filled + len(view)] = view
+    call.filled += len(view)
 
 
 class _H2Conn:
@@ -189,18 +208,7 @@ class _H2Conn:
             self._answer(stream_id)
 
     def _data(self, stream_id: int, data: bytes) -> None:
-        call = self._calls[stream_id]
-        view = memoryview(data)
-        if call.length < 0:
-            need = 5 - len(call.prefix)
-            call.prefix += view[:need]
-            view = view[need:]
-            if len(call.prefix) < 5:
-                return
-            call.length = struct.unpack(">I", call.prefix[1:5])[0]
-            call.slot = self._lease()
-        call.slot.view[call.filled : call.filled + len(view)] = view
-        call.filled += len(view)
+        _land(self._calls[stream_id], data, self._lease)
 
     def _answer(self, stream_id: int) -> None:
         call = self._calls.pop(stream_id)
@@ -228,3 +236,93 @@ class _H2Conn:
             step = min(window, len(view))
             conn.send_data(stream_id, view[:step])
             view = view[step:]
+
+
+class _NgConn:
+    """One connection on nghttp2 (``ngh2``): it frames, keeps the windows and encodes headers.
+
+    The bytes read are handed to nghttp2 as a view of the read buffer; each DATA
+    payload it gives back (``bytes``) is copied into the slot; the answer is given
+    to it as views of the slot, which it frames as the client's windows allow.
+    """
+
+    def __init__(self, sock: socket.socket, lease: Callable[[], Any]) -> None:
+        self._sock = sock
+        self._lease = lease
+        self._ng = ngh2.Connection(ngh2.Role.SERVER)
+        self._calls: dict[int, _Call] = {}
+        self._buf = bytearray(256 * 1024)
+        self._done = False
+
+    def serve(self) -> None:
+        ng = self._ng
+        ng.initiate_connection(
+            {
+                ngh2.Setting.INITIAL_WINDOW_SIZE: MAX_WINDOW,
+                ngh2.Setting.MAX_FRAME_SIZE: MAX_FRAME,
+                ngh2.Setting.MAX_CONCURRENT_STREAMS: 1024,
+            }
+        )
+        ng.set_local_window_size(MAX_WINDOW)
+        try:
+            self._flush()
+            while not self._done:
+                self._read()
+        except OSError:
+            pass
+        except Exception:
+            logger.exception("ngh2 connection failed")
+        finally:
+            for call in self._calls.values():
+                if call.slot is not None:
+                    call.slot.release()
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+    def _flush(self) -> None:
+        out = self._ng.data_to_send()
+        while out:
+            self._sock.sendall(out)
+            out = self._ng.data_to_send()
+
+    def _read(self) -> None:
+        n = self._sock.recv_into(self._buf)
+        if not n:
+            self._done = True
+            return
+        self._ng.receive_data(memoryview(self._buf)[:n])
+        ended = []
+        for event in self._ng.events():
+            if isinstance(event, ngh2.RequestReceived):
+                self._calls[event.stream_id] = _Call()
+                if event.end_stream:
+                    ended.append(event.stream_id)
+            elif isinstance(event, ngh2.DataReceived):
+                _land(self._calls[event.stream_id], event.data, self._lease)
+                if event.end_stream:
+                    ended.append(event.stream_id)
+            elif isinstance(event, ngh2.StreamReset):
+                call = self._calls.pop(event.stream_id, None)
+                if call is not None and call.slot is not None:
+                    call.slot.release()
+            elif isinstance(event, ngh2.ConnectionClosed):
+                self._done = True
+        self._flush()
+        for stream_id in ended:
+            self._answer(stream_id)
+
+    def _answer(self, stream_id: int) -> None:
+        call = self._calls.pop(stream_id)
+        ng = self._ng
+        try:
+            ng.send_response(stream_id, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+            ng.send_data(stream_id, struct.pack(">BI", 0, call.filled))
+            ng.send_data(stream_id, call.slot.view[: call.filled])
+            ng.send_trailers(stream_id, [(b"grpc-status", b"0")])
+            self._flush()
+            while ng.queued_body_size(stream_id):
+                self._read()  # the client's WINDOW_UPDATE
+                if self._done:
+                    raise OSError("the client went away")
+        finally:
+            call.slot.release()
