@@ -80,7 +80,7 @@ integration: setup native
 cluster-test: setup
 	$(PY) -m pytest tests/cluster -s -p no:cacheprovider
 
-# The benchmark's own extras: matplotlib (the `bench` extra) in the venv, and
+# The benchmark's own extras: matplotlib, h11, h2 and ngh2 (the `bench` extra) in the venv, and
 # triton-shm-client, the library compared against, in .cache/bench-extra only
 # (--no-deps: it needs just tritonclient.grpc and numpy, both already here).
 BENCH_EXTRA := .cache/bench-extra
@@ -89,7 +89,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP)
 	$(PIP) -e '.[dev,bench]' 2>&1 | grep -v '^WARNING: Location' || true
 	$(PIP) --no-deps --target $(BENCH_EXTRA) --upgrade triton-shm-client==0.1.0 2>&1 | grep -v '^WARNING' || true
-	$(PY) -c "import matplotlib, sys; sys.path.append('$(BENCH_EXTRA)'); import triton_shm_client"
+	$(PY) -c "import matplotlib, h11, h2, ngh2, sys; sys.path.append('$(BENCH_EXTRA)'); import triton_shm_client"
 	touch $(BENCH_STAMP)
 
 bench-env: setup $(BENCH_STAMP)

@@ -1,8 +1,14 @@
 """HTTP/1.1 as the front door reads it (RFC 9112, strictly): request heads, chunk-size lines, answers' heads.
 
 Everything here works on bytes already read; :mod:`~ray_triton_shm._private.serve.http1.server`
-does the reading. A request that is not HTTP/1.1 as read here raises :class:`HttpParseError`
-with the status to answer.
+does the reading. Request heads are read by llhttp (``httptools``, the parser of
+Node.js and uvloop) and checked on top for what llhttp lets through (the request
+line, a second ``Host``, the transfer codings, the versions served); a head
+llhttp refuses is read again by :func:`parse_head_by_hand`, which names the
+fault. A request that is not HTTP/1.1 as read here raises :class:`HttpParseError`
+with the status to answer. Chunked bodies are read by the listener itself
+(their payload goes straight into the handler's buffer): their size lines
+are read here (:func:`chunk_size`).
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
+
+import httptools
 
 from ray_triton_shm.errors import InputError
 
@@ -137,6 +145,45 @@ class RequestHead:
 def parse_head(data: bytes | bytearray | memoryview) -> RequestHead:
     """Parse a request line and headers (``data`` ends with the blank line, ``\\r\\n\\r\\n``).
 
+    llhttp (``httptools``) reads the lines; the request line and what the
+    headers mean are then checked here as :func:`parse_head_by_hand` checks
+    them. A head llhttp refuses is read by :func:`parse_head_by_hand`, which
+    names the fault; the one head llhttp refuses that it accepts, a
+    ``Content-Length`` repeated with the same value (RFC 9110 8.6), is accepted.
+
+    Raises:
+        HttpParseError: As :func:`parse_head_by_hand`, or a head llhttp refuses (400).
+    """
+    raw = bytes(data)
+    fields = _Fields()
+    try:
+        httptools.HttpRequestParser(fields).feed_data(raw)
+    except httptools.HttpParserUpgrade:
+        pass  # an Upgrade header (or CONNECT): the head was read whole; no protocol switch is made
+    except httptools.HttpParserError as e:
+        head = parse_head_by_hand(raw)  # raises, naming the fault, unless it reads the head
+        if str(e) != "Duplicate Content-Length":
+            raise HttpParseError(f"malformed request head: {e}") from None
+        return head
+    line = raw[: raw.index(b"\r\n")].decode("latin-1")
+    return assemble_head(*read_request_line(line), fields.fields)
+
+
+class _Fields:
+    """The header fields llhttp reads (its callbacks), names and values decoded as latin-1."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self) -> None:
+        self.fields: list[tuple[str, str]] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.append((name.decode("latin-1"), value.decode("latin-1").strip(" \t")))
+
+
+def parse_head_by_hand(data: bytes | bytearray | memoryview) -> RequestHead:
+    """Parse a request line and headers without llhttp: each line read and checked here.
+
     Raises:
         HttpParseError: Not a valid HTTP/1.x request head (400): a line not
             ended by CRLF, obsolete line folding, a header name that is not a
@@ -154,8 +201,8 @@ def parse_head(data: bytes | bytearray | memoryview) -> RequestHead:
     for line in lines:
         if "\r" in line or "\n" in line:
             raise HttpParseError("bare CR or LF in the request head (lines end with CRLF)")
-    method, target, version = _request_line(lines[0])
-    headers: dict[str, str] = {}
+    request_line = read_request_line(lines[0])
+    fields: list[tuple[str, str]] = []
     for line in lines[1:]:
         if line[:1] in (" ", "\t"):
             raise HttpParseError("obsolete line folding in the request head")
@@ -165,6 +212,18 @@ def parse_head(data: bytes | bytearray | memoryview) -> RequestHead:
         value = value.strip(" \t")
         if not _FIELD_VALUE.fullmatch(value):
             raise HttpParseError(f"control character in header {name[:40]!r}")
+        fields.append((name, value))
+    return assemble_head(*request_line, fields)
+
+
+def assemble_head(method: str, target: str, version: str, fields: list[tuple[str, str]]) -> RequestHead:
+    """The head of a request line and its header fields (each a token and a value already checked).
+
+    Raises:
+        HttpParseError: As :func:`parse_head_by_hand`, for what the fields mean together.
+    """
+    headers: dict[str, str] = {}
+    for name, value in fields:
         name = name.lower()
         if name in headers:
             if name == "content-length" and headers[name] != value:
@@ -187,7 +246,7 @@ def parse_head(data: bytes | bytearray | memoryview) -> RequestHead:
     return RequestHead(method, unquote(path), query, version, headers)
 
 
-def _request_line(line: str) -> tuple[str, str, str]:
+def read_request_line(line: str) -> tuple[str, str, str]:
     """(method, target, version) of a request line: single spaces, a token, an origin-form path.
 
     Raises:

@@ -11,7 +11,8 @@ slot), or whole (``read_all``). It answers with :meth:`Connection.respond`,
 whose body parts (views of a slot, say) go to the socket as they are
 (``sendmsg``), without being joined first.
 
-It reads requests strictly (RFC 9112): every line ends with CRLF; no obsolete
+It reads requests strictly (RFC 9112; heads through llhttp, see
+:mod:`~ray_triton_shm._private.serve.http1.head`): every line ends with CRLF; no obsolete
 line folding; header names are tokens and values hold no control characters;
 ``Content-Length`` with ``Transfer-Encoding``, a transfer coding other than one
 ``chunked``, conflicting ``Content-Length`` values and chunk sizes that are not
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[["Connection", RequestHead, Body], None]
 
+HeadParser = Callable[[memoryview], RequestHead]
+"""Reads a request head (ending with its blank line); raises :class:`HttpParseError` when malformed."""
+
 
 class Connection:
     """One client connection: reads requests one after another and hands each to the handler.
@@ -64,6 +68,7 @@ class Connection:
         timeouts: How long the client may take.
         draining: Whether the server is draining: each answer then ends its
             connection (``Connection: close``).
+        parse: Reads each request head (:func:`~ray_triton_shm._private.serve.http1.head.parse_head`).
     """
 
     def __init__(
@@ -73,10 +78,12 @@ class Connection:
         *,
         timeouts: HttpTimeouts | None = None,
         draining: Callable[[], bool] | None = None,
+        parse: HeadParser = parse_head,
     ) -> None:
         self.sock = sock
         self._draining = draining
         self._handler = handler
+        self._parse = parse
         self.timeouts = timeouts or HttpTimeouts()
         self._buf = bytearray(RECV_BYTES)
         self._view = memoryview(self._buf)
@@ -189,7 +196,7 @@ class Connection:
         while True:
             at = self._buf.find(b"\r\n\r\n", self._start, self._end)
             if at >= 0:
-                head = parse_head(self._view[self._start : at + 4])
+                head = self._parse(self._view[self._start : at + 4])
                 self._start = at + 4
                 return head
             lf = self._buf.find(b"\n", self._start + scanned, self._end)
@@ -347,6 +354,7 @@ class HttpListener(TcpListener):
         timeouts: How long a client may take (heads, bodies, idle waits, answers).
         listening: A listening socket to accept from instead of binding one (see
             :class:`~ray_triton_shm._private.serve.net.listener.TcpListener`).
+        parse: Reads each request head (see :class:`Connection`).
 
     Raises:
         FrontDoorError: The address cannot be bound.
@@ -361,6 +369,7 @@ class HttpListener(TcpListener):
         max_connections: int = 256,
         timeouts: HttpTimeouts | None = None,
         listening: socket.socket | None = None,
+        parse: HeadParser = parse_head,
     ) -> None:
         chosen = timeouts or HttpTimeouts()
         connections: dict[socket.socket, Connection] = {}
@@ -371,7 +380,7 @@ class HttpListener(TcpListener):
                 connection = connections.get(sock)
                 if connection is None:
                     connection = connections[sock] = Connection(
-                        sock, handler, timeouts=chosen, draining=lambda: self.draining
+                        sock, handler, timeouts=chosen, draining=lambda: self.draining, parse=parse
                     )
             wait = None
             try:
