@@ -346,8 +346,34 @@ def _error_response(error: Exception) -> Response:
     return Response(body, status_code=status, media_type="application/json")
 
 
+FRONTDOOR_POLICY = "ray_triton_shm.serve:frontdoor_autoscaling_policy"
+
+
+def with_frontdoor_policy(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Deployment ``options`` whose autoscaling (if any, as a mapping) counts front-door calls.
+
+    ``num_replicas: auto`` or an ``autoscaling_config`` mapping without a ``policy``
+    gets :data:`FRONTDOOR_POLICY`; anything else is returned as it is.
+    """
+    chosen = dict(options)
+    config = chosen.get("autoscaling_config")
+    if chosen.get("num_replicas") != "auto" and not isinstance(config, Mapping):
+        return chosen
+    if config is not None and not isinstance(config, Mapping):
+        return chosen  # an AutoscalingConfig object: the caller chose its policy
+    config = dict(config or {})
+    config.setdefault("policy", {"policy_function": FRONTDOOR_POLICY})
+    chosen["autoscaling_config"] = config
+    return chosen
+
+
 def build_app(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:
     """The application of :func:`app`, its deployment given Serve ``options`` (``num_replicas``, ...).
+
+    An autoscaled deployment (``num_replicas: auto`` or an ``autoscaling_config``
+    given as a mapping) of an app with a front door gets
+    :func:`frontdoor_autoscaling_policy` unless its config names a policy, so
+    that its front door's calls count.
 
     Raises:
         ConfigError: Invalid ``args``.
@@ -355,6 +381,8 @@ def build_app(args: Mapping[str, Any], options: Mapping[str, Any] | None = None)
     rest = dict(args or {})
     frontdoor = FrontDoorConfig.from_args(rest.pop("frontdoor", None))
     node_config, client = split_app_args(rest)
+    if options and frontdoor is not None:
+        options = with_frontdoor_policy(options)
     deployment = TritonDeployment.options(**dict(options)) if options else TritonDeployment
     return deployment.bind(node_config, client["slots_per_model"], client["memory"], frontdoor)
 

@@ -23,6 +23,7 @@ from ray_triton_shm._private.serve.door.port_claim import PortClaim, claim_names
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.net.listener import TcpListener
 from ray_triton_shm.errors import OverloadedError
+from tests.helpers import thread_states, wait_for
 
 
 def _free_port() -> int:
@@ -73,8 +74,9 @@ def test_a_stopped_replica_takes_no_new_connection_the_others_take_them_all() ->
         sock = claim.listening_socket("127.0.0.1", "HTTP")
         assert os.fstat(sock.fileno()).st_ino == inode  # handed over, not bound beside it
         listener = TcpListener("127.0.0.1", port, _answer(b"parent"), protocol="HTTP", listening=sock)
-        os.kill(child.pid, signal.SIGSTOP)  # a hung replica
+        os.kill(child.pid, signal.SIGSTOP)  # a hung replica: every thread stopped before the first call
         try:
+            assert wait_for(lambda: set(thread_states(child.pid)) == {"T"}, 10)
             answers = [_ask(port) for _ in range(40)]
         finally:
             os.kill(child.pid, signal.SIGCONT)
@@ -229,3 +231,15 @@ def test_the_policy_counts_front_door_calls_as_ongoing_requests() -> None:
     no_door = _ctx(2, 4.0, [])
     no_door.aggregated_metrics = None
     assert frontdoor_autoscaling_policy(no_door)[0] == pytest.approx(2.0)  # Serve's own requests only
+
+
+def test_an_autoscaled_deployment_gets_the_front_door_policy_unless_it_names_one() -> None:
+    from ray_triton_shm.serve import FRONTDOOR_POLICY, with_frontdoor_policy
+
+    policy = {"policy_function": FRONTDOOR_POLICY}
+    assert with_frontdoor_policy({"num_replicas": 2}) == {"num_replicas": 2}
+    assert with_frontdoor_policy({"num_replicas": "auto"})["autoscaling_config"] == {"policy": policy}
+    chosen = with_frontdoor_policy({"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
+    assert chosen["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "policy": policy}
+    own = {"autoscaling_config": {"max_replicas": 3, "policy": {"policy_function": "mine:policy"}}}
+    assert with_frontdoor_policy(own) == own
