@@ -58,6 +58,7 @@ from ray_triton_shm.config import env_field
 from ray_triton_shm.errors import (
     ConfigError,
     InputError,
+    RefusedError,
     RequestTooLargeError,
 )
 
@@ -256,7 +257,7 @@ class KServeHttpHandler:
             if len(prefix) == min(header_length, body_length):
                 try:
                     planned = kserve.plan_request(prefix, header_length, body_length)
-                except InputError:
+                except (InputError, RefusedError):
                     planned = None  # the general path raises the same error
             if planned is not None and planned[1]:
                 decoded, spans = planned
