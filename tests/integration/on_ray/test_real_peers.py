@@ -31,6 +31,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 import tritonclient.http.aio as httpaio
+from tritonclient.utils import InferenceServerException
 
 from .real_peers import (
     DATA,
@@ -162,6 +163,31 @@ def test_tritonclient_grpc_sync_async_and_aio_clients_get_their_inputs_back(door
 
     for x, y in zip(rows, asyncio.run(concurrently()), strict=True):
         assert np.array_equal(y, x)
+
+
+def test_tritonclient_classification_is_refused_not_answered_with_the_whole_tensor(door) -> None:
+    """``class_count`` asks for the top classes (Triton answers them as BYTES); the front door
+    does not serve the classification extension, and says so rather than answer the tensor."""
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    for module, url, status in (
+        (httpclient, door["http"], "501"),
+        (grpcclient, door["grpc"], "StatusCode.UNIMPLEMENTED"),
+    ):
+        tensor = module.InferInput("INPUT0", [1, 8], "FP32")
+        tensor.set_data_from_numpy(x)
+        wanted = [module.InferRequestedOutput("OUTPUT0", class_count=3)]
+        triton = module.InferenceServerClient(door["triton"][0 if module is httpclient else 1])
+        client = module.InferenceServerClient(url)
+        try:
+            top = triton.infer("identity", [tensor], outputs=wanted).as_numpy("OUTPUT0")
+            assert top.tolist() == [[b"7.000000:7", b"6.000000:6", b"5.000000:5"]]
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer("identity", [tensor], outputs=wanted)
+            assert refused.value.status() == status and "classification" in refused.value.message()
+            assert np.array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), x)
+        finally:
+            client.close()
+            triton.close()
 
 
 # -- grpcio ---------------------------------------------------------------------------------------
