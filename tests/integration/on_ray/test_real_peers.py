@@ -421,6 +421,32 @@ def test_curl_head_requests_get_no_content(door) -> None:
     assert "Excess found" not in log, log[-2000:]
 
 
+def test_curl_with_the_front_door_as_its_proxy_is_answered_for_the_path_it_names(
+    door, tmp_path: Path
+) -> None:
+    """curl sends an absolute-form target to a proxy (``POST http://host/path``); a server accepts
+    it (RFC 9112 3.2.2) and answers for its path, as Triton does."""
+    curl = tool("curl")
+    x = random_rows([32], seed=13)[0]
+    request = {
+        "inputs": [{"name": "INPUT0", "shape": [1, 32], "datatype": "FP32", "data": x.ravel().tolist()}]
+    }
+    (tmp_path / "json.bin").write_text(json.dumps(request))
+    answers = []
+    for proxy in (door["http"], door["triton"][0]):
+        flags = ["-sS", "--max-time", "30", "--proxy", f"http://{proxy}", "--data-binary", "@json.bin"]
+        result = run_peer(
+            [curl, *flags, "-w", "\n%{http_code}", "http://example.invalid/v2/models/identity/infer"],
+            tmp_path,
+        )
+        assert result.returncode == 0, shown(result)
+        body, _, code = result.stdout.decode().rpartition("\n")
+        assert code == "200", shown(result)
+        answers.append(json.loads(body))
+    assert answers[0] == answers[1]
+    assert np.array_equal(np.array(answers[0]["outputs"][0]["data"], np.float32), x.ravel())
+
+
 # -- flow control, frame by frame -----------------------------------------------------------------
 
 
