@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: bench-sharing native setup demo test unit integration cluster-test lint dist bench bench-quick bench-env bench-docs soak soak-faults cleanup clean
+.PHONY: bench-sharing native setup demo h2-peers test unit integration cluster-test lint dist bench bench-quick bench-env bench-docs soak soak-faults cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,8 +60,24 @@ RAY_TESTS := $(sort $(wildcard tests/integration/on_ray/test_*.py))
 # module's time is waiting. TEST_LANES=1 runs one at a time.
 TEST_LANES ?= 2
 
+# The HTTP/2 and HTTP/1.1 peers that tests/integration/on_ray/test_real_peers.py runs unchanged
+# against the front door: h2load and nghttp (Debian's nghttp2-client), and curl. Installed with
+# apt-get when missing (needs root; otherwise it says what to install, and those tests skip).
+H2_PEERS_STAMP := $(VENV)/.h2-peers-installed
+
+$(H2_PEERS_STAMP): $(STAMP)
+	@if dpkg -s nghttp2-client curl >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nghttp2-client curl; \
+	else \
+		echo "make: h2load, nghttp and curl (Debian packages nghttp2-client, curl) are missing and cannot be installed here (not root, or no apt-get): install them, or the real-peer tests skip" >&2; \
+	fi
+	@if dpkg -s nghttp2-client curl >/dev/null 2>&1; then touch $(H2_PEERS_STAMP); fi
+
+h2-peers: $(H2_PEERS_STAMP)
+
 # bench-env: the benchmark's smoke test also runs triton-shm-client.
-test: setup native lint bench-env
+test: setup native lint bench-env h2-peers
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m tests.lanes --lanes $(TEST_LANES)
 
 unit: $(STAMP)

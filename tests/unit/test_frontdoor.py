@@ -100,7 +100,9 @@ def test_parse_head() -> None:
         (b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400, "invalid Content-Length"),
         (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400, "conflicting"),
         (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 400, "does not end with chunked"),
-        (b"GET http://x/ HTTP/1.1\r\n\r\n", 400, "not a path"),
+        (b"GET ftp://x/ HTTP/1.1\r\n\r\n", 400, "not a path"),  # an absolute-form target is http(s)
+        (b"CONNECT x:80 HTTP/1.1\r\n\r\n", 400, "not a path"),  # authority-form: no proxy here
+        (b"OPTIONS * HTTP/1.1\r\n\r\n", 400, "not a path"),
     ],
 )
 def test_parse_head_refuses(head: bytes, status: int, message: str) -> None:

@@ -43,7 +43,7 @@ REFUSED = [
     (b"GET / HTTP/1.2\r\n\r\n", 505, "protocol version"),
     # what llhttp lets through: the checks on top refuse it
     (b"GET  / HTTP/1.1\r\n\r\n", 400, "malformed request line"),
-    (b"GET http://a/b HTTP/1.1\r\n\r\n", 400, "is not a path"),
+    (b"GET ftp://a/b HTTP/1.1\r\n\r\n", 400, "is not a path"),
     (b"GET / HTTP/2.0\r\n\r\n", 505, "protocol version"),
     (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, "more than one Host"),
     (_GOOD + b"Transfer-Encoding: gzip, chunked\r\n\r\n", 501, "unsupported Transfer-Encoding"),

@@ -14,6 +14,7 @@ from ray_triton_shm.errors import (
     LayoutError,
     OutputTooLargeError,
     PoolTimeoutError,
+    RefusedError,
     TritonCallError,
     UnavailableError,
 )
@@ -367,3 +368,21 @@ def test_duplicate_keys_cannot_hide_shm_parameters(header: bytes) -> None:
         refuse_shm_parameters(header, None)
     with pytest.raises(InputError, match="duplicate key"):
         kserve.decode_request(header, None)
+
+
+def test_an_output_asked_for_as_its_top_classes_is_refused_not_answered_whole() -> None:
+    """The classification extension (``"classification": 3`` in an output's parameters): 501."""
+    tensor = {"name": "I", "datatype": "FP32", "shape": [1, 2], "parameters": {"binary_data_size": 8}}
+    for parameters, refused in (({"classification": 0}, False), ({"classification": 3}, True)):
+        header = json.dumps(
+            {"inputs": [tensor], "outputs": [{"name": "O", "parameters": parameters}]}
+        ).encode()
+        body = header + b"\x00" * 8
+        if not refused:
+            assert kserve.decode_request(body, len(header)).outputs == ["O"]
+            continue
+        with pytest.raises(RefusedError, match="classification") as info:
+            kserve.decode_request(body, len(header))
+        assert kserve_errors.http_status(info.value) == 501 and "'O'" in str(info.value)
+        with pytest.raises(RefusedError, match="classification"):
+            kserve.plan_request(header, len(header), len(body))

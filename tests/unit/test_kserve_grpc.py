@@ -9,12 +9,13 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc._infer_result import InferResult
 from tritonclient.grpc._utils import _get_inference_request
 
+from ray_triton_shm._private.serve.protocol.grpc_infer_codec import plan_inputs
 from ray_triton_shm._private.serve.protocol.grpc_messages import (
     decode_infer_request,
     encode_infer_response,
     status_of,
 )
-from ray_triton_shm.errors import InputError, LayoutError, PoolTimeoutError, TritonCallError
+from ray_triton_shm.errors import InputError, LayoutError, PoolTimeoutError, RefusedError, TritonCallError
 
 
 def _request(inputs, outputs=None, **kwargs) -> pb.ModelInferRequest:
@@ -97,3 +98,19 @@ def test_status_of_errors() -> None:
     assert status_of(TritonCallError("unknown model", "NOT_FOUND", "m")) == ("NOT_FOUND", "unknown model")
     assert status_of(TritonCallError("x in rtshm_1_2_in_abc", "INVALID_ARGUMENT"))[1].count("rtshm_1_2") == 0
     assert status_of(KeyError("secret")) == ("INTERNAL", "internal error (KeyError)")
+
+
+def test_an_output_asked_for_as_its_top_classes_is_refused_not_answered_whole() -> None:
+    """tritonclient's ``class_count`` (the classification extension): refused, UNIMPLEMENTED."""
+    x = np.zeros((1, 4), np.float32)
+    for count in (0, 3):
+        request = _request(
+            [_input("X", x, "FP32")], [grpcclient.InferRequestedOutput("Y", class_count=count)]
+        )
+        if not count:  # no classification asked
+            assert decode_infer_request(request)[1] == ["Y"] and plan_inputs(request) is not None
+            continue
+        with pytest.raises(RefusedError, match="classification") as refused:
+            decode_infer_request(request)
+        assert status_of(refused.value) == ("UNIMPLEMENTED", str(refused.value))
+        assert "'Y'" in str(refused.value) and plan_inputs(request) is None  # the general path refuses it

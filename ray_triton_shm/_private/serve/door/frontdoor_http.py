@@ -27,7 +27,7 @@ from ray_triton_shm._private.serve.net import bounded
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
 from ray_triton_shm._private.serve.protocol.slot_plan import fast_path_lengths, run_leased, shm_plan
 from ray_triton_shm._private.shm.cuda import to_host
-from ray_triton_shm.errors import InputError, OverloadedError, RequestTooLargeError
+from ray_triton_shm.errors import InputError, OverloadedError, RefusedError, RequestTooLargeError
 
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 SLOT_STALL_S = 1.0
@@ -116,7 +116,7 @@ class KServeHttpHandler:
             if len(prefix) == min(header_length, body_length):
                 try:
                     planned = kserve.plan_request(prefix, header_length, body_length)
-                except InputError:
+                except (InputError, RefusedError):
                     planned = None  # the general path raises the same error
             if planned is not None and planned[1]:
                 decoded, spans = planned

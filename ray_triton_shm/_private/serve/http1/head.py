@@ -52,6 +52,8 @@ _TARGET = re.compile(r"[\x21-\x7e]+")
 
 
 _VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")
+# The scheme and authority of an absolute-form request target (RFC 9112 3.2.2), as a proxy's client sends.
+_ABSOLUTE = re.compile(r"(?i:https?)://[^/?#]*")
 
 
 _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
@@ -247,7 +249,8 @@ def assemble_head(method: str, target: str, version: str, fields: list[tuple[str
 
 
 def read_request_line(line: str) -> tuple[str, str, str]:
-    """(method, target, version) of a request line: single spaces, a token, an origin-form path.
+    """(method, target, version) of a request line: single spaces, a token, an origin-form path
+    (the path and query of an absolute-form target).
 
     Raises:
         HttpParseError: Malformed (400), or another HTTP version (505).
@@ -261,7 +264,11 @@ def read_request_line(line: str) -> tuple[str, str, str]:
     if version not in ("HTTP/1.1", "HTTP/1.0"):
         raise HttpParseError(f"unsupported protocol version {version!r}", 505)
     if not target.startswith("/"):
-        raise HttpParseError(f"request target {target[:80]!r} is not a path")
+        # RFC 9112 3.2.2: a server accepts the absolute-form; its path (and query) is the target.
+        absolute = _ABSOLUTE.match(target)
+        if absolute is None:
+            raise HttpParseError(f"request target {target[:80]!r} is not a path")
+        target = "/" + target[absolute.end() :].removeprefix("/")
     return method, target, version
 
 

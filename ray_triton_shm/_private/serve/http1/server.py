@@ -93,6 +93,7 @@ class Connection:
         self.keep_alive = True
         self.status = 0
         """The status of the last answer begun (0: none yet)."""
+        self._head_only = False  # the request is HEAD: its answer carries no content
 
     # -- reading ----------------------------------------------------------
     def _recv(self, view: memoryview, clock: Deadline | BodyClock, stall_s: float | None = None) -> int:
@@ -255,7 +256,9 @@ class Connection:
     ) -> bytes:
         """Answer the current request: status, headers and the body ``parts``.
 
-        The whole answer must be written within ``timeouts.send_s``.
+        The whole answer must be written within ``timeouts.send_s``. The answer to a
+        ``HEAD`` request is its head alone, ``content-length`` that of ``parts``
+        (RFC 9110, 9.3.2; RFC 9112, 6.3: the client reads no content after it).
 
         Args:
             status: The status code.
@@ -277,7 +280,7 @@ class Connection:
             self.keep_alive = False
         length = sum(memoryview(p).nbytes for p in parts)
         head = response_head(status, headers, length, self.keep_alive)
-        rest = self.send_parts([head, *parts], stall_s)
+        rest = self.send_parts([head] if self._head_only else [head, *parts], stall_s)
         return b"".join(rest)
 
     def send_rest(self, rest: bytes) -> None:
@@ -306,10 +309,12 @@ class Connection:
                 if self._start == self._end and not select.select([self.sock], [], [], IDLE_LINGER_S)[0]:
                     return self.timeouts.idle_s
                 try:
+                    self._head_only = False
                     head = self.read_head()
                     if head is None:
                         return
                     self.keep_alive = head.keep_alive
+                    self._head_only = head.method == "HEAD"
                     self._handler(self, head, Body(self, head))
                 except HttpParseError as e:  # the framing is lost: answer, then close
                     self.keep_alive = False

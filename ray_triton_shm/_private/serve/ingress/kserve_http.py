@@ -43,6 +43,7 @@ from ray_triton_shm.errors import (
     InputError,
     LayoutMismatchError,
     OutputTooLargeError,
+    RefusedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ async def http_infer(
         if len(header) == min(header_length, body_length):
             try:
                 planned = kserve.plan_request(header, header_length, body_length)
-            except InputError:
+            except (InputError, RefusedError):
                 planned = None  # the general path raises the same error
         if planned is not None and planned[1]:
             decoded, spans = planned

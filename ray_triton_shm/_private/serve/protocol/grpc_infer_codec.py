@@ -17,7 +17,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.protocol.grpc_messages import add_outputs, input_spec, output_names
-from ray_triton_shm.errors import InputError
+from ray_triton_shm.errors import InputError, RefusedError
 
 _RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents
 RAW_INPUT_KEY = bytes([(_RAW_INPUT_FIELD << 3) | 2])
@@ -79,7 +79,8 @@ def plan_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], l
 
     ``None`` for a request :func:`decode_infer_request` would refuse or
     read otherwise: typed contents, shared-memory parameters, an unknown or
-    BYTES datatype, a shape no tensor has, an input given twice.
+    BYTES datatype, a shape no tensor has, an input given twice, an output
+    asked for as its top classes.
     """
     placeholders: dict[str, np.ndarray] = {}
     try:
@@ -91,7 +92,7 @@ def plan_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], l
                 return None
             placeholders[tensor.name] = np.broadcast_to(np.zeros((), dtype), shape)
         return placeholders, output_names(request)
-    except InputError:
+    except (InputError, RefusedError):
         return None
 
 

@@ -17,7 +17,13 @@ import numpy as np
 import ray
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.protocol.kserve import SHM_PARAMETERS, deserialize_bytes, serialize_bytes
+from ray_triton_shm._private.serve.protocol.kserve import (
+    CLASSIFICATION,
+    SHM_PARAMETERS,
+    classification_refused,
+    deserialize_bytes,
+    serialize_bytes,
+)
 from ray_triton_shm._private.serve.protocol.kserve_errors import error_message, names_internals
 from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import GrpcAnswerError
 from ray_triton_shm._private.serve.protocol.kserve_limits import check_shape
@@ -119,6 +125,7 @@ def output_names(request: pb.ModelInferRequest) -> list[str] | None:
 
     Raises:
         InputError: An output with shared-memory parameters.
+        RefusedError: An output asked for as its top classes (the classification extension).
     """
     if not request.outputs:
         return None
@@ -127,6 +134,11 @@ def output_names(request: pb.ModelInferRequest) -> list[str] | None:
             raise InputError(
                 f"output {tensor.name!r}: shared-memory parameters are not accepted by this ingress"
             )
+        if CLASSIFICATION in tensor.parameters:
+            param = tensor.parameters[CLASSIFICATION]
+            choice = param.WhichOneof("parameter_choice")
+            if choice is not None and getattr(param, choice):
+                raise classification_refused(tensor.name)
     return [tensor.name for tensor in request.outputs]
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ray_triton_shm._private.serve.protocol.kserve_limits import MAX_RANK, check_shape, load_json
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
-from ray_triton_shm.errors import InputError
+from ray_triton_shm.errors import InputError, RefusedError
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -165,6 +165,17 @@ def _shape(entry: dict[str, Any], name: str) -> list[int]:
 
 SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 """Tensor parameters that name a registered shared-memory region: never accepted from a client."""
+
+CLASSIFICATION = "classification"
+"""The output parameter of Triton's classification extension (tritonclient's ``class_count``)."""
+
+
+def classification_refused(name: str) -> RefusedError:
+    """The refusal of an output asked for as its top classes (``UNIMPLEMENTED``, HTTP 501)."""
+    return RefusedError(
+        f"output {name!r}: classification (the output parameter 'classification', tritonclient's "
+        "class_count) is not supported by this endpoint; ask for the output itself and take its top classes"
+    )
 
 
 def refuse_shm_parameters(body: bytes, header_length: int | None) -> None:
@@ -347,7 +358,10 @@ def _decode(
         for entry in requested:
             if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
                 raise InputError(f"output entry must be an object with a string 'name': {entry!r}")
-            flag = _object(entry.get("parameters"), f"output {entry['name']!r} parameters").get("binary_data")
+            out_params = _object(entry.get("parameters"), f"output {entry['name']!r} parameters")
+            if out_params.get(CLASSIFICATION, 0) != 0:
+                raise classification_refused(entry["name"])
+            flag = out_params.get("binary_data")
             if flag is not None and not isinstance(flag, bool):
                 raise InputError(f"output {entry['name']!r}: binary_data must be a boolean")
             outputs.append(entry["name"])

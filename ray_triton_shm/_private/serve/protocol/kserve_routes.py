@@ -74,7 +74,8 @@ def extensions(explicit_model_control: bool) -> list[str]:
     """The KServe v2 / Triton extensions this ingress serves, in Triton's order.
 
     Not listed, because the slot path does not honour them or the ingress
-    refuses them: ``classification``, ``sequence``, ``schedule_policy``,
+    refuses them: ``classification`` (an output asked for as its top classes
+    is refused, 501), ``sequence``, ``schedule_policy``,
     ``parameters`` (request parameters other than ``binary_data_output``),
     ``system_shared_memory`` and ``cuda_shared_memory`` (registration is
     refused), ``trace`` and ``logging`` (settings can be read, not changed).
