@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: bench-sharing native setup demo test unit integration cluster-test lint dist bench bench-quick bench-env bench-docs soak soak-faults cleanup clean
+.PHONY: bench-sharing native setup demo test unit integration cluster-test lint dist bench bench-quick bench-env bench-docs peers soak soak-faults cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -92,7 +92,42 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -c "import matplotlib, sys; sys.path.append('$(BENCH_EXTRA)'); import triton_shm_client"
 	touch $(BENCH_STAMP)
 
-bench-env: setup $(BENCH_STAMP)
+# Programs the tests and the benchmark run against, unchanged, outside the package, in
+# .cache/peers: Triton's own load generator perf_analyzer (taken from the tritonclient
+# 2.49.0 manylinux wheel, the last to carry it), the libcudart.so.12 it links against (the
+# nvidia-cuda-runtime-cu12 wheel, in .cache/peers/cuda), and from Debian the libb64 it
+# links against and nghttp2's h2load/nghttp (installed as root with apt-get when missing).
+PEERS       := .cache/peers
+PEERS_STAMP := $(PEERS)/.installed-$(PA_VERSION)
+PEERS_DEBS  := libb64-0d nghttp2-client
+PA_VERSION  := 2.49.0
+PA_PLATFORM := $(if $(filter aarch64 arm64,$(shell uname -m)),manylinux2014_aarch64,manylinux1_x86_64)
+
+$(PEERS_STAMP): | $(STAMP)
+	@missing=""; for deb in $(PEERS_DEBS); do \
+	  dpkg -s $$deb >/dev/null 2>&1 || missing="$$missing $$deb"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "make peers: Debian packages missing:$$missing; install them as root (apt-get install -y$$missing)" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	rm -rf $(PEERS)/wheel $(PEERS)/bin $(PEERS)/cuda
+	mkdir -p $(PEERS)/wheel $(PEERS)/bin
+	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --platform $(PA_PLATFORM) --dest $(PEERS)/wheel tritonclient==$(PA_VERSION)
+	$(PY) -c "import sys, zipfile, glob, shutil; \
+	  w = zipfile.ZipFile(glob.glob('$(PEERS)/wheel/tritonclient-$(PA_VERSION)-*.whl')[0]); \
+	  src = w.open('tritonclient-$(PA_VERSION).data/data/bin/perf_analyzer'); \
+	  shutil.copyfileobj(src, open('$(PEERS)/bin/perf_analyzer', 'wb'))"
+	chmod 755 $(PEERS)/bin/perf_analyzer
+	rm -rf $(PEERS)/wheel
+	$(PIP) --no-deps --target $(PEERS)/cuda nvidia-cuda-runtime-cu12 2>&1 | grep -v '^WARNING' || true
+	@ls $(PEERS)/cuda/nvidia/cuda_runtime/lib/libcudart.so.12 >/dev/null
+	LD_LIBRARY_PATH=$(abspath $(PEERS))/cuda/nvidia/cuda_runtime/lib $(PEERS)/bin/perf_analyzer --version
+	touch $@
+
+peers: $(PEERS_STAMP)
+
+bench-env: setup $(BENCH_STAMP) $(PEERS_STAMP)
 
 # Full run (about 8 minutes on 2 cores, 3 rounds per cell); results in bench-results/.
 bench: bench-env native
