@@ -129,18 +129,22 @@ peers: $(PEERS_STAMP)
 
 bench-env: setup $(BENCH_STAMP) $(PEERS_STAMP)
 
-# Full run (about 8 minutes on 2 cores, 3 rounds per cell); results in bench-results/.
+# Full run (about 8 minutes on 2 cores, 3 rounds per cell), then the front-door table
+# (perf_analyzer against the front door, Triton's own endpoints and Serve's proxies, about
+# 10 minutes); results in bench-results/ (frontdoor.md and frontdoor.json for the latter).
 bench: bench-env native
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench
+	$(PY) -m ray_triton_shm bench --frontdoor
 
 bench-quick: bench-env native
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench --quick
+	$(PY) -m ray_triton_shm bench --frontdoor --quick
 
 # What sharing slots between processes costs per 4 KB request (private vs shared pool, same run).
 bench-sharing: setup
 	$(PY) -m ray_triton_shm bench-sharing --size 4096 --rounds 8
 
-# Paste the latest bench-results/ into docs/benchmarks.md and docs/img/.
+# Paste the latest bench-results/ (the front-door table too) into docs/benchmarks.md and docs/img/.
 bench-docs: $(STAMP)
 	$(PY) -m ray_triton_shm bench-docs bench-results docs/benchmarks.md
 
