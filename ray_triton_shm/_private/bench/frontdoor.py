@@ -269,6 +269,7 @@ def measure(
                                 spent = cpu_share.cpu_by_group(
                                     before, cpu_share.snapshot(os.getpid()), pool.pids if pool else ()
                                 )
+                                spent["callers"] += getattr(result, "cpu_s", 0.0)  # perf_analyzer, exited
                                 for group, seconds in spent.items():
                                     used[path][group] += seconds
                                 cells[path].append(result)

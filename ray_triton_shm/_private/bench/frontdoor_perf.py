@@ -21,6 +21,7 @@ the proxy, the replicas and Triton for Serve's proxies.
 from __future__ import annotations
 
 import math
+import resource
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,8 @@ class PerfAnalyzerCell:
     mb_s: float
     p50_ms: float
     error: str | None = None
+    cpu_s: float = 0.0
+    """perf_analyzer's own CPU seconds (user + system), from the rusage of the children reaped."""
 
 
 class PerfAnalyzerCells:
@@ -149,11 +152,20 @@ class PerfAnalyzerCells:
             stability_percent=self._stability,
             timeout_s=self._timeout_s,
         )
+        before = _children_cpu_s()
         try:
             result = perf_analyzer.run(spec, self._binary)
         except perf_analyzer.PerfAnalyzerError as e:
             return PerfAnalyzerCell(0, math.nan, math.nan, e.message + _last_error(e.output))
-        return PerfAnalyzerCell(result.requests, result.throughput * size / 1e6, result.p50_us / 1e3)
+        cpu_s = _children_cpu_s() - before
+        return PerfAnalyzerCell(
+            result.requests, result.throughput * size / 1e6, result.p50_us / 1e3, None, cpu_s
+        )
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _last_error(output: str) -> str:
