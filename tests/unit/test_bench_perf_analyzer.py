@@ -188,3 +188,29 @@ def test_run_failures_are_typed_errors_with_the_output(tmp_path: Path, body: str
         pa.run(_spec(tmp_path, timeout_s=1.0), _fake(tmp_path, body))
     if "exit 99" in body:
         assert "model metadata" in caught.value.output
+
+
+def test_a_cell_is_sized_by_payload_and_reads_mb_s_latency_and_cpu(tmp_path: Path, monkeypatch) -> None:
+    from ray_triton_shm._private.bench.frontdoor_perf import PerfAnalyzerCells
+
+    body = f"cat > \"$csv\" <<'X'\n{CSV}\nX\ncat <<'X'\n{OUTPUT}X\n"
+    monkeypatch.setenv(pa.ENV_BINARY, str(_fake(tmp_path, body)))
+    cells = PerfAnalyzerCells(tmp_path, bytes_per_window=64 * 2**20, min_requests=16)
+    assert cells.window_requests(2**20, 8) == 64
+    assert cells.window_requests(16 * 2**20, 1) == 16  # the minimum
+    assert cells.window_requests(16 * 2**20, 12) == 24  # two per caller
+    cell = cells.run("grpc", ["127.0.0.1:1"], "identity", 2**20, 8)
+    assert cell.error is None and cell.calls == 300
+    assert cell.mb_s == pytest.approx(299.846 * 2**20 / 1e6)
+    assert cell.p50_ms == pytest.approx(21.43)
+    assert cell.cpu_s >= 0
+    assert json.loads((tmp_path / f"input-{2**20}.json").read_text())["data"][0]["INPUT0"]["shape"] == [2**18]
+
+
+def test_a_failed_cell_carries_perf_analyzers_error(tmp_path: Path, monkeypatch) -> None:
+    from ray_triton_shm._private.bench.frontdoor_perf import PerfAnalyzerCells
+
+    body = "echo 'error: failed to get model metadata: unknown model'; exit 99\n"
+    monkeypatch.setenv(pa.ENV_BINARY, str(_fake(tmp_path, body)))
+    cell = PerfAnalyzerCells(tmp_path, 2**20, 8).run("http", ["127.0.0.1:1"], "nope", 4096, 1)
+    assert cell.calls == 0 and "exited with 99" in cell.error and "unknown model" in cell.error
