@@ -209,8 +209,8 @@ def measure(
     duration_s: float,
     replicas: int,
     caller: str = "perf_analyzer",
-    bytes_per_window: int = 128 * MB,
-    min_requests: int = 16,
+    bytes_per_window: int = 48 * MB,
+    min_requests: int = 8,
     windows: int = 3,
     stability_percent: float = 1000.0,
 ) -> list[Row]:
@@ -316,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default=None, help="comma-separated subset of the rows")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--mb-per-window", type=int, default=128, help="perf_analyzer: payload MB per count window"
+        "--mb-per-window", type=int, default=48, help="perf_analyzer: payload MB per count window"
+    )
+    parser.add_argument(
+        "--min-requests", type=int, default=8, help="perf_analyzer: requests per window at least"
     )
     parser.add_argument("--windows", type=int, default=3, help="perf_analyzer: count windows at most (-r)")
     parser.add_argument(
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         replicas=args.replicas,
         caller=args.caller,
         bytes_per_window=args.mb_per_window * MB,
-        min_requests=8 if args.quick else 16,
+        min_requests=args.min_requests,
         windows=args.windows,
         stability_percent=args.stability_percent,
     )
