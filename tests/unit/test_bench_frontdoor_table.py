@@ -96,3 +96,20 @@ def test_a_failed_cell_misses_its_target_and_shows_in_the_table() -> None:
     text = table(rows)
     assert "| native | frontdoor-grpc | 1 MB | 8 | - |" in text
     assert "| native | triton-grpc | 1 MB | 8 | 300 | 1.0 | 1.00x | 1.50 | 1.00x |" in text
+
+
+def test_a_round_that_failed_stays_in_the_row_and_misses_the_target() -> None:
+    from types import SimpleNamespace
+
+    from ray_triton_shm._private.bench.frontdoor_table import make_row
+
+    good = SimpleNamespace(mb_s=200.0, p50_ms=5.0, calls=10, error=None)
+    bad = SimpleNamespace(
+        mb_s=math.nan, p50_ms=math.nan, calls=0, error="Thread [3] had error: Stream removed"
+    )
+    row = make_row("frontdoor-grpc", "native", MB, 8, [bad, good])
+    assert row.mb_s == 200.0 and row.rounds == [200.0] and row.failures == [bad.error]
+    rows = [row, _row("triton-grpc", 100.0, 1.5)]
+    add_ratios(rows)
+    assert "round(s) FAILED" in targets(rows)[0]
+    assert "a round FAILED: Thread [3] had error: Stream removed" in table(rows)

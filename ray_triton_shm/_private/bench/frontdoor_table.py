@@ -43,6 +43,8 @@ class Row:
     """``server_cpu_ms`` over that of Triton's own endpoint of the same protocol."""
     calls: int = 0
     """Requests Triton counted during the cell's rounds (every path ends at it)."""
+    failures: list[str] = field(default_factory=list)
+    """The errors of the cell's rounds that failed (the row's numbers are those of the others)."""
 
 
 def label(size: int) -> str:
@@ -53,8 +55,8 @@ def label(size: int) -> str:
 def make_row(path: str, server: str, size: int, n: int, results: list[Any]) -> Row:
     """The row of a cell from its rounds' results (each with ``mb_s``, ``p50_ms``, ``calls``, ``error``)."""
     good = [r for r in results if r is not None and r.error is None and r.calls]
+    errors = [r.error for r in results if r is not None and r.error]
     if not good:
-        errors = [r.error for r in results if r is not None and r.error]
         return Row(
             path, server, size, n, NAN, NAN, error=errors[0] if errors else "not available in this mode"
         )
@@ -66,6 +68,7 @@ def make_row(path: str, server: str, size: int, n: int, results: list[Any]) -> R
         statistics.median(r.mb_s for r in good),
         statistics.median(r.p50_ms for r in good),
         rounds=[round(r.mb_s, 1) for r in good],
+        failures=errors,
     )
 
 
@@ -92,12 +95,12 @@ def targets(rows: list[Row]) -> list[str]:
         cells = [r for r in rows if r.path == path and (size is None or r.size == size)]
         if not cells:
             continue
-        low = [r for r in cells if r.error or not r.ratio >= minimum]
+        low = [r for r in cells if r.error or r.failures or not r.ratio >= minimum]
         where = f"{path}{' ' + label(size) if size else ''}, every cell >= {minimum:.1f}x Triton's own"
         lines.append(f"{where}: " + _verdict(cells, low, lambda r: f"{r.ratio:.2f}x"))
     ours = [r for r in rows if r.path.startswith("frontdoor-")]
     if ours and any(not math.isnan(r.server_cpu_ms) for r in ours):
-        high = [r for r in ours if r.error or not r.cpu_ratio <= 1.0]
+        high = [r for r in ours if r.error or r.failures or not r.cpu_ratio <= 1.0]
         lines.append(
             "front door, server CPU per call <= Triton's own in every cell: "
             + _verdict(ours, high, lambda r: f"{r.server_cpu_ms:.2f} ms, {r.cpu_ratio:.2f}x")
@@ -113,7 +116,10 @@ def _verdict(cells: list[Row], missed: list[Row], value: Any) -> str:
 
 def _cell(row: Row, value: Any) -> str:
     where = f"{row.server} {row.path} {label(row.size)} x{row.callers}"
-    return f"{where} {row.error}" if row.error else f"{where} {value(row)}"
+    if row.error:
+        return f"{where} {row.error}"
+    failed = f" and {len(row.failures)} round(s) FAILED" if row.failures else ""
+    return f"{where} {value(row)}{failed}"
 
 
 def table(rows: list[Row]) -> str:
@@ -132,7 +138,7 @@ def table(rows: list[Row]) -> str:
             continue
         lines.append(
             f"{head} {r.mb_s:.0f} | {r.p50_ms:.1f} | {r.ratio:.2f}x | {_num(r.server_cpu_ms)}"
-            f" | {_num(r.cpu_ratio, 'x')} | {', '.join(str(x) for x in r.rounds)} |"
+            f" | {_num(r.cpu_ratio, 'x')} | {', '.join(str(x) for x in r.rounds)}{_failed(r)} |"
             + (
                 f" {' / '.join(f'{r.cpu_ms.get(g, NAN):.2f}' for g in cpu_share.GROUPS)} |"
                 if with_groups
@@ -140,6 +146,10 @@ def table(rows: list[Row]) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def _failed(row: Row) -> str:
+    return "".join(f"; a round FAILED: {e.replace('|', '/')[:160]}" for e in row.failures)
 
 
 def _num(value: float, unit: str = "") -> str:
