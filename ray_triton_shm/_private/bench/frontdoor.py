@@ -406,7 +406,7 @@ def _info(argv: list[str], caller: str, seconds: float) -> dict[str, Any]:
 
 def _markdown(info: dict[str, Any], text: str) -> str:
     head = "\n".join(f"- {key}: `{value}`" for key, value in info.items())
-    return f"## Front door\n\n{head}\n\n{text}\n"
+    return f"## The front-door table ({info['caller']})\n\n{head}\n\n{text}\n"
 
 
 if __name__ == "__main__":
