@@ -97,10 +97,10 @@ $(BENCH_STAMP): $(STAMP)
 # 2.49.0 manylinux wheel, the last to carry it), the libcudart.so.12 it links against (the
 # nvidia-cuda-runtime-cu12 wheel, in .cache/peers/cuda), and from Debian the libb64 it
 # links against and nghttp2's h2load/nghttp (installed as root with apt-get when missing).
+PA_VERSION  := 2.49.0
 PEERS       := .cache/peers
 PEERS_STAMP := $(PEERS)/.installed-$(PA_VERSION)
 PEERS_DEBS  := libb64-0d nghttp2-client
-PA_VERSION  := 2.49.0
 PA_PLATFORM := $(if $(filter aarch64 arm64,$(shell uname -m)),manylinux2014_aarch64,manylinux1_x86_64)
 
 $(PEERS_STAMP): | $(STAMP)
