@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: bench-sharing native setup demo h2-peers test unit integration cluster-test lint dist bench bench-quick bench-env bench-docs soak soak-faults cleanup clean
+.PHONY: bench-sharing native setup demo test unit integration cluster-test lint dist bench bench-quick bench-env bench-docs peers soak soak-faults cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,24 +60,9 @@ RAY_TESTS := $(sort $(wildcard tests/integration/on_ray/test_*.py))
 # module's time is waiting. TEST_LANES=1 runs one at a time.
 TEST_LANES ?= 2
 
-# The HTTP/2 and HTTP/1.1 peers that tests/integration/on_ray/test_real_peers.py runs unchanged
-# against the front door: h2load and nghttp (Debian's nghttp2-client), and curl. Installed with
-# apt-get when missing (needs root; otherwise it says what to install, and those tests skip).
-H2_PEERS_STAMP := $(VENV)/.h2-peers-installed
-
-$(H2_PEERS_STAMP): $(STAMP)
-	@if dpkg -s nghttp2-client curl >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nghttp2-client curl; \
-	else \
-		echo "make: h2load, nghttp and curl (Debian packages nghttp2-client, curl) are missing and cannot be installed here (not root, or no apt-get): install them, or the real-peer tests skip" >&2; \
-	fi
-	@if dpkg -s nghttp2-client curl >/dev/null 2>&1; then touch $(H2_PEERS_STAMP); fi
-
-h2-peers: $(H2_PEERS_STAMP)
-
-# bench-env: the benchmark's smoke test also runs triton-shm-client.
-test: setup native lint bench-env h2-peers
+# bench-env: the benchmark's smoke test also runs triton-shm-client; its peers (perf_analyzer,
+# h2load, nghttp, curl) are what the real-peer tests run unchanged.
+test: setup native lint bench-env
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m tests.lanes --lanes $(TEST_LANES)
 
 unit: $(STAMP)
@@ -108,20 +93,59 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -c "import matplotlib, h11, h2, ngh2, sys; sys.path.append('$(BENCH_EXTRA)'); import triton_shm_client"
 	touch $(BENCH_STAMP)
 
-bench-env: setup $(BENCH_STAMP)
+# Programs the tests and the benchmark run against, unchanged, outside the package, in
+# .cache/peers: Triton's own load generator perf_analyzer (taken from the tritonclient
+# 2.49.0 manylinux wheel, the last to carry it), the libcudart.so.12 it links against (the
+# nvidia-cuda-runtime-cu12 wheel, in .cache/peers/cuda), and from Debian the libb64 it
+# links against, nghttp2's h2load/nghttp and curl (installed as root with apt-get when missing).
+PA_VERSION  := 2.49.0
+PEERS       := .cache/peers
+PEERS_STAMP := $(PEERS)/.installed-$(PA_VERSION)
+PEERS_DEBS  := libb64-0d nghttp2-client curl
+PA_PLATFORM := $(if $(filter aarch64 arm64,$(shell uname -m)),manylinux2014_aarch64,manylinux1_x86_64)
 
-# Full run (about 8 minutes on 2 cores, 3 rounds per cell); results in bench-results/.
+$(PEERS_STAMP): | $(STAMP)
+	@missing=""; for deb in $(PEERS_DEBS); do \
+	  dpkg -s $$deb >/dev/null 2>&1 || missing="$$missing $$deb"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "make peers: Debian packages missing:$$missing; install them as root (apt-get install -y$$missing)" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	rm -rf $(PEERS)/wheel $(PEERS)/bin $(PEERS)/cuda
+	mkdir -p $(PEERS)/wheel $(PEERS)/bin
+	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --platform $(PA_PLATFORM) --dest $(PEERS)/wheel tritonclient==$(PA_VERSION)
+	$(PY) -c "import sys, zipfile, glob, shutil; \
+	  w = zipfile.ZipFile(glob.glob('$(PEERS)/wheel/tritonclient-$(PA_VERSION)-*.whl')[0]); \
+	  src = w.open('tritonclient-$(PA_VERSION).data/data/bin/perf_analyzer'); \
+	  shutil.copyfileobj(src, open('$(PEERS)/bin/perf_analyzer', 'wb'))"
+	chmod 755 $(PEERS)/bin/perf_analyzer
+	rm -rf $(PEERS)/wheel
+	$(PIP) --no-deps --target $(PEERS)/cuda nvidia-cuda-runtime-cu12 2>&1 | grep -v '^WARNING' || true
+	@ls $(PEERS)/cuda/nvidia/cuda_runtime/lib/libcudart.so.12 >/dev/null
+	LD_LIBRARY_PATH=$(abspath $(PEERS))/cuda/nvidia/cuda_runtime/lib $(PEERS)/bin/perf_analyzer --version
+	touch $@
+
+peers: $(PEERS_STAMP)
+
+bench-env: setup $(BENCH_STAMP) $(PEERS_STAMP)
+
+# Full run (about 8 minutes on 2 cores, 3 rounds per cell), then the front-door table
+# (perf_analyzer against the front door, Triton's own endpoints and Serve's proxies, about
+# 10 minutes); results in bench-results/ (frontdoor.md and frontdoor.json for the latter).
 bench: bench-env native
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench
+	$(PY) -m ray_triton_shm bench --frontdoor
 
 bench-quick: bench-env native
 	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m ray_triton_shm bench --quick
+	$(PY) -m ray_triton_shm bench --frontdoor --quick
 
 # What sharing slots between processes costs per 4 KB request (private vs shared pool, same run).
 bench-sharing: setup
 	$(PY) -m ray_triton_shm bench-sharing --size 4096 --rounds 8
 
-# Paste the latest bench-results/ into docs/benchmarks.md and docs/img/.
+# Paste the latest bench-results/ (the front-door table too) into docs/benchmarks.md and docs/img/.
 bench-docs: $(STAMP)
 	$(PY) -m ray_triton_shm bench-docs bench-results docs/benchmarks.md
 

@@ -182,6 +182,26 @@ def test_bench_docs_pastes_the_report_between_the_markers(tmp_path) -> None:
     assert (tmp_path / "docs" / "img" / "bench-latency.png").read_bytes() == b"png"
 
 
+def test_bench_docs_pastes_the_front_door_table_between_its_markers(tmp_path) -> None:
+    results = tmp_path / "bench-results"
+    results.mkdir()
+    (results / "report.md").write_text("## Results\n")
+    (results / "frontdoor.md").write_text("## Front door\n\n| a |\n")
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(
+        "<!-- frontdoor:begin -->\nold\n<!-- frontdoor:end -->\nmid\n"
+        "<!-- bench:begin -->\n<!-- bench:end -->\n"
+    )
+    assert cli.main(["bench-docs", str(results), str(docs)]) == 0
+    assert docs.read_text() == (
+        "<!-- frontdoor:begin -->\n### Front door\n\n| a |\n\n<!-- frontdoor:end -->\nmid\n"
+        "<!-- bench:begin -->\n### Results\n\n<!-- bench:end -->\n"
+    )
+    docs.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
+    with pytest.raises(ValueError, match="frontdoor:begin"):
+        cli.main(["bench-docs", str(results), str(docs)])
+
+
 def test_bench_cuda_needs_neither_ray_nor_the_http_client() -> None:
     # A GPU machine may carry only tritonclient's gRPC half (no gevent) and no Ray: the command
     # line and the CUDA benchmark must load without them.

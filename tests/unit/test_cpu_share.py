@@ -36,6 +36,7 @@ def test_cpu_by_group_counts_the_difference_and_new_processes_whole() -> None:
     assert cpu_share.cpu_by_group(before, after, {1}) == {
         "callers": 0.5,
         "replicas": 0.25,
+        "proxy": 0.0,
         "triton": 0.125,
         "rest": 0.0,
     }

@@ -3,10 +3,14 @@
 One run, one Ray, one Triton (the identity model on the native backend and on
 the Python backend, see :mod:`~ray_triton_shm._private.bench.servers`), one
 Serve app (the front door on; with ``--mode all`` Serve's direct ingress and
-HAProxy too). Each caller is a process of its own outside Ray running
-unmodified ``tritonclient.http`` or ``tritonclient.grpc`` and checking every
-output. Rows (the ``MB/s`` of all callers together; ratio to Triton's own
-endpoint of the same protocol, same server, size and callers):
+HAProxy too). The callers are Triton's own load generator, ``perf_analyzer``
+(C++, unchanged, one process per cell whose threads leave the cores to the
+servers; see :mod:`.frontdoor_perf`), or with ``--caller tritonclient`` Python
+processes outside Ray running unmodified ``tritonclient.http`` or
+``tritonclient.grpc`` and checking every output (:mod:`.frontdoor_callers`).
+Rows (the ``MB/s`` of all callers together and each path's server CPU per
+call; ratios to Triton's own endpoint of the same protocol, same server, size
+and callers):
 
 * ``frontdoor-http`` / ``frontdoor-grpc``: the replicas' own listeners on the app's
   ``frontdoor`` ports (what the shipped configs tell clients to use);
@@ -14,13 +18,13 @@ endpoint of the same protocol, same server, size and callers):
 * ``haproxy-http`` / ``haproxy-grpc`` (``--mode all``): HAProxy on the app's ports,
   forwarding to the replicas' direct ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``);
 * ``direct-http`` / ``direct-grpc`` (``--mode all``): the replicas' direct-ingress
-  ports (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``), callers spread over the replicas;
+  ports (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``; perf_analyzer calls the first);
 * ``triton-http`` / ``triton-grpc``: Triton's own endpoints on the node.
 
 Run (about 10 minutes for the full table on two cores)::
 
-    python -m ray_triton_shm bench --frontdoor
-    python -m ray_triton_shm._private.bench.frontdoor --mode all --sizes 1M,16M --callers 1,8
+    python -m ray_triton_shm bench --frontdoor            # perf_analyzer, plain mode, both servers
+    python -m ray_triton_shm._private.bench.frontdoor --mode all --caller tritonclient
     python -m ray_triton_shm._private.bench.frontdoor --quick   # 1 MB, native, 8 callers, ours vs Triton
 """
 
@@ -30,16 +34,14 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
+import platform
 import random
 import shutil
 import socket
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,8 @@ from ray import serve
 
 from ray_triton_shm._private.bench import cpu_share
 from ray_triton_shm._private.bench.frontdoor_callers import CallerPool
+from ray_triton_shm._private.bench.frontdoor_perf import PerfAnalyzerCells, TritonCounter, server_cpu_ms
+from ray_triton_shm._private.bench.frontdoor_table import Row, add_ratios, label, make_row, table, targets
 from ray_triton_shm._private.bench.servers import SERVERS, build_repository, parse_servers
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
 from ray_triton_shm._private.serve.ingress.kserve_grpc import SERVICER_FUNCTION
@@ -75,32 +79,6 @@ ALL_PATHS = (
 PLAIN_PATHS = ("frontdoor-http", "serve-http", "triton-http", "frontdoor-grpc", "serve-grpc", "triton-grpc")
 QUICK_PATHS = ("frontdoor-http", "triton-http", "frontdoor-grpc", "triton-grpc")
 
-TARGETS = (
-    # (path, server, size, callers, minimum ratio to Triton's own endpoint of the same protocol)
-    ("frontdoor-http", "native", 1 * MB, 8, 1.0),
-    ("frontdoor-http", "native", 16 * MB, 8, 1.5),
-    ("frontdoor-grpc", "native", 1 * MB, 8, 1.0),
-    ("frontdoor-grpc", "native", 16 * MB, 8, 1.0),
-)
-"""The front door's targets (native server, 8 callers); on the Python server every row of ours >= 1.0x."""
-
-
-@dataclass
-class Row:
-    """One cell of the table (the median of its rounds)."""
-
-    path: str
-    server: str
-    size: int
-    callers: int
-    mb_s: float
-    p50_ms: float
-    rounds: list[float] = field(default_factory=list)
-    error: str | None = None
-    ratio: float = float("nan")
-    cpu_ms: dict[str, float] = field(default_factory=dict)
-    """CPU milliseconds per call by process group (with ``--cpu``; see :mod:`.cpu_share`)."""
-
 
 def _free_range(width: int) -> int:
     """The start of ``width`` consecutive ports nothing listens on (best effort)."""
@@ -121,10 +99,6 @@ def _size(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": KB, "M": MB}.get(text[-1:], 1)
     return int(text[:-1] if scale > 1 else text) * scale
-
-
-def _label(size: int) -> str:
-    return f"{size // MB} MB" if size >= MB else f"{size // KB} KB"
 
 
 class _Setup:
@@ -234,21 +208,49 @@ def measure(
     rounds: int,
     duration_s: float,
     replicas: int,
-    cpu: bool = False,
+    caller: str = "perf_analyzer",
+    bytes_per_window: int = 48 * MB,
+    min_requests: int = 8,
+    windows: int = 3,
+    stability_percent: float = 1000.0,
 ) -> list[Row]:
-    """Every cell, rounds rotating the paths; the rows with their ratios (and CPU per call with ``cpu``)."""
+    """Every cell, rounds rotating the paths; the rows with their ratios and server CPU per call.
+
+    Args:
+        paths / servers / sizes / callers: The cells.
+        mode: ``plain`` (front door, Serve's proxies) or ``all`` (HAProxy and direct ingress too).
+        rounds: Rounds per cell, the paths taking turns in a rotating order.
+        duration_s: Time per cell and round of the ``tritonclient`` callers.
+        replicas: Replicas of the app.
+        caller: ``perf_analyzer`` (Triton's own load generator) or ``tritonclient`` (Python processes).
+        bytes_per_window / min_requests / windows / stability_percent: perf_analyzer's
+            count windows (see :class:`.PerfAnalyzerCells`).
+
+    Raises:
+        PerfAnalyzerMissingError: ``caller`` is perf_analyzer and it is not installed (``make peers``).
+    """
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="rtshm-frontdoor-") as tmp:
-        setup = _Setup(mode, servers, max(sizes), replicas, Path(tmp))
-        pool = CallerPool(max(callers))
+        work = Path(tmp)
+        if caller == "perf_analyzer":
+            cells_pa = PerfAnalyzerCells(work, bytes_per_window, min_requests, windows, stability_percent)
+            pool = None
+        else:
+            cells_pa, pool = None, CallerPool(max(callers))
+        setup = _Setup(mode, servers, max(sizes), replicas, work)
+        counter = None
         try:
             setup.start()
+            counter = TritonCounter(setup.urls["triton-http"][0])
             for server in servers:
                 model = SERVERS[server].identity
                 for size in sizes:
                     for n in callers:
                         cells: dict[str, list[Any]] = {p: [] for p in paths}
-                        used: dict[str, dict[str, float]] = {p: {} for p in paths}
+                        used: dict[str, dict[str, float]] = {
+                            p: dict.fromkeys(cpu_share.GROUPS, 0.0) for p in paths
+                        }
+                        calls = dict.fromkeys(paths, 0)
                         for r in range(rounds):
                             order = list(paths[r % len(paths) :] + paths[: r % len(paths)])
                             for path in order:
@@ -257,15 +259,22 @@ def measure(
                                     cells[path].append(None)
                                     continue
                                 protocol = path.rsplit("-", 1)[1]
-                                before = cpu_share.snapshot() if cpu else {}
-                                result = pool.run(protocol, urls, model, size, n, duration_s)
-                                if cpu:
-                                    spent = cpu_share.cpu_by_group(before, cpu_share.snapshot(), pool.pids)
-                                    for group, seconds in spent.items():
-                                        used[path][group] = used[path].get(group, 0.0) + seconds
+                                before, counted = cpu_share.snapshot(os.getpid()), counter.count(model)
+                                if cells_pa is not None:
+                                    result = cells_pa.run(protocol, urls, model, size, n)
+                                else:
+                                    assert pool is not None
+                                    result = pool.run(protocol, urls, model, size, n, duration_s)
+                                calls[path] += counter.count(model) - counted
+                                spent = cpu_share.cpu_by_group(
+                                    before, cpu_share.snapshot(os.getpid()), pool.pids if pool else ()
+                                )
+                                spent["callers"] += getattr(result, "cpu_s", 0.0)  # perf_analyzer, exited
+                                for group, seconds in spent.items():
+                                    used[path][group] += seconds
                                 cells[path].append(result)
                                 print(
-                                    f"  {server:<6} {_label(size):>6} x{n} {path:<15} "
+                                    f"  {server:<6} {label(size):>6} x{n} {path:<15} "
                                     + (
                                         f"{result.mb_s:8.1f} MB/s  p50 {result.p50_ms:7.2f} ms"
                                         if result.error is None
@@ -274,123 +283,71 @@ def measure(
                                     flush=True,
                                 )
                         for path in paths:
-                            row = _row(path, server, size, n, cells[path])
-                            calls = sum(r.calls for r in cells[path] if r is not None)
-                            if used[path] and calls:
-                                row.cpu_ms = {g: 1e3 * used[path][g] / calls for g in cpu_share.GROUPS}
+                            row = make_row(path, server, size, n, cells[path])
+                            row.calls = calls[path]
+                            if calls[path] and not row.error:
+                                row.cpu_ms = {g: 1e3 * used[path][g] / calls[path] for g in cpu_share.GROUPS}
+                                row.server_cpu_ms = server_cpu_ms(path, used[path], calls[path])
                             rows.append(row)
         finally:
-            pool.close()
+            if counter is not None:
+                counter.close()
+            if pool is not None:
+                pool.close()
             setup.stop()
-    _ratios(rows)
+    add_ratios(rows)
     return rows
-
-
-def _row(path: str, server: str, size: int, n: int, results: list[Any]) -> Row:
-    good = [r for r in results if r is not None and r.error is None and r.calls]
-    if not good:
-        errors = [r.error for r in results if r is not None and r.error]
-        nan = float("nan")
-        return Row(
-            path, server, size, n, nan, nan, error=errors[0] if errors else "not available in this mode"
-        )
-    return Row(
-        path,
-        server,
-        size,
-        n,
-        statistics.median(r.mb_s for r in good),
-        statistics.median(r.p50_ms for r in good),
-        rounds=[round(r.mb_s, 1) for r in good],
-    )
-
-
-def _ratios(rows: list[Row]) -> None:
-    base = {(r.path, r.server, r.size, r.callers): r.mb_s for r in rows}
-    for row in rows:
-        protocol = row.path.rsplit("-", 1)[1]
-        triton = base.get((f"triton-{protocol}", row.server, row.size, row.callers), float("nan"))
-        row.ratio = row.mb_s / triton if triton and not math.isnan(triton) else float("nan")
-
-
-def targets(rows: list[Row]) -> list[str]:
-    """The targets' lines: met / NOT met, with the numbers."""
-    by_key = {(r.path, r.server, r.size, r.callers): r for r in rows}
-    lines = []
-    for path, server, size, n, minimum in TARGETS:
-        row = by_key.get((path, server, size, n))
-        if row is None:
-            continue
-        verdict = "met" if row.ratio >= minimum else "NOT met"
-        lines.append(
-            f"{path} {server} {_label(size)} x{n}: {row.ratio:.2f}x Triton's own"
-            f" ({row.mb_s:.0f} vs {row.mb_s / row.ratio if row.ratio else float('nan'):.0f} MB/s),"
-            f" target >= {minimum:.1f}x: {verdict}"
-        )
-    ours = [r for r in rows if r.server == "python" and r.path.startswith("frontdoor-") and not r.error]
-    if ours:
-        low = [r for r in ours if r.ratio < 1.0]
-        lines.append(
-            "python server, every front-door row >= 1.0x Triton's own: "
-            + ("met" if not low else "NOT met (" + ", ".join(_cell(r) for r in low) + ")")
-        )
-    return lines
-
-
-def _cell(row: Row) -> str:
-    return f"{row.path} {_label(row.size)} x{row.callers} {row.ratio:.2f}x"
-
-
-def table(rows: list[Row]) -> str:
-    """The rows as a markdown table (MB/s, p50 ms, ratio to Triton's own endpoint of the protocol)."""
-    with_cpu = any(r.cpu_ms for r in rows)
-    cpu_head = " CPU ms per call: callers / replicas / Triton / rest |" if with_cpu else ""
-    lines = [
-        "| server | path | payload | callers | MB/s | p50 ms | vs Triton's own | rounds MB/s |" + cpu_head,
-        "|---|---|---|---|---|---|---|---|" + ("---|" if with_cpu else ""),
-    ]
-    for r in rows:
-        if r.error:
-            lines.append(
-                f"| {r.server} | {r.path} | {_label(r.size)} | {r.callers} | - | - | - | {r.error} |"
-            )
-            continue
-        lines.append(
-            f"| {r.server} | {r.path} | {_label(r.size)} | {r.callers} | {r.mb_s:.0f} | {r.p50_ms:.1f}"
-            f" | {r.ratio:.2f}x | {', '.join(str(x) for x in r.rounds)} |"
-            + (f" {' / '.join(f'{r.cpu_ms[g]:.2f}' for g in cpu_share.GROUPS)} |" if r.cpu_ms else "")
-        )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--mode", choices=("all", "plain"), default="all", help="all: HAProxy and direct ingress too"
+        "--mode", choices=("all", "plain"), default="plain", help="all: HAProxy and direct ingress too"
+    )
+    parser.add_argument(
+        "--caller",
+        choices=("perf_analyzer", "tritonclient"),
+        default="perf_analyzer",
+        help="perf_analyzer (Triton's own, C++) or tritonclient processes (Python)",
     )
     parser.add_argument("--servers", default="native,python")
     parser.add_argument("--sizes", default="1M,16M")
     parser.add_argument("--callers", default="1,8")
     parser.add_argument("--paths", default=None, help="comma-separated subset of the rows")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--duration-s", type=float, default=3.0, help="time per cell and round")
-    parser.add_argument("--replicas", type=int, default=2, help="replicas of the app (as the shipped config)")
-    parser.add_argument("--quick", action="store_true", help="1 MB, native, 8 callers, ours vs Triton's own")
-    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--cpu", action="store_true", help="CPU ms per call of the callers, replicas, Triton and the rest"
+        "--mb-per-window", type=int, default=48, help="perf_analyzer: payload MB per count window"
     )
+    parser.add_argument(
+        "--min-requests", type=int, default=8, help="perf_analyzer: requests per window at least"
+    )
+    parser.add_argument("--windows", type=int, default=3, help="perf_analyzer: count windows at most (-r)")
+    parser.add_argument(
+        "--stability-percent",
+        type=float,
+        default=1000.0,
+        help="perf_analyzer's stability test (-s; the default turns it off: rounds show the spread)",
+    )
+    parser.add_argument("--duration-s", type=float, default=3.0, help="tritonclient: time per cell and round")
+    parser.add_argument("--replicas", type=int, default=2, help="replicas of the app (as the shipped config)")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 MB, native, 8 callers, one round: ours vs Triton's own"
+    )
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--out", default=None, help="also write frontdoor.md and frontdoor.json here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
     if args.quick:
         args.mode, args.servers, args.sizes, args.callers = "plain", "native", "1M", "8"
         args.paths = args.paths or ",".join(QUICK_PATHS)
+        args.rounds, args.mb_per_window, args.duration_s = 1, 24, 1.0
     default_paths = ALL_PATHS if args.mode == "all" else PLAIN_PATHS
     paths = tuple(p.strip() for p in args.paths.split(",")) if args.paths else default_paths
     unknown = [p for p in paths if p not in ALL_PATHS]
     if unknown:
         parser.error(f"unknown paths {unknown}; known: {list(ALL_PATHS)}")
+    began = time.monotonic()
     rows = measure(
         paths,
         parse_servers(args.servers),
@@ -400,17 +357,56 @@ def main(argv: list[str] | None = None) -> int:
         rounds=args.rounds,
         duration_s=args.duration_s,
         replicas=args.replicas,
-        cpu=args.cpu,
+        caller=args.caller,
+        bytes_per_window=args.mb_per_window * MB,
+        min_requests=args.min_requests,
+        windows=args.windows,
+        stability_percent=args.stability_percent,
     )
+    text = "\n".join([table(rows), "", *targets(rows)])
     print()
-    print(table(rows))
-    print()
-    for line in targets(rows):
-        print(line)
+    print(text)
+    info = _info(argv if argv is not None else sys.argv[1:], args.caller, time.monotonic() - began)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.__dict__ for r in rows], f, indent=1, default=str)
-    return 0
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "frontdoor.json").write_text(
+            json.dumps({"info": info, "rows": [r.__dict__ for r in rows]}, indent=1, default=str) + "\n"
+        )
+        (out / "frontdoor.md").write_text(_markdown(info, text))
+        print(f"wrote {out / 'frontdoor.md'} and {out / 'frontdoor.json'}")
+    failed = [r for r in rows if r.error and r.error != "not available in this mode"]
+    return 1 if failed else 0
+
+
+def _info(argv: list[str], caller: str, seconds: float) -> dict[str, Any]:
+    """The run's command, machine and load, for the report."""
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in open("/proc/cpuinfo")
+                if line.startswith("model name")
+            ),
+            "?",
+        )
+    return {
+        "command": "python -m ray_triton_shm._private.bench.frontdoor " + " ".join(argv),
+        "caller": caller,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {cpu}",
+        "ray": ray.__version__,
+        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+        "duration_s": round(seconds, 1),
+    }
+
+
+def _markdown(info: dict[str, Any], text: str) -> str:
+    head = "\n".join(f"- {key}: `{value}`" for key, value in info.items())
+    return f"## The front-door table ({info['caller']})\n\n{head}\n\n{text}\n"
 
 
 if __name__ == "__main__":

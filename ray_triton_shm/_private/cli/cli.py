@@ -121,7 +121,7 @@ def _bench(args: argparse.Namespace) -> int:
             argv += ["--servers", args.servers]
         if args.rounds:
             argv += ["--rounds", str(args.rounds)]
-        return frontdoor.main(argv)
+        return frontdoor.main([*argv, "--out", args.out])
     # lazy: the benchmark loads only for the bench commands
     from ray_triton_shm._private.bench import runner
     from ray_triton_shm._private.bench.core_methods import CORE_METHODS
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--frontdoor",
         action="store_true",
-        help="only the front-door table: every external path (tritonclient processes) vs Triton's own",
+        help="only the front-door table (perf_analyzer vs Triton's own endpoints), in OUT/frontdoor.md",
     )
     bench.add_argument("--no-profile", action="store_true", help="skip the per-request profile")
     bench.add_argument("--no-progress", action="store_true")

@@ -29,7 +29,7 @@ from tests.helpers import H2_PREFACE, h2_frame, h2_request_block
 
 from .conftest import config_copy, local_ray
 
-INSTALL_HINT = "`make h2-peers` installs it (Debian packages nghttp2-client and curl)"
+INSTALL_HINT = "`make peers` installs it (Debian packages nghttp2-client and curl)"
 PEER_TIMEOUT_S = 120
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 SERVER_LIVE = "/inference.GRPCInferenceService/ServerLive"

@@ -11,7 +11,7 @@ the node's Triton's own answer to the same request. A strict client written
 frame by frame (:class:`~tests.integration.on_ray.real_peers.RawH2`) checks the
 server's flow control byte by byte and its answers to window updates that
 break RFC 9113 (section 6.9). The programs come from the Makefile's
-``h2-peers`` target; a test whose program is absent skips, saying so.
+``peers`` target; a test whose program is absent skips, saying so.
 """
 
 from __future__ import annotations
