@@ -41,6 +41,8 @@ class Bounds:
         recover_s: Callers must be served again within this after the attack's end.
         reset_ran_share: Most of the reset calls that may still run.
         scale: Multiplies the attacks' counts (1: the table's).
+        settle_s: Before its quiet time, an attack waits (this long at most) for a right answer
+            of each protocol, so what the attack before it left behind is not counted against it.
     """
 
     hold_s: float = 6.0
@@ -51,6 +53,7 @@ class Bounds:
     recover_s: float = 20.0
     reset_ran_share: float = 0.05
     scale: float = 1.0
+    settle_s: float = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +151,10 @@ def judge(attack: Attack, target: Target, callers: LegitCallers, pids: list[int]
 
     ``pids``: the server's processes whose memory counts.
     """
+    settle_until = time.time() + bounds.settle_s  # what an attack before left behind must be over
+    settled = time.time()
+    while time.time() < settle_until and not all(callers.served_since(settled, p) for p in ("http", "grpc")):
+        time.sleep(0.05)
     quiet_start = time.time()
     time.sleep(bounds.quiet_s)
     start = time.time()

@@ -39,11 +39,13 @@ class Call:
     error: str = ""
 
 
-def _caller(protocol: str, url: str, pause_s: float, events, stop) -> None:
+def _caller(protocol: str, url: str, pause_s: float, events, stop, go) -> None:
     client_module = tritonclient.http if protocol == "http" else tritonclient.grpc
     rng = np.random.default_rng()
     client = None
     while not stop.is_set():
+        if not go.wait(0.2):
+            continue
         x = rng.random((1, N), dtype=np.float32)
         start = time.time()
         error = ""
@@ -90,9 +92,11 @@ class LegitCallers:
         context = multiprocessing.get_context("spawn")
         self._events = context.Queue()
         self._stop = context.Event()
+        self._go = context.Event()
+        self._go.set()
         self._processes = [
             context.Process(
-                target=_caller, args=(protocol, url, pause_s, self._events, self._stop), daemon=True
+                target=_caller, args=(protocol, url, pause_s, self._events, self._stop, self._go), daemon=True
             )
             for protocol, url in (("http", http_url), ("grpc", grpc_url))
             for _ in range(per_protocol)
@@ -138,6 +142,14 @@ class LegitCallers:
     def served_since(self, since: float, protocol: str) -> bool:
         """Whether a ``protocol`` call that began at ``since`` or later was answered right."""
         return any(c.ok and c.protocol == protocol and c.start >= since for c in self.snapshot())
+
+    def pause(self) -> None:
+        """Make no more calls until :meth:`resume` (a call in flight still ends)."""
+        self._go.clear()
+
+    def resume(self) -> None:
+        """Call again after :meth:`pause`."""
+        self._go.set()
 
     def stop(self) -> None:
         """Stop every caller (each ends its call in flight; killed after ``CALL_TIMEOUT_S``)."""

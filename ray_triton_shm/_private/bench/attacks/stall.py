@@ -1,7 +1,8 @@
 """Slow or stalled clients: each holds what a call needs (a slot, a thread) at its own pace.
 
 More of them than the model has slots (8 in the shipped config), each with a
-1 MB ``identity`` tensor, the size that goes through a slot.
+1 MB ``identity`` tensor (16 MiB for answers never read, more than the sockets'
+buffers hold).
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ def http_trickled_body(target: Target, until: float, scale: float) -> dict[str, 
 
 
 def http_answer_unread(target: Target, until: float, scale: float) -> dict[str, Any]:
-    """Whole ``identity`` requests (1 MB answers) from clients that read nothing (4 KB receive buffer)."""
-    head, body = wire.http_identity_request(_x())
+    """Whole ``identity`` requests (16 MiB answers: more than the sockets' buffers hold) from clients
+    that read nothing (4 KB receive buffer)."""
+    n = 4 << 20  # FP32 elements: 16 MiB, the largest tensor of the shipped identity pool
+    head, body = wire.http_identity_request(np.zeros((1, n), np.float32))
     sockets: list[socket.socket] = []
     try:
         for _ in range(count(CLIENTS, scale)):
@@ -139,6 +142,6 @@ ATTACKS = (
         kind="stalled",
         protocol="http",
         run=http_answer_unread,
-        summary="16 HTTP calls whose 1 MB answer is never read",
+        summary="16 HTTP calls whose 16 MiB answer is never read",
     ),
 )

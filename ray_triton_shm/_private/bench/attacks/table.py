@@ -150,8 +150,12 @@ def run_all(
 def cell(v: Verdict) -> str:
     """A verdict in a few words: held or **broke**, and its numbers."""
     if v.kind == "protocol":
-        head = f"refused ({v.notes.get('answer')})" if v.held else "**broke**: " + "; ".join(v.reasons)
-        return head
+        answer = f"({v.notes.get('answer')})"
+        if v.held:
+            return f"refused {answer}"
+        if v.notes.get("refused"):  # refused, but the legitimate callers suffered
+            return f"refused {answer}, **broke**: " + "; ".join(v.reasons)
+        return f"**accepted** {answer}"
     gaps = f"http {v.gaps_s['http']:.1f} s, gRPC {v.gaps_s['grpc']:.1f} s"
     numbers = f"longest gap {gaps} (quiet {v.baseline_gap_s:.1f} s), {v.calls} calls"
     numbers += f", RSS +{v.rss_growth_mib:.0f} MiB"
