@@ -491,6 +491,26 @@ def test_a_stalled_body_gives_its_slot_back_and_is_finished_in_memory(
         assert client.calls == ["infer"]  # the general path, from memory
 
 
+def test_a_trickled_body_gives_its_slot_back_though_no_read_waits_the_stall_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A byte every 0.05 s never lets one read wait the 0.3 s stall time, yet the slot goes back."""
+    values = np.arange(1 << 16, dtype=np.float32)
+    data = values.tobytes()
+    with _door(monkeypatch, stall_s=0.3) as (port, client), _connect(port) as s:
+        s.sendall(_infer_request(values) + data[:1000])
+        assert wait_for(lambda: client.held == 1)
+        started, sent = time.monotonic(), 1000
+        while client.held and time.monotonic() - started < 5:
+            s.sendall(data[sent : sent + 1])
+            sent += 1
+            time.sleep(0.05)
+        assert client.held == 0 and time.monotonic() - started < 2, "the slot kept at the trickler's pace"
+        s.sendall(data[sent:])
+        np.testing.assert_array_equal(_answer_values(s, values.size), values)
+        assert client.calls == ["infer"]
+
+
 def test_a_body_too_slow_while_in_a_slot_gets_408_and_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> None:
     values = np.arange(1 << 16, dtype=np.float32)
     with _door(monkeypatch, stall_s=10.0, body_grace_s=0.3) as (port, client), _connect(port) as s:

@@ -111,6 +111,10 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.attacks:  # the attack table only (its own Ray, the shipped Serve config, caller processes)
+        from ray_triton_shm._private.bench.attacks import table  # lazy: the benchmark loads only for bench
+
+        return table.main(["--out", args.out])
     if args.frontdoor:  # the front-door table only (its own Ray, Serve app and caller processes)
         from ray_triton_shm._private.bench import frontdoor  # lazy: the benchmark loads only for bench
 
@@ -257,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--frontdoor",
         action="store_true",
         help="only the front-door table (perf_analyzer vs Triton's own endpoints), in OUT/frontdoor.md",
+    )
+    bench.add_argument(
+        "--attacks",
+        action="store_true",
+        help="only the attack table: every attack on the front door and on Triton's own ports, side by side",
     )
     bench.add_argument("--no-profile", action="store_true", help="skip the per-request profile")
     bench.add_argument("--no-progress", action="store_true")

@@ -97,10 +97,12 @@ class FrontDoorConfig:
             that does not read) ends its connection (60: nginx's
             ``send_timeout``, here for the whole answer).
         http_slot_stall_s: A leased slot waits no longer than this on an HTTP
-            client: a body that stalls is copied out of the slot and read on in
-            memory, an answer the client does not take is copied out and
-            finished from memory; the slot goes back at once (1; no upstream
-            equivalent: Triton reads a whole body before it uses its memory).
+            client: a tensor's bytes that do not all come within it (and as
+            long again per 4 MiB; stalled or trickling) are copied out of the
+            slot and read on in memory, an answer the client stops taking for
+            as long is copied out and finished from memory; the slot goes back
+            at once (1; no upstream equivalent: Triton reads a whole body
+            before it uses its memory).
         drain_timeout_s: When the replica stops (downscale, redeploy, ``serve
             shutdown``), how long its calls in flight may take to finish after it
             stops accepting (HTTP/2 clients get GOAWAY, HTTP/1.1 answers

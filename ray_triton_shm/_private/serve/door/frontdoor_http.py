@@ -4,10 +4,11 @@ HTTP inference (no version asked) is read from the socket straight into a
 leased slot (:class:`~ray_triton_shm._private.serve.http1.body.Body`) and
 answered from the slot (``sendmsg`` of the output views): one copy of each
 tensor each way, as in Triton's own endpoint. A slot never waits on a slow
-client: a body read into it that stalls ``http_slot_stall_s`` is copied out,
-the slot given back, and the rest read into memory (the general path then);
-an answer the client stops taking for as long is copied out and finished from
-memory once the slot is back. Every other HTTP route goes to the Serve
+client: a tensor's bytes not all read into it within ``http_slot_stall_s``
+(and as long again per 4 MiB; stalled, or trickling) are copied out, the slot
+given back, and the rest read into memory (the general path then); an answer
+the client stops taking for ``http_slot_stall_s`` is copied out and finished
+from memory once the slot is back. Every other HTTP route goes to the Serve
 ingress's own handler (the deployment's ``__call__``), so both answer alike.
 """
 
@@ -32,6 +33,8 @@ from ray_triton_shm.errors import InputError, OverloadedError, RefusedError, Req
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 SLOT_STALL_S = 1.0
 """Longest a leased slot waits on an HTTP client (a body read, an answer write) before it goes back."""
+SLOT_PACE_BYTES = 4 << 20
+"""A tensor's bytes in a slot get ``SLOT_STALL_S`` more for each this many of them."""
 
 
 class KServeHttpHandler:
@@ -145,6 +148,11 @@ class KServeHttpHandler:
         parts, headers = kserve.encode_response_parts(model, decoded, host, version)
         conn.respond(200, list(headers.items()), parts)
 
+    def _slot_time(self, nbytes: int) -> float:
+        """How long ``nbytes`` may take to come or go while they hold a slot: the stall time, and as
+        long again per 4 MiB (as the gRPC door's messages)."""
+        return self._stall_s * (1.0 + nbytes / SLOT_PACE_BYTES)
+
     def _infer_in_slot(
         self,
         conn: Connection,
@@ -188,7 +196,7 @@ class KServeHttpHandler:
                 target = lease.input(span.name, decoded.inputs[span.name].shape)
                 view = memoryview(target.reshape(-1).view(np.uint8))
                 del target
-                got = body.readinto(view, self._stall_s)
+                got = body.readinto(view, self._slot_time(len(view)))
                 filled.append(view[:got])
                 if got < len(view):  # the client stalled: what came goes to memory, the slot back
                     data = bytearray(prefix)

@@ -136,8 +136,14 @@ class Connection:
     ) -> int:
         """Fill ``target``: first from the buffer, then straight from the socket.
 
+        Args:
+            target: Where the bytes go.
+            clock: The body's clock.
+            stall_s: Stop this long after the read began, filled or not: a client
+                trickling a byte now and then runs out of it as one that sends nothing.
+
         Returns:
-            ``len(target)``, or fewer when a read waited ``stall_s`` in vain.
+            ``len(target)``, or fewer when ``stall_s`` passed first.
 
         Raises:
             HttpTimeoutError: ``clock`` ran out.
@@ -147,8 +153,12 @@ class Connection:
         if have:
             target[:have] = self._view[self._start : self._start + have]
             self._start += have
+        stall_at = None if stall_s is None else time.monotonic() + stall_s
         while have < len(target):
-            got = self._recv(target[have:], clock, stall_s)
+            wait = None
+            if stall_at is not None and (wait := stall_at - time.monotonic()) <= 0:
+                break
+            got = self._recv(target[have:], clock, wait)
             if not got:
                 break
             have += got

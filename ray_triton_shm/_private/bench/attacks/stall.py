@@ -1,0 +1,147 @@
+"""Slow or stalled clients: each holds what a call needs (a slot, a thread) at its own pace.
+
+More of them than the model has slots (8 in the shipped config), each with a
+1 MB ``identity`` tensor (16 MiB for answers never read, more than the sockets'
+buffers hold).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from ray_triton_shm._private.bench.attacks import wire
+from ray_triton_shm._private.bench.attacks.catalog import Attack, count, hold
+from ray_triton_shm._private.bench.attacks.wire import Target
+
+CLIENTS = 16
+
+
+def _x() -> np.ndarray:
+    return np.arange(wire.IDENTITY_N, dtype=np.float32).reshape(1, wire.IDENTITY_N)
+
+
+def _trickle(sockets: list[socket.socket], until: float, every_s: float = 1.0) -> int:
+    """One byte a second on each socket (``b"\\x00"`` as the next byte of its message) until ``until``;
+    returns how many the server closed meanwhile."""
+    closed: set[int] = set()
+    while time.monotonic() < until:
+        for i, s in enumerate(sockets):
+            if i not in closed and not wire.send_quietly(s, b"\x00"):
+                closed.add(i)
+        hold(min(until, time.monotonic() + every_s))
+    return len(closed)
+
+
+def grpc_no_answer_window(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """Whole ``identity`` calls from clients that open no flow-control window for the answer
+    (``SETTINGS_INITIAL_WINDOW_SIZE = 0``, a 4 KB receive buffer, nothing read)."""
+    framed = wire.grpc_framed(wire.identity_message(_x()))
+    block = wire.request_block(wire.INFER_PATH)
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count(CLIENTS, scale)):
+            s = wire.connect(target.host, target.grpc_port, rcvbuf=4096)
+            sockets.append(s)
+            opening = wire.H2_PREFACE + wire.settings(initial_window_size=0)
+            opening += wire.frame(wire.HEADERS, wire.END_HEADERS, 1, block)
+            wire.send_quietly(s, opening)
+            wire.send_data(s, 1, framed, min(until, time.monotonic() + 5))
+        hold(until)
+        closed = sum(wire.closed_by_peer(s) for s in sockets)
+        return {"clients": len(sockets), "closed by server": closed}
+    finally:
+        wire.close_all(sockets)
+
+
+def grpc_trickled_message(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """``identity`` calls whose message stops half-way, then goes on at a byte a second."""
+    framed = wire.grpc_framed(wire.identity_message(_x()))
+    block = wire.request_block(wire.INFER_PATH)
+    half = framed[: min(len(framed) // 2, 60000)]  # within the default window
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count(CLIENTS, scale)):
+            s = wire.connect(target.host, target.grpc_port)
+            sockets.append(s)
+            opening = wire.H2_PREFACE + wire.settings() + wire.frame(wire.HEADERS, wire.END_HEADERS, 1, block)
+            wire.send_quietly(s, opening)
+            wire.send_data(s, 1, half, min(until, time.monotonic() + 5), end_stream=False)
+        # Each further byte in a DATA frame of its own (a frame head, then one byte).
+        closed: set[int] = set()
+        while time.monotonic() < until:
+            for i, s in enumerate(sockets):
+                if i not in closed and not wire.send_quietly(s, wire.frame(wire.DATA, 0, 1, b"\x00")):
+                    closed.add(i)
+            hold(min(until, time.monotonic() + 1.0))
+        return {"clients": len(sockets), "closed by server": len(closed)}
+    finally:
+        wire.close_all(sockets)
+
+
+def http_trickled_body(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """``identity`` requests whose body stops half-way, then goes on at a byte a second."""
+    head, body = wire.http_identity_request(_x())
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count(CLIENTS, scale)):
+            s = wire.connect(target.host, target.http_port)
+            sockets.append(s)
+            wire.send_quietly(s, head + body[: len(body) // 2])
+        closed = _trickle(sockets, until)
+        return {"clients": len(sockets), "closed by server": closed}
+    finally:
+        wire.close_all(sockets)
+
+
+def http_answer_unread(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """Whole ``identity`` requests (16 MiB answers: more than the sockets' buffers hold) from clients
+    that read nothing (4 KB receive buffer)."""
+    n = 4 << 20  # FP32 elements: 16 MiB, the largest tensor of the shipped identity pool
+    head, body = wire.http_identity_request(np.zeros((1, n), np.float32))
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count(CLIENTS, scale)):
+            s = wire.connect(target.host, target.http_port, rcvbuf=4096)
+            sockets.append(s)
+            wire.send_quietly(s, head + body)
+        hold(until)
+        closed = sum(wire.closed_by_peer(s) for s in sockets)
+        return {"clients": len(sockets), "closed by server": closed}
+    finally:
+        wire.close_all(sockets)
+
+
+ATTACKS = (
+    Attack(
+        name="grpc-no-answer-window",
+        kind="stalled",
+        protocol="grpc",
+        run=grpc_no_answer_window,
+        summary="16 gRPC calls (1 MB) that open no window for their answer",
+    ),
+    Attack(
+        name="grpc-trickled-message",
+        kind="stalled",
+        protocol="grpc",
+        run=grpc_trickled_message,
+        summary="16 gRPC calls stopping half-way, then 1 byte/s",
+    ),
+    Attack(
+        name="http-trickled-body",
+        kind="stalled",
+        protocol="http",
+        run=http_trickled_body,
+        summary="16 HTTP bodies (1 MB) stopping half-way, then 1 byte/s",
+    ),
+    Attack(
+        name="http-answer-unread",
+        kind="stalled",
+        protocol="http",
+        run=http_answer_unread,
+        summary="16 HTTP calls whose 16 MiB answer is never read",
+    ),
+)
