@@ -453,7 +453,10 @@ def _answer_values(s: socket.socket, count: int) -> np.ndarray:
 
 @contextmanager
 def _door(
-    monkeypatch: pytest.MonkeyPatch, stall_s: float, **timeouts: float
+    monkeypatch: pytest.MonkeyPatch,
+    stall_s: float,
+    max_unsent_bytes: int = frontdoor_http.MAX_UNSENT_BYTES,
+    **timeouts: float,
 ) -> Iterator[tuple[int, _Client]]:
     monkeypatch.setattr(frontdoor_http, "shm_plan", lambda *args: True)
     client = _Client()
@@ -462,7 +465,13 @@ def _door(
         return 404, [], b"{}"
 
     handler = KServeHttpHandler(
-        client, lambda model: "1", delegate, frontdoor_http.error_answer, MAX_BYTES, slot_stall_s=stall_s
+        client,
+        lambda model: "1",
+        delegate,
+        frontdoor_http.error_answer,
+        MAX_BYTES,
+        slot_stall_s=stall_s,
+        max_unsent_bytes=max_unsent_bytes,
     )
     with _listening(handler, **timeouts) as door:
         yield door.port, client
@@ -529,6 +538,25 @@ def test_an_answer_not_taken_is_copied_out_and_the_slot_given_back(monkeypatch: 
         assert wait_for(lambda: client.held == 0)  # while the client has read nothing
         # The slot was scribbled over when it went back: the answer still holds the outputs.
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
+
+
+def test_answers_not_taken_are_held_up_to_a_budget_then_their_connections_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    values = np.arange(4 << 20, dtype=np.float32)  # a 16 MiB answer; the budget holds one
+    with (
+        _door(monkeypatch, stall_s=0.2, max_unsent_bytes=24 << 20) as (port, client),
+        _connect(port, rcvbuf=4096) as first,
+        _connect(port, rcvbuf=4096) as second,
+    ):
+        first.sendall(_infer_request(values) + values.tobytes())
+        assert wait_for(lambda: client.calls == ["run"])
+        assert wait_for(lambda: client.held == 0)  # the first answer copied out and held
+        second.sendall(_infer_request(values) + values.tobytes())
+        assert wait_for(lambda: client.calls == ["run", "run"])
+        assert wait_for(lambda: client.held == 0)  # its slot back too
+        assert len(_read_to_close(second)) < values.nbytes  # no room to hold it: the connection ended
+        np.testing.assert_array_equal(_answer_values(first, values.size), values)  # the held one whole
 
 
 def test_an_answer_not_taken_at_all_ends_at_the_send_deadline(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,7 +39,12 @@ from starlette.requests import Request
 
 from ray_triton_shm._private.serve.door.calls import CallGate, Observer
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor, run_on
-from ray_triton_shm._private.serve.door.frontdoor_http import SLOT_STALL_S, KServeHttpHandler, error_answer
+from ray_triton_shm._private.serve.door.frontdoor_http import (
+    MAX_UNSENT_BYTES,
+    SLOT_STALL_S,
+    KServeHttpHandler,
+    error_answer,
+)
 from ray_triton_shm._private.serve.door.port_claim import PortClaim
 from ray_triton_shm._private.serve.http1.head import RequestHead
 from ray_triton_shm._private.serve.http1.server import HttpListener
@@ -103,6 +108,10 @@ class FrontDoorConfig:
             as long is copied out and finished from memory; the slot goes back
             at once (1; no upstream equivalent: Triton reads a whole body
             before it uses its memory).
+        http_max_unsent_bytes: Bytes of HTTP answers the replica holds at once for
+            clients that stopped taking them (copied out of their slots); an
+            answer with no room left ends its connection (256 MiB; no upstream
+            equivalent: Triton holds every such answer).
         drain_timeout_s: When the replica stops (downscale, redeploy, ``serve
             shutdown``), how long its calls in flight may take to finish after it
             stops accepting (HTTP/2 clients get GOAWAY, HTTP/1.1 answers
@@ -123,6 +132,7 @@ class FrontDoorConfig:
     http_body_min_rate: float = env_field("FRONTDOOR_HTTP_BODY_MIN_RATE", _HTTP_DEFAULTS.body_min_rate)
     http_send_timeout_s: float = env_field("FRONTDOOR_HTTP_SEND_TIMEOUT_S", _HTTP_DEFAULTS.send_s)
     http_slot_stall_s: float = env_field("FRONTDOOR_HTTP_SLOT_STALL_S", SLOT_STALL_S)
+    http_max_unsent_bytes: int = env_field("FRONTDOOR_HTTP_MAX_UNSENT_BYTES", MAX_UNSENT_BYTES)
     drain_timeout_s: float = env_field("FRONTDOOR_DRAIN_TIMEOUT_S", 10.0)
 
     def __post_init__(self) -> None:
@@ -138,7 +148,7 @@ class FrontDoorConfig:
             raise ConfigError("frontdoor needs http_port, grpc_port or both")
         if self.http_port is not None and self.http_port == self.grpc_port and self.http_port != 0:
             raise ConfigError(f"frontdoor.http_port and grpc_port are both {self.http_port}")
-        for name in ("max_connections", "grpc_threads", "grpc_max_header_bytes"):
+        for name in ("max_connections", "grpc_threads", "grpc_max_header_bytes", "http_max_unsent_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"frontdoor.{name} must be an integer >= 1, got {value!r}")
@@ -236,6 +246,7 @@ class FrontDoor:
                     deployment._max_request_bytes,
                     slot_stall_s=config.http_slot_stall_s,
                     gate=self.calls,
+                    max_unsent_bytes=config.http_max_unsent_bytes,
                 )
                 self.http = HttpListener(
                     config.host,

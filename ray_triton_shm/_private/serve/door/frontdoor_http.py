@@ -25,6 +25,7 @@ from ray_triton_shm._private.serve.http1.head import HttpParseError, RequestHead
 from ray_triton_shm._private.serve.http1.server import Connection
 from ray_triton_shm._private.serve.http1.timing import ConnectionGone
 from ray_triton_shm._private.serve.net import bounded
+from ray_triton_shm._private.serve.net.bounded import ByteBudget
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
 from ray_triton_shm._private.serve.protocol.slot_plan import fast_path_lengths, run_leased, shm_plan
 from ray_triton_shm._private.shm.cuda import to_host
@@ -33,6 +34,8 @@ from ray_triton_shm.errors import InputError, OverloadedError, RefusedError, Req
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 SLOT_STALL_S = 1.0
 """Longest a leased slot waits on an HTTP client (a body read, an answer write) before it goes back."""
+MAX_UNSENT_BYTES = 256 << 20
+"""Answers copied out of slots for clients that did not take them, held at once (bytes)."""
 SLOT_PACE_BYTES = 4 << 20
 """A tensor's bytes in a slot get ``SLOT_STALL_S`` more for each this many of them."""
 
@@ -49,6 +52,8 @@ class KServeHttpHandler:
         slot_stall_s: Longest a leased slot waits on the client (see
             :attr:`FrontDoorConfig.http_slot_stall_s`).
         gate: Counts the requests running and refuses one past its bound (503).
+        max_unsent_bytes: Bytes of answers copied out of slots for clients that did
+            not take them, held at once; past it, such a client's connection ends.
     """
 
     def __init__(
@@ -61,8 +66,10 @@ class KServeHttpHandler:
         *,
         slot_stall_s: float = SLOT_STALL_S,
         gate: CallGate | None = None,
+        max_unsent_bytes: int = MAX_UNSENT_BYTES,
     ) -> None:
         self._gate = gate or CallGate()
+        self._unsent = ByteBudget(max_unsent_bytes, "the front door's http_max_unsent_bytes")
         self._max_bytes = max_bytes
         self._client = client
         self._served_version = served_version
@@ -213,10 +220,13 @@ class KServeHttpHandler:
             del outputs
             # Written from the slot while the client takes it; what it does not take in
             # time is copied out (rest), sent once the slot is back.
-            rest = conn.respond(200, list(headers.items()), parts, self._stall_s)
+            rest = conn.respond(200, list(headers.items()), parts, self._stall_s, self._unsent)
             # No view of the slot outlives the lease: it goes straight back, not pinned.
             del parts
-        conn.send_rest(rest)
+        try:
+            conn.send_rest(rest)
+        finally:
+            self._unsent.give(len(rest))
         return None
 
 

@@ -48,6 +48,7 @@ from ray_triton_shm._private.serve.http1.head import (
     response_head,
 )
 from ray_triton_shm._private.serve.http1.timing import BodyClock, ConnectionGone, Deadline, HttpTimeouts
+from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget
 from ray_triton_shm._private.serve.net.listener import IDLE_LINGER_S, IOV_BATCH, TcpListener, consumed
 
 logger = logging.getLogger(__name__)
@@ -263,6 +264,7 @@ class Connection:
         headers: Sequence[tuple[str, str]],
         parts: Sequence[bytes | memoryview],
         stall_s: float | None = None,
+        hold: ByteBudget | None = None,
     ) -> bytes:
         """Answer the current request: status, headers and the body ``parts``.
 
@@ -276,13 +278,16 @@ class Connection:
             parts: The body, in parts written as they are.
             stall_s: When the client takes nothing for this long, stop and
                 return the rest, copied (``parts`` may be released then).
+            hold: The rest is copied only if this budget has room for it (give it
+                back once :meth:`send_rest` is done); else the connection ends.
 
         Returns:
             ``b""`` when all was written, else the rest of the answer: write it
             with :meth:`send_rest`.
 
         Raises:
-            ConnectionGone: The deadline passed, or the peer is gone.
+            ConnectionGone: The deadline passed, the peer is gone, or an answer
+                not taken has no room in ``hold``.
         """
         self._send_deadline = time.monotonic() + self.timeouts.send_s
         self.status = status
@@ -291,6 +296,12 @@ class Connection:
         length = sum(memoryview(p).nbytes for p in parts)
         head = response_head(status, headers, length, self.keep_alive)
         rest = self.send_parts([head] if self._head_only else [head, *parts], stall_s)
+        if rest and hold is not None:
+            try:
+                hold.take(sum(view.nbytes for view in rest))
+            except OverBudget as e:
+                self.keep_alive = False
+                raise ConnectionGone(f"an answer not taken, and no room to hold it ({e.what})") from None
         return b"".join(rest)
 
     def send_rest(self, rest: bytes) -> None:
