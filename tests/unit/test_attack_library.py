@@ -47,3 +47,28 @@ def test_the_header_block_is_valid_hpack_of_the_size_asked() -> None:
     decoder.max_header_list_size = 1 << 20
     headers = decoder.decode(block)
     assert headers[0][0] == "x-pad-0" and len(headers[0][1]) == 1000
+
+
+def test_listening_pids_names_every_process_holding_a_shared_listening_socket() -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from ray_triton_shm._private.bench.attacks.judge import listening_pids
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        holder = subprocess.Popen(  # another process holding the same socket, as a replica does
+            [sys.executable, "-c", "import sys; sys.stdin.read()"],
+            stdin=subprocess.PIPE,
+            pass_fds=[s.fileno()],
+        )
+        try:
+            assert listening_pids(port) == sorted([os.getpid(), holder.pid])
+        finally:
+            holder.kill()
+            holder.wait()
+    assert listening_pids(port) == []

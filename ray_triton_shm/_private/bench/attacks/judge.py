@@ -14,12 +14,11 @@ Otherwise ``broke``, with the reasons.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import psutil
 
 from ray_triton_shm._private.bench.attacks.catalog import Attack
 from ray_triton_shm._private.bench.attacks.legit import LegitCallers, longest_gap
@@ -109,14 +108,35 @@ def vm_rss(pid: int) -> int | None:
 
 
 def listening_pids(port: int) -> list[int]:
-    """The processes listening on TCP ``port`` (every replica sharing a front-door port)."""
-    return sorted(
-        {
-            c.pid
-            for c in psutil.net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid
-        }
-    )
+    """The processes that hold a socket listening on TCP ``port`` (every replica of the app: they
+    share one listening socket, so each holds a descriptor of it)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}") in inodes:
+                    pids.add(int(entry))
+                    break
+            except OSError:
+                continue
+    return sorted(pids)
 
 
 class _RssWatch:
