@@ -84,7 +84,9 @@ def test_quick_bench_on_tiny_sizes(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
     for row in profile:
         assert "error" not in row, row
         assert row["requests"] == row["calls"], row
-        assert 0 < row["server_ms"] < row["total_ms"], row
+        # Triton's time is part of the caller's; two clocks over a few calls of ~1 ms each may
+        # disagree by a fraction of a millisecond.
+        assert 0 < row["server_ms"] < row["total_ms"] + 0.5, row
     for row in saved["records"]:
         for key in ("method", "payload_bytes", "concurrency", "throughput_mb_s", "p50_ms", "p99_ms"):
             assert key in row, (key, row)
