@@ -36,7 +36,7 @@ class Bounds:
         quiet_s: The quiet time before it (the baseline gap).
         gap_floor_s: A gap of legitimate calls up to this long is never an outage.
         gap_factor: ...nor up to this many times the baseline's longest gap.
-        rss_mib: Most a server process may grow (VmRSS) during the attack and recovery.
+        rss_mib: Most a server process's private memory may grow (RssAnon) during the attack and recovery.
         recover_s: Callers must be served again within this after the attack's end.
         reset_ran_share: Most of the reset calls that may still run.
         scale: Multiplies the attacks' counts (1: the table's).
@@ -95,12 +95,16 @@ class Verdict:
     errors: tuple[str, ...] = ()
 
 
-def vm_rss(pid: int) -> int | None:
-    """``VmRSS`` of ``pid`` in bytes (None: gone)."""
+def private_rss(pid: int) -> int | None:
+    """``RssAnon`` of ``pid`` in bytes, its private resident memory (None: gone).
+
+    Not ``VmRSS``: that counts the slots' shared memory too, whose pages a replica touches
+    as calls fill its slots (the pools' size, not what a client makes it hold).
+    """
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith("RssAnon:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -140,10 +144,10 @@ def listening_pids(port: int) -> list[int]:
 
 
 class _RssWatch:
-    """The highest ``VmRSS`` of each process, sampled every 0.1 s from start to stop."""
+    """The highest ``RssAnon`` of each process, sampled every 0.1 s from start to stop."""
 
     def __init__(self, pids: list[int]) -> None:
-        self.before = {p: vm_rss(p) or 0 for p in pids}
+        self.before = {p: private_rss(p) or 0 for p in pids}
         self.peak = dict(self.before)
         self.gone: set[int] = set()
         self._done = threading.Event()
@@ -153,7 +157,7 @@ class _RssWatch:
     def _run(self) -> None:
         while not self._done.wait(0.1):
             for pid in self.before:
-                rss = vm_rss(pid)
+                rss = private_rss(pid)
                 if rss is None:
                     self.gone.add(pid)
                 else:

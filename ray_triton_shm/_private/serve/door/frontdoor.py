@@ -110,7 +110,7 @@ class FrontDoorConfig:
             before it uses its memory).
         http_max_unsent_bytes: Bytes of HTTP answers the replica holds at once for
             clients that stopped taking them (copied out of their slots); an
-            answer with no room left ends its connection (256 MiB; no upstream
+            answer with no room left ends its connection (128 MiB; no upstream
             equivalent: Triton holds every such answer).
         drain_timeout_s: When the replica stops (downscale, redeploy, ``serve
             shutdown``), how long its calls in flight may take to finish after it

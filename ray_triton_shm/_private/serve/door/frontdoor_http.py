@@ -34,7 +34,7 @@ from ray_triton_shm.errors import InputError, OverloadedError, RefusedError, Req
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 SLOT_STALL_S = 1.0
 """Longest a leased slot waits on an HTTP client (a body read, an answer write) before it goes back."""
-MAX_UNSENT_BYTES = 256 << 20
+MAX_UNSENT_BYTES = 128 << 20
 """Answers copied out of slots for clients that did not take them, held at once (bytes)."""
 SLOT_PACE_BYTES = 4 << 20
 """A tensor's bytes in a slot get ``SLOT_STALL_S`` more for each this many of them."""
