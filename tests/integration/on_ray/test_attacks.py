@@ -82,8 +82,9 @@ def _attack(attacked, name: str, bounds: Bounds = BOUNDS) -> Verdict:
     callers.pause()  # their own slots out of the count
     try:
         # A slot whose call a client gave up on while Triton may still run it is held back for
-        # the shipped config's quarantine_s (30 s) before it is free: wait past that.
-        deadline = time.monotonic() + 45
+        # the shipped config's quarantine_s (30 s), and one an idle connection's call still has a
+        # view of goes back when that connection's idle time (60 s) ends it: wait past those.
+        deadline = time.monotonic() + 75
         while _busy_slots() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _busy_slots(), f"{name}: slots still held after the attack"

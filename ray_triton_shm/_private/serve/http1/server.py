@@ -255,6 +255,8 @@ class Connection:
                 if stall_s is not None and stall_s < left:
                     return views[first:]
                 raise ConnectionGone(f"the answer was not taken within {self.timeouts.send_s:g} s") from None
+            except OSError as e:  # reset or closed by the client
+                raise ConnectionGone(f"the client went while its answer was sent: {e}") from e
             first = consumed(views, first, sent)
         return []
 
