@@ -110,8 +110,11 @@ def busy_slots() -> dict[str, int]:
     return {model: p["slots"] - p["free"] for model, p in pools.items() if p["slots"] != p["free"]}
 
 
-def no_slot_held(timeout_s: float = 30.0) -> bool:
-    """Whether every slot is free within ``timeout_s``."""
+def no_slot_held(timeout_s: float = 75.0) -> bool:
+    """Whether every slot is free within ``timeout_s``: past the shipped config's quarantine
+    (30 s, a slot whose call the client gave up on while Triton may still run it) and a
+    connection's idle time (60 s, after which a connection that still has a view of a slot is
+    closed), the longest a slot may rightly stay out after a call."""
     deadline = time.monotonic() + timeout_s
     while busy_slots() and time.monotonic() < deadline:
         time.sleep(0.2)
