@@ -315,3 +315,117 @@ def test_an_answer_the_client_does_not_take_leaves_the_slot_and_still_arrives_wh
             assert sent.wait(5)
     finally:
         listener.close()
+
+
+class _Slot:
+    """The one slot of a pretend pool."""
+
+    def __init__(self) -> None:
+        self._free = threading.Condition()
+        self.held = False
+
+    def acquire(self, timeout: float = 0.0) -> bool:
+        with self._free:
+            if not self._free.wait_for(lambda: not self.held, timeout):
+                return False
+            self.held = True
+            return True
+
+    def release(self) -> None:
+        with self._free:
+            self.held = False
+            self._free.notify()
+
+
+def _one_slot_listener(**options) -> tuple[H2Listener, _Slot]:
+    """A listener with one slot: ``HEAD KEY body`` messages are placed in it when it is free; any
+    other call waits up to 20 s for it (answered ``waited``), or is answered ``no slot``."""
+    slot = _Slot()
+
+    class _SlotLease:
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+            self._held = True
+
+        def release(self) -> None:
+            with self._lock:
+                held, self._held = self._held, False
+            if held:
+                slot.release()
+
+    def placer(head: bytes, length: int) -> Placement | None:
+        if not head.startswith(HEAD) or not slot.acquire():
+            return None
+        target = bytearray(length - len(HEAD) - len(KEY))
+        return Placement(_SlotLease(), HEAD, [KEY, memoryview(target)], target)
+
+    def handler(call: Call) -> None:
+        placement = call.placement()
+        if placement is not None:
+            placement.release()
+            call.respond([b"placed"])
+        elif slot.acquire(timeout=20):
+            slot.release()
+            call.respond([b"waited"])
+        else:
+            call.respond([b"no slot"])
+
+    place = lambda method: placer if method == "/pkg.Svc/Put" else None  # noqa: E731
+    return H2Listener("127.0.0.1", 0, handler, place=place, **options), slot
+
+
+def _call_frames(stream_id: int, message: bytes, end: bool = True) -> bytes:
+    block = h2_request_block("/pkg.Svc/Put")
+    return (
+        frame_header(len(block), HEADERS, END_HEADERS, stream_id)
+        + block
+        + frame_header(len(message), DATA, END_STREAM if end else 0, stream_id)
+        + message
+    )
+
+
+def _answers(sock: socket.socket, streams: int, timeout_s: float) -> dict[int, bytes]:
+    """The answer message of each of ``streams`` streams (those that arrive within ``timeout_s``)."""
+    sock.settimeout(0.2)
+    data, deadline, answers = b"", time.monotonic() + timeout_s, {}
+    while len(answers) < streams and time.monotonic() < deadline:
+        try:
+            got = sock.recv(1 << 20)
+        except TimeoutError:
+            continue
+        assert got, "the server closed the connection"
+        data += got
+        bodies: dict[int, bytes] = {}
+        for kind, stream_id, payload in h2_whole_frames(data):
+            if kind == DATA and stream_id:
+                bodies[stream_id] = bodies.get(stream_id, b"") + payload
+        whole = {k: v for k, v in bodies.items() if len(v) == 5 + int.from_bytes(v[1:5] or b"\xff", "big")}
+        answers = {k: v[5:] for k, v in whole.items()}
+    return answers
+
+
+@pytest.mark.parametrize("others", [1, 2], ids=["one-call-waiting", "calls-waiting-on-every-thread"])
+def test_a_call_waiting_for_a_slot_never_blocks_the_call_that_holds_it(others: int) -> None:
+    """Stream 1's message is placed in the only slot and still arriving; ``others`` calls whose
+    messages are in memory wait for a slot. Neither the connection's reader (one waiting call
+    could run in it) nor the one worker thread (taken by the first waiting call) may be held by a
+    waiting call: the rest of stream 1 is read, its call runs, and its slot then serves the others."""
+    listener, slot = _one_slot_listener(threads=1)
+    total = len(HEAD + KEY) + 100_000
+    first = HEAD + KEY + b"a" * 5000
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+            sock.sendall(PREFACE + frame_header(0, SETTINGS, 0, 0))
+            sock.sendall(_call_frames(1, b"\x00" + total.to_bytes(4, "big") + first, end=False))
+            assert wait_for(lambda: slot.held)  # stream 1 holds the slot
+            waiting = b"".join(
+                _call_frames(3 + 2 * i, b"\x00" + (7).to_bytes(4, "big") + b"other:7") for i in range(others)
+            )
+            sock.sendall(waiting)
+            time.sleep(0.3)  # the waiting calls are dispatched
+            sock.sendall(frame_header(total - len(first), DATA, END_STREAM, 1) + b"b" * (total - len(first)))
+            answers = _answers(sock, 1 + others, timeout_s=10)
+        assert answers == {1: b"placed", **{3 + 2 * i: b"waited" for i in range(others)}}
+        assert not slot.held
+    finally:
+        listener.close()

@@ -83,7 +83,9 @@ class FrontDoorConfig:
         grpc_port: KServe v2 over gRPC (``tritonclient.grpc``); ``None``: none.
         max_connections: Connections served at once per replica on each port (a thread each
             while it has work; idle ones wait in a selector, without a thread).
-        grpc_threads: gRPC requests served at once per replica.
+        grpc_threads: gRPC requests served at once per replica; as many again for calls
+            whose message is already in a slot (run apart, so they never wait behind calls
+            that wait for a slot).
         grpc_idle_timeout_s: How long a gRPC connection with no call open may stay quiet
             before it gets GOAWAY and is closed.
         grpc_max_header_bytes: Longest gRPC header block (headers and metadata) accepted.

@@ -69,7 +69,8 @@ class H2Listener(TcpListener):
         handler: Runs each call (a :class:`Call`), in one of ``threads`` worker threads.
         refuse: See :class:`H2Connection`.
         place: See :class:`H2Connection`.
-        threads: Calls run at once.
+        threads: Calls run at once; as many again for calls whose message is already in a
+            slot (they run apart, never waiting behind calls that wait for a slot).
         limits: What each connection may cost (see :class:`H2Limits`).
         max_connections: Connections served at once; more wait in the backlog.
         listening: A listening socket to accept from instead of binding one.
@@ -94,6 +95,7 @@ class H2Listener(TcpListener):
         limits = limits or H2Limits()
         self.budget = ByteBudget(limits.max_buffered_bytes, "the listener's max_buffered_bytes")
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
+        self._held_pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc-held")
         self._connections: dict[socket.socket, H2Connection] = {}
         self._connections_lock = threading.Lock()
 
@@ -102,7 +104,7 @@ class H2Listener(TcpListener):
                 connection = self._connections.get(sock)
                 if connection is None:
                     connection = self._connections[sock] = H2Connection(
-                        sock, handler, refuse, self._pool, limits, place, self.budget
+                        sock, handler, refuse, self._pool, limits, place, self.budget, self._held_pool
                     )
             wait = None
             try:
@@ -132,6 +134,7 @@ class H2Listener(TcpListener):
             )
         except BaseException:
             self._pool.shutdown(wait=False)
+            self._held_pool.shutdown(wait=False)
             raise
 
     def drain(self, wait_s: float, quiet_s: float = 0.5) -> bool:
@@ -155,6 +158,7 @@ class H2Listener(TcpListener):
             time.sleep(0.02)
         super().close()  # shuts every connection
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._held_pool.shutdown(wait=True, cancel_futures=True)
 
 
 class GrpcDoor:

@@ -116,6 +116,9 @@ class H2Connection(AnswerWriter):
             connections (``None``: one of the limits' ``max_buffered_bytes`` of its own).
         place: Given a call's method, the placer of its request message, or ``None``
             (see :mod:`~ray_triton_shm._private.serve.http2.grpc_message`).
+        held_pool: Where calls whose message is already in a slot run (``None``: ``pool``).
+            Kept apart so that they never wait behind calls that wait for a slot: those
+            slots come back only when these calls run.
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class H2Connection(AnswerWriter):
         limits: H2Limits,
         place: Callable[[str], Placer | None] | None = None,
         budget: ByteBudget | None = None,
+        held_pool: ThreadPoolExecutor | None = None,
     ) -> None:
         self._sock = sock
         self._place = place
@@ -134,6 +138,7 @@ class H2Connection(AnswerWriter):
         self._handler = handler
         self._refuse = refuse
         self._pool = pool
+        self._held_pool = held_pool or pool
         self._limits = limits
         self._slot_stall_s = limits.slot_stall_s
         self._max_message = limits.max_message
@@ -435,13 +440,15 @@ class H2Connection(AnswerWriter):
             finally:
                 self._inline = False
             return
-        self._pool.submit(self._run, stream)
+        (self._held_pool if stream.holds_slot() else self._pool).submit(self._run, stream)
 
     def _may_run_inline(self, stream: Stream) -> bool:
         if self._inline or threading.current_thread() is not self._reader_thread:
             return False
         with self._flow:
-            if any(s.dispatched and not s.done for s in self._streams.values() if s is not stream):
+            # Any other stream open: the reader stays free. A call run here may wait for a slot,
+            # and the slot may be one that another stream's message, still arriving, holds.
+            if any(s is not stream for s in self._streams.values()):
                 return False
         if self._reader.buffered():
             return False

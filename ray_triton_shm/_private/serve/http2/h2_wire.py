@@ -390,6 +390,15 @@ class Stream:
         """Whether a slot is held for the message while its bytes still arrive."""
         return isinstance(self.message, PlacedMessage) and self.message.placing()
 
+    def holds_slot(self) -> bool:
+        """Whether the complete message is in a slot (taken by :meth:`placement`)."""
+        return (
+            self.error is None
+            and isinstance(self.message, PlacedMessage)
+            and self.message.placement is not None
+            and self.message.full()
+        )
+
     def message_length(self) -> int:
         """The length of the message being read (``0``: none yet)."""
         return self.message.length if self.message is not None else 0
