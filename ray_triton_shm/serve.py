@@ -212,7 +212,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         return {FRONTDOOR_ONGOING: float(door.calls.ongoing)}
 
     async def frontdoor_stats(self) -> dict[str, Any]:
-        """This replica's front door: ports, open connections, calls (``{}``: the app has none)."""
+        """This replica's front door: ports, connections, calls and their bound (``{}``: none)."""
         return self._frontdoor.stats() if self._frontdoor is not None else {}
 
     async def frontdoor_ports(self) -> dict[str, int | None]:
@@ -334,7 +334,12 @@ _DOOR_REPORT_S = 2.0
 
 
 def _max_ongoing_requests(context: Any) -> int | None:
-    """The deployment's ``max_ongoing_requests`` (``None`` where Serve's context does not say)."""
+    """The deployment's ``max_ongoing_requests`` (``None`` where Serve's context does not say).
+
+    Serve's replica context has no public field for it: this reads its private
+    ``_deployment_config``; a Serve without it would leave the door's calls unbounded
+    (Serve still bounds its own), which ``test_real_peers`` catches.
+    """
     config = getattr(context, "_deployment_config", None)
     value = getattr(config, "max_ongoing_requests", None)
     return value if isinstance(value, int) and value > 0 else None

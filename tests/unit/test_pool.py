@@ -352,6 +352,69 @@ def test_live_output_view_pins_slot(make_pool: MakePool, identity_layout: ModelL
     assert pool.stats().free == 1
 
 
+def test_a_view_that_dies_while_the_pool_reclaims_never_loses_its_slot(
+    make_pool: MakePool, identity_layout: ModelLayout
+) -> None:
+    """A view of a released lease may die in another thread while a taker reclaims pinned slots:
+    seen alive, then dead, its slot is freed now or at the next take, never dropped from both."""
+    pool = make_pool(identity_layout, slots=1)
+    lease = pool.acquire(timeout=1)
+    out = lease.output("OUTPUT0", (1, 4))
+    lease.release()
+    index, ref = pool._pinned[0]
+
+    class DiesWhileLookedAt:
+        """The view's weak reference: alive at the first look, dead from the second on."""
+
+        looks = 0
+
+        def __call__(self) -> np.ndarray | None:
+            self.looks += 1
+            return ref() if self.looks == 1 else None
+
+    pool._pinned[0] = (index, DiesWhileLookedAt())
+    first = pool.try_acquire()
+    again = first or pool.try_acquire()
+    assert again is not None and again.slot.index == index, pool.stats()
+    again.release()
+    del out
+    stats = pool.stats()
+    assert (stats.free, stats.busy, stats.pinned) == (1, 0, 0)
+
+
+def test_a_view_whose_last_reference_is_the_pools_own_look_frees_its_slot_once(
+    make_pool: MakePool, identity_layout: ModelLayout
+) -> None:
+    """When the pool's look at a pinned view holds the view's last reference, the view dies in the
+    pool's own thread, under its lock, and its callback runs there: the slot is freed once."""
+    import weakref
+
+    pool = make_pool(identity_layout, slots=2)
+    lease = pool.acquire(timeout=1)
+    out = lease.output("OUTPUT0", (1, 4))
+    lease.release()
+    index, _ = pool._pinned[0]
+    holder = [np.zeros(4)]
+    real = weakref.ref(holder[0], pool._views_gone)
+
+    class LastLook:
+        """A weak reference whose first look hands over the only strong reference there is."""
+
+        def __call__(self) -> np.ndarray | None:
+            return holder.pop() if holder else real()
+
+    pool._pinned[0] = (index, LastLook())
+    del out
+    taken = [pool.try_acquire(), pool.try_acquire(), pool.try_acquire()]
+    assert sum(lease is not None for lease in taken) == 2, pool.stats()
+    for lease in taken:
+        if lease is not None:
+            lease.release()
+    stats = pool.stats()
+    assert (stats.free, stats.busy, stats.pinned) == (2, 0, 0), stats
+    assert sorted(pool._free) == [0, 1]
+
+
 def test_slot_frees_itself_when_its_last_view_dies(make_pool: MakePool, identity_layout: ModelLayout) -> None:
     pool = make_pool(identity_layout, slots=1)
     lease = pool.acquire(timeout=1)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -34,6 +33,7 @@ from ray import serve
 
 from ray_triton_shm.node import shutdown_node_actors
 from ray_triton_shm.serve import run_config_file
+from ray_triton_shm.server import free_ports
 
 REPO_DEPLOYMENTS = Path(__file__).resolve().parents[3] / "deployments"
 SHIPPED = REPO_DEPLOYMENTS / "triton_shm.yaml"
@@ -140,24 +140,18 @@ class Callers:
             client.close()
 
 
-def free_port() -> int:
-    """A port the OS has free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def app_spec(path: Path, **deployment: Any) -> dict[str, Any]:
     """The Serve config at ``path``, on free ports, the identity pool sized for the callers."""
     spec = yaml.safe_load(path.read_text())
-    spec["http_options"]["port"] = free_port()
+    serve_http, serve_grpc, door_http, door_grpc = free_ports("127.0.0.1", 4)
+    spec["http_options"]["port"] = serve_http
     spec["grpc_options"] = {
-        "port": free_port(),
+        "port": serve_grpc,
         "grpc_servicer_functions": ["ray_triton_shm.serve.add_kserve_grpc_servicer"],
     }
     application = spec["applications"][0]
     door = application["args"]["frontdoor"]
-    door.update({"http_port": free_port(), "grpc_port": free_port()})
+    door.update({"http_port": door_http, "grpc_port": door_grpc})
     application["args"]["pools"] = {
         "identity": {"slots": 8, "max_batch_size": 1, "max_shapes": {"INPUT0": [N], "OUTPUT0": [N]}}
     }
@@ -190,11 +184,7 @@ _PIDS: dict[str, int] = {}
 
 def replicas(app: str = "triton") -> dict[str, int]:
     """{replica actor name: pid} of the app's replicas alive now (a new one's pid once it answers)."""
-    names = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(f"SERVE_REPLICA::{app}#")
-    ]
+    names = sorted(replica_names(app))
     for name in names:
         if name not in _PIDS:
             actor = ray.get_actor(name, namespace="serve")

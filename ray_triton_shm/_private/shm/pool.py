@@ -166,17 +166,15 @@ class SlotPool:
         self._free.append(index)
 
     def _free_or_pin_locked(self, index: int, anchor: weakref.ref[np.ndarray] | None) -> None:
-        if anchor is None or anchor() is None:
+        view = anchor() if anchor is not None else None
+        if view is None:
             self._to_free_locked(index)
-        else:
-            self._pinned.append((index, anchor))
-            if anchor() is None:
-                # The last view died after the check above: its callback may have found
-                # nothing pinned (it looks without the lock), so free the slot here.
-                self._pinned.remove((index, anchor))
-                self._to_free_locked(index)
-            else:
-                logger.debug("slot %d of %s pinned by live views", index, self.layout.model)
+            return
+        # Pinned while this reference keeps the view alive: if it is the last one, the view dies
+        # at the del below and its _views_gone (in this thread; the lock is re-entrant) frees it.
+        self._pinned.append((index, anchor))
+        logger.debug("slot %d of %s pinned by live views", index, self.layout.model)
+        del view
 
     def _views_gone(self, _ref: weakref.ref[np.ndarray]) -> None:
         # The last view of a released lease died: free its slot now and wake a
@@ -200,10 +198,18 @@ class SlotPool:
             for index, anchor in expired:
                 self._free_or_pin_locked(index, anchor)
         if self._pinned:
-            for index, anchor in self._pinned:
-                if anchor() is None:
+            # One look at each anchor, the entry kept pinned before the look's reference is
+            # dropped. A view may die at any moment in another thread; and when the look's
+            # reference is the last one, the view dies here, its _views_gone runs in this
+            # thread (the lock is re-entrant), finds the entry pinned and frees it, once.
+            pinned, self._pinned = self._pinned, []
+            for index, anchor in pinned:
+                view = anchor()
+                if view is None:
                     self._to_free_locked(index)
-            self._pinned = [(i, anchor) for i, anchor in self._pinned if anchor() is not None]
+                else:
+                    self._pinned.append((index, anchor))
+                del view
 
     def _take_locked(self) -> Lease | None:
         if self._closed:

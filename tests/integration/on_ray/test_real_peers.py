@@ -218,6 +218,16 @@ def test_grpcio_large_calls_at_once_on_one_channel_each_get_their_answer(door) -
     assert answers[0].SerializeToString() == theirs.SerializeToString()
 
 
+def test_the_door_takes_its_bound_from_the_deployments_max_ongoing_requests(door) -> None:
+    """The shipped deployment's ``max_ongoing_requests`` (32) is the bound of its front door's calls:
+    read from Serve's replica context, where Serve keeps it in a private field."""
+    from ray import serve
+
+    stats = serve.get_app_handle("triton").frontdoor_stats.remote().result(timeout_s=60)
+    assert stats["max_ongoing"] == 32, stats
+    assert stats["grpc_port"] == int(door["grpc"].rsplit(":", 1)[1]), stats
+
+
 # -- h2load ---------------------------------------------------------------------------------------
 
 

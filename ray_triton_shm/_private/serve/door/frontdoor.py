@@ -303,7 +303,7 @@ class FrontDoor:
                 raise FrontDoorError(f"the front door no longer accepts connections on port {listener.port}")
 
     def stats(self) -> dict[str, Any]:
-        """The door's ports, open connections and calls (running, taken, refused for the bound)."""
+        """The door's ports, open connections and calls (running, taken, refused for the bound, the bound)."""
         return {
             "http_port": self.http.port if self.http is not None else None,
             "grpc_port": self.grpc.port if self.grpc is not None else None,
@@ -311,6 +311,7 @@ class FrontDoor:
             "ongoing": self.calls.ongoing,
             "calls": self.calls.total,
             "refused": self.calls.refused,
+            "max_ongoing": self.calls.limit,
         }
 
     def drain(self, wait_s: float) -> bool:
