@@ -120,18 +120,9 @@ def h2_frame(length: int, kind: int, flags: int, stream: int) -> bytes:
 
 def h2_request_block(path: str) -> bytes:
     """The header block of a gRPC call of ``path`` (a fresh HPACK encoder's)."""
-    import hpack  # lazy: only the tests that speak raw HTTP/2 need it
+    from ray_triton_shm._private.bench.attacks.wire import request_block  # lazy: imports hpack
 
-    return hpack.Encoder().encode(
-        [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", path),
-            (":authority", "x"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        ]
-    )
+    return request_block(path)
 
 
 def h2_whole_frames(data: bytes) -> list[tuple[int, int, bytes]]:

@@ -121,23 +121,7 @@ def no_slot_held(timeout_s: float = 75.0) -> bool:
     return not busy_slots()
 
 
-# -- gRPC messages --------------------------------------------------------------------------------
-
-
-def identity_request(x: np.ndarray, request_id: str = "") -> bytes:
-    """A serialised ``ModelInferRequest`` of model ``identity``: FP32 ``x`` (``[1, n]``) as raw contents."""
-    from tritonclient.grpc import service_pb2 as pb
-
-    request = pb.ModelInferRequest(model_name="identity", id=request_id)
-    tensor = request.inputs.add(name="INPUT0", datatype="FP32")
-    tensor.shape.extend(x.shape)
-    request.raw_input_contents.append(np.ascontiguousarray(x, np.float32).tobytes())
-    return request.SerializeToString()
-
-
-def grpc_framed(message: bytes) -> bytes:
-    """``message`` as a gRPC length-prefixed message (uncompressed)."""
-    return b"\x00" + len(message).to_bytes(4, "big") + message
+# -- gRPC messages (requests and framing: the attack suite's, in ``bench.attacks.wire``) ----------
 
 
 def grpc_unframed(body: bytes) -> bytes:

@@ -33,6 +33,9 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as httpaio
 from tritonclient.utils import InferenceServerException
 
+from ray_triton_shm._private.bench.attacks.wire import grpc_framed
+from ray_triton_shm._private.bench.attacks.wire import identity_message as identity_request
+
 from .real_peers import (
     DATA,
     FLOW_CONTROL_ERROR,
@@ -49,11 +52,9 @@ from .real_peers import (
     connections_to,
     curl_answer,
     ended,
-    grpc_framed,
     grpc_unframed,
     h2load_summary,
     identity_output,
-    identity_request,
     nghttp_streams,
     no_slot_held,
     random_rows,

@@ -87,9 +87,9 @@ def grpc_framed(message: bytes, *, compressed: bool = False) -> bytes:
     return bytes([1 if compressed else 0]) + len(message).to_bytes(4, "big") + message
 
 
-def identity_message(x: np.ndarray) -> bytes:
+def identity_message(x: np.ndarray, request_id: str = "") -> bytes:
     """A serialised ``ModelInferRequest`` of ``identity`` with the FP32 ``[1, n]`` tensor ``x``."""
-    request = pb.ModelInferRequest(model_name="identity")
+    request = pb.ModelInferRequest(model_name="identity", id=request_id)
     tensor = request.inputs.add(name="INPUT0", datatype="FP32")
     tensor.shape.extend([1, x.size])
     request.raw_input_contents.append(np.ascontiguousarray(x, np.float32).tobytes())
