@@ -68,6 +68,42 @@ def test_config_environment_then_explicit(monkeypatch: pytest.MonkeyPatch) -> No
         FrontDoorConfig(http_port=8100)
 
 
+def test_every_grpc_limit_is_a_setting_and_reaches_the_listener(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each field of the gRPC listener's limits but the message size (the node's
+    ``max_request_bytes``) comes from the ``grpc_``-named setting, explicit or from the environment."""
+    import dataclasses
+
+    from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
+
+    names = {"max_header_block": "grpc_max_header_bytes"}
+    values = {
+        "grpc_max_header_bytes": 4096,
+        "grpc_idle_timeout_s": 7.5,
+        "grpc_preface_timeout_s": 3.0,
+        "grpc_glitch_burst": 11,
+        "grpc_glitch_rate": 2.5,
+        "grpc_slot_stall_s": 0.25,
+        "grpc_max_connection_bytes": 1 << 20,
+        "grpc_max_buffered_bytes": 1 << 22,
+        "grpc_max_streams": 3,
+        "grpc_send_timeout_s": 9.0,
+    }
+    monkeypatch.setenv("RAY_TRITON_SHM_FRONTDOOR_GRPC_MAX_STREAMS", "3")
+    explicit = {k: v for k, v in values.items() if k != "grpc_max_streams"}
+    limits = FrontDoorConfig(grpc_port=0, **explicit).h2_limits(12345)
+    for field in dataclasses.fields(H2Limits):
+        if field.name == "max_message":
+            assert limits.max_message == 12345
+        else:
+            setting = names.get(field.name, f"grpc_{field.name}")
+            assert getattr(limits, field.name) == values[setting], field.name
+    monkeypatch.delenv("RAY_TRITON_SHM_FRONTDOOR_GRPC_MAX_STREAMS")
+    assert FrontDoorConfig(grpc_port=0).h2_limits(1) == H2Limits(max_message=1)  # the defaults agree
+    for name in (*values, "max_open_connections"):
+        with pytest.raises(ConfigError, match=name):
+            FrontDoorConfig(grpc_port=0, **{name: 0})
+
+
 # -- HTTP parsing ---------------------------------------------------------
 
 

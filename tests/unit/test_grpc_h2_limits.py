@@ -307,3 +307,36 @@ def test_a_bad_window_update_resets_its_stream_and_the_connection_goes_on(server
     reset = next(payload for kind, stream, payload in frames if kind == RST_STREAM and stream == 1)
     assert int.from_bytes(reset, "big") == code
     assert not any(kind == GOAWAY for kind, _, _ in frames)
+
+
+def test_streams_past_max_streams_are_refused_and_the_limit_is_announced(server) -> None:
+    """``max_streams`` is announced as SETTINGS_MAX_CONCURRENT_STREAMS; a stream opened past it is
+    reset with REFUSED_STREAM and the others are answered."""
+    release = threading.Event()
+
+    def handler(call: Call) -> None:
+        release.wait(10)
+        call.respond([bytes(call.request())])
+
+    listener = server(handler, limits=H2Limits(max_streams=2))
+    with _connect(listener) as sock:
+        sock.sendall(_request(1, b"a") + _request(3, b"b") + _request(5, b"c"))
+        data = b""
+        sock.settimeout(5)
+        while not any(kind == RST_STREAM for kind, _, _ in h2_whole_frames(data)):
+            got = sock.recv(65536)
+            assert got, "the server closed the connection"
+            data += got
+        release.set()
+        while sum(kind == HEADERS for kind, _, _ in h2_whole_frames(data)) < 4:  # 2 answers, 2 trailers
+            got = sock.recv(65536)
+            assert got, "the server closed the connection"
+            data += got
+    frames = h2_whole_frames(data)
+    settings = next(payload for kind, _, payload in frames if kind == SETTINGS and payload)
+    announced = dict(struct.unpack(">HI", settings[i : i + 6]) for i in range(0, len(settings), 6))
+    assert announced[3] == 2  # SETTINGS_MAX_CONCURRENT_STREAMS
+    resets = [(stream, int.from_bytes(code, "big")) for kind, stream, code in frames if kind == RST_STREAM]
+    assert resets == [(5, 7)]  # REFUSED_STREAM
+    answered = {stream for kind, stream, _ in frames if kind == DATA}
+    assert answered == {1, 3}

@@ -49,7 +49,9 @@ from ray_triton_shm._private.serve.door.port_claim import PortClaim
 from ray_triton_shm._private.serve.http1.head import RequestHead
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
+from ray_triton_shm._private.serve.http2 import h2_wire
 from ray_triton_shm._private.serve.http2.h2_wire import IDLE_TIMEOUT_S, MAX_HEADER_BLOCK, H2Limits
+from ray_triton_shm._private.serve.net.listener import MAX_OPEN
 from ray_triton_shm.config import env_field
 from ray_triton_shm.errors import ConfigError, FrontDoorError
 
@@ -62,6 +64,24 @@ def _optional_port(text: str) -> int | None:
 
 
 _HTTP_DEFAULTS = HttpTimeouts()
+_COUNTS = (
+    "max_connections",
+    "max_open_connections",
+    "grpc_threads",
+    "grpc_max_header_bytes",
+    "grpc_max_streams",
+    "grpc_max_connection_bytes",
+    "grpc_max_buffered_bytes",
+    "grpc_glitch_burst",
+    "http_max_unsent_bytes",
+)
+_GRPC_NUMBERS = (
+    "grpc_idle_timeout_s",
+    "grpc_preface_timeout_s",
+    "grpc_slot_stall_s",
+    "grpc_send_timeout_s",
+    "grpc_glitch_rate",
+)
 _HTTP_SECONDS = (
     "http_head_timeout_s",
     "http_idle_timeout_s",
@@ -83,12 +103,32 @@ class FrontDoorConfig:
         grpc_port: KServe v2 over gRPC (``tritonclient.grpc``); ``None``: none.
         max_connections: Connections served at once per replica on each port (a thread each
             while it has work; idle ones wait in a selector, without a thread).
+        max_open_connections: Connections open at once per replica on each port, idle ones
+            included; past it a new connection waits in the kernel's backlog.
         grpc_threads: gRPC requests served at once per replica; as many again for calls
             whose message is already in a slot (run apart, so they never wait behind calls
             that wait for a slot).
         grpc_idle_timeout_s: How long a gRPC connection with no call open may stay quiet
             before it gets GOAWAY and is closed.
         grpc_max_header_bytes: Longest gRPC header block (headers and metadata) accepted.
+        grpc_preface_timeout_s: Time a new gRPC connection has for HTTP/2's preface and its
+            first SETTINGS.
+        grpc_slot_stall_s: A leased slot waits no longer than this on a gRPC client: a message
+            whose bytes do not all come within it (and as long again per 4 MiB) is read on
+            in memory, an answer the client opens no window for as long is copied out; the
+            slot goes back at once (as ``http_slot_stall_s``).
+        grpc_send_timeout_s: A gRPC answer the client does not take within this (no window
+            opened, nothing read) ends its connection.
+        grpc_max_streams: Streams a gRPC connection may have open at once (announced as
+            ``SETTINGS_MAX_CONCURRENT_STREAMS``; one past it is refused, ``REFUSED_STREAM``).
+        grpc_max_connection_bytes: Request bytes one gRPC connection's messages may hold in
+            memory at once (past it: ``RESOURCE_EXHAUSTED``).
+        grpc_max_buffered_bytes: Request bytes all gRPC connections of a replica may hold in
+            memory at once (past it: ``RESOURCE_EXHAUSTED``).
+        grpc_glitch_burst: Frames that carry no call (PING, SETTINGS, RST_STREAM, empty DATA,
+            ...) a gRPC connection may send at once; past the burst and
+            ``grpc_glitch_rate`` a second, GOAWAY ``ENHANCE_YOUR_CALM`` (nghttp2's limits).
+        grpc_glitch_rate: Such frames a second after the burst.
         http_head_timeout_s: An HTTP request's line and headers must arrive within
             this, from their first byte, else 408 and close (60: nginx's
             ``client_header_timeout``).
@@ -125,9 +165,20 @@ class FrontDoorConfig:
     http_port: int | None = env_field("FRONTDOOR_HTTP_PORT", None, _optional_port)
     grpc_port: int | None = env_field("FRONTDOOR_GRPC_PORT", None, _optional_port)
     max_connections: int = env_field("FRONTDOOR_MAX_CONNECTIONS", 256)
+    max_open_connections: int = env_field("FRONTDOOR_MAX_OPEN_CONNECTIONS", MAX_OPEN)
     grpc_threads: int = env_field("FRONTDOOR_GRPC_THREADS", 16)
     grpc_idle_timeout_s: float = env_field("FRONTDOOR_GRPC_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S)
     grpc_max_header_bytes: int = env_field("FRONTDOOR_GRPC_MAX_HEADER_BYTES", MAX_HEADER_BLOCK)
+    grpc_preface_timeout_s: float = env_field("FRONTDOOR_GRPC_PREFACE_TIMEOUT_S", h2_wire.PREFACE_TIMEOUT_S)
+    grpc_slot_stall_s: float = env_field("FRONTDOOR_GRPC_SLOT_STALL_S", h2_wire.SLOT_STALL_S)
+    grpc_send_timeout_s: float = env_field("FRONTDOOR_GRPC_SEND_TIMEOUT_S", h2_wire.SEND_TIMEOUT_S)
+    grpc_max_streams: int = env_field("FRONTDOOR_GRPC_MAX_STREAMS", h2_wire.MAX_STREAMS)
+    grpc_max_connection_bytes: int = env_field(
+        "FRONTDOOR_GRPC_MAX_CONNECTION_BYTES", h2_wire.MAX_CONNECTION_BYTES
+    )
+    grpc_max_buffered_bytes: int = env_field("FRONTDOOR_GRPC_MAX_BUFFERED_BYTES", h2_wire.MAX_BUFFERED_BYTES)
+    grpc_glitch_burst: int = env_field("FRONTDOOR_GRPC_GLITCH_BURST", h2_wire.GLITCH_BURST)
+    grpc_glitch_rate: float = env_field("FRONTDOOR_GRPC_GLITCH_RATE", h2_wire.GLITCH_RATE)
     http_head_timeout_s: float = env_field("FRONTDOOR_HTTP_HEAD_TIMEOUT_S", _HTTP_DEFAULTS.head_s)
     http_idle_timeout_s: float = env_field("FRONTDOOR_HTTP_IDLE_TIMEOUT_S", _HTTP_DEFAULTS.idle_s)
     http_body_grace_s: float = env_field("FRONTDOOR_HTTP_BODY_GRACE_S", _HTTP_DEFAULTS.body_grace_s)
@@ -150,11 +201,11 @@ class FrontDoorConfig:
             raise ConfigError("frontdoor needs http_port, grpc_port or both")
         if self.http_port is not None and self.http_port == self.grpc_port and self.http_port != 0:
             raise ConfigError(f"frontdoor.http_port and grpc_port are both {self.http_port}")
-        for name in ("max_connections", "grpc_threads", "grpc_max_header_bytes", "http_max_unsent_bytes"):
+        for name in _COUNTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"frontdoor.{name} must be an integer >= 1, got {value!r}")
-        for name in (*_HTTP_SECONDS, "grpc_idle_timeout_s", "drain_timeout_s"):
+        for name in (*_HTTP_SECONDS, *_GRPC_NUMBERS, "drain_timeout_s"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -163,6 +214,22 @@ class FrontDoorConfig:
                 or value <= 0
             ):
                 raise ConfigError(f"frontdoor.{name} must be a number > 0, got {value!r}")
+
+    def h2_limits(self, max_message: int) -> H2Limits:
+        """The gRPC listener's limits, with messages of at most ``max_message`` bytes."""
+        return H2Limits(
+            max_message=max_message,
+            max_header_block=self.grpc_max_header_bytes,
+            idle_timeout_s=float(self.grpc_idle_timeout_s),
+            preface_timeout_s=float(self.grpc_preface_timeout_s),
+            glitch_burst=self.grpc_glitch_burst,
+            glitch_rate=float(self.grpc_glitch_rate),
+            slot_stall_s=float(self.grpc_slot_stall_s),
+            max_connection_bytes=self.grpc_max_connection_bytes,
+            max_buffered_bytes=self.grpc_max_buffered_bytes,
+            max_streams=self.grpc_max_streams,
+            send_timeout_s=float(self.grpc_send_timeout_s),
+        )
 
     @property
     def http_timeouts(self) -> HttpTimeouts:
@@ -255,6 +322,7 @@ class FrontDoor:
                     config.http_port,
                     handler,
                     max_connections=config.max_connections,
+                    max_open=config.max_open_connections,
                     timeouts=config.http_timeouts,
                     listening=listening.pop("HTTP", None),
                 )
@@ -270,12 +338,9 @@ class FrontDoor:
                     run=self._run,
                     app_name=app_name,
                     threads=config.grpc_threads,
-                    limits=H2Limits(
-                        max_message=deployment._max_request_bytes,
-                        max_header_block=config.grpc_max_header_bytes,
-                        idle_timeout_s=config.grpc_idle_timeout_s,
-                    ),
+                    limits=config.h2_limits(deployment._max_request_bytes),
                     max_connections=config.max_connections,
+                    max_open=config.max_open_connections,
                     gate=self.calls,
                     listening=listening.pop("gRPC", None),
                 )

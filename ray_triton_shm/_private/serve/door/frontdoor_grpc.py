@@ -41,7 +41,7 @@ from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection, Refuse
 from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
 from ray_triton_shm._private.serve.http2.h2_wire import Call, CallError, H2Limits, StreamGone
 from ray_triton_shm._private.serve.net.bounded import ByteBudget
-from ray_triton_shm._private.serve.net.listener import TcpListener
+from ray_triton_shm._private.serve.net.listener import MAX_OPEN, TcpListener
 from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
     RAW_INPUT_KEY,
     encode_infer_response_parts,
@@ -73,6 +73,7 @@ class H2Listener(TcpListener):
             slot (they run apart, never waiting behind calls that wait for a slot).
         limits: What each connection may cost (see :class:`H2Limits`).
         max_connections: Connections served at once; more wait in the backlog.
+        max_open: Connections open at once, idle ones included.
         listening: A listening socket to accept from instead of binding one.
 
     Raises:
@@ -91,6 +92,7 @@ class H2Listener(TcpListener):
         limits: H2Limits | None = None,
         max_connections: int = 256,
         listening: socket.socket | None = None,
+        max_open: int = MAX_OPEN,
     ) -> None:
         limits = limits or H2Limits()
         self.budget = ByteBudget(limits.max_buffered_bytes, "the listener's max_buffered_bytes")
@@ -128,6 +130,7 @@ class H2Listener(TcpListener):
                 serve,
                 protocol="gRPC",
                 max_connections=max_connections,
+                max_open=max_open,
                 first_wait_s=limits.preface_timeout_s,
                 expire=expire,
                 listening=listening,
@@ -177,6 +180,7 @@ class GrpcDoor:
             the node's ``max_request_bytes``.
         max_connections: Connections served at once (a thread each); more wait in the backlog.
         gate: Counts the calls running and refuses one past its bound (``UNAVAILABLE``).
+        max_open: Connections open at once, idle ones included.
         listening: A listening socket to accept from instead of binding one.
 
     Raises:
@@ -198,6 +202,7 @@ class GrpcDoor:
         max_connections: int = 256,
         gate: CallGate | None = None,
         listening: socket.socket | None = None,
+        max_open: int = MAX_OPEN,
     ) -> None:
         self._gate = gate or CallGate()
         self._client = client
@@ -215,6 +220,7 @@ class GrpcDoor:
             limits=limits,
             max_connections=max_connections,
             listening=listening,
+            max_open=max_open,
         )
         self.host = host
         self.port = self._server.port

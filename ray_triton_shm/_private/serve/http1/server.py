@@ -49,7 +49,13 @@ from ray_triton_shm._private.serve.http1.head import (
 )
 from ray_triton_shm._private.serve.http1.timing import BodyClock, ConnectionGone, Deadline, HttpTimeouts
 from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget
-from ray_triton_shm._private.serve.net.listener import IDLE_LINGER_S, IOV_BATCH, TcpListener, consumed
+from ray_triton_shm._private.serve.net.listener import (
+    IDLE_LINGER_S,
+    IOV_BATCH,
+    MAX_OPEN,
+    TcpListener,
+    consumed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +385,7 @@ class HttpListener(TcpListener):
         port: Port to bind (``0``: one the OS picks; see :attr:`port`).
         handler: Called for every request, in the connection's thread.
         max_connections: Connections served at once; idle ones wait without a thread.
+        max_open: Connections open at once, idle ones included.
         timeouts: How long a client may take (heads, bodies, idle waits, answers).
         listening: A listening socket to accept from instead of binding one (see
             :class:`~ray_triton_shm._private.serve.net.listener.TcpListener`).
@@ -398,6 +405,7 @@ class HttpListener(TcpListener):
         timeouts: HttpTimeouts | None = None,
         listening: socket.socket | None = None,
         parse: HeadParser = parse_head,
+        max_open: int = MAX_OPEN,
     ) -> None:
         chosen = timeouts or HttpTimeouts()
         connections: dict[socket.socket, Connection] = {}
@@ -429,6 +437,7 @@ class HttpListener(TcpListener):
             serve,
             protocol="HTTP",
             max_connections=max_connections,
+            max_open=max_open,
             first_wait_s=chosen.idle_s,
             expire=expire,
             listening=listening,

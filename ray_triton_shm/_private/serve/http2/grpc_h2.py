@@ -60,7 +60,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     MAX_CONCURRENT_STREAMS,
     MAX_FRAME_SIZE,
     MAX_HEADER_LIST_SIZE,
-    MAX_STREAMS,
     MAX_WINDOW,
     NO_ERROR,
     OUR_MAX_FRAME,
@@ -73,7 +72,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     PUSH_PROMISE,
     REFUSED_STREAM,
     RST_STREAM,
-    SEND_TIMEOUT_S,
     SETTING,
     SETTINGS,
     WINDOW_UPDATE,
@@ -148,9 +146,11 @@ class H2Connection(AnswerWriter):
         self._budget = ByteBudget(limits.max_connection_bytes, what, shared)
         self._reader = FrameReader(sock)
         self._reader.on_stall = self._stalled
-        # Sends give up after SEND_TIMEOUT_S (a client that stopped reading); reads wait for ever.
-        seconds = int(SEND_TIMEOUT_S)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
+        # Sends give up after send_timeout_s (a client that stopped reading); reads wait for ever.
+        self._send_timeout_s = limits.send_timeout_s
+        whole = int(limits.send_timeout_s)
+        micro = int((limits.send_timeout_s - whole) * 1e6)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, micro))
         self._decoder = HeaderDecoder(limits.max_header_block)
         self._size_update = b""  # sent before the next header block, after the client sets a table size
         self._write = threading.Lock()  # frames are written whole, and header blocks encoded, one at a time
@@ -239,7 +239,7 @@ class H2Connection(AnswerWriter):
         if self._reader.exactly(len(PREFACE)) != PREFACE:
             raise EOFError  # not HTTP/2 with prior knowledge: nothing a gRPC client sends
         settings = [
-            (MAX_CONCURRENT_STREAMS, MAX_STREAMS),
+            (MAX_CONCURRENT_STREAMS, self._limits.max_streams),
             (INITIAL_WINDOW_SIZE, MAX_WINDOW),
             (MAX_FRAME_SIZE, OUR_MAX_FRAME),
             (MAX_HEADER_LIST_SIZE, self._limits.max_header_block),
@@ -409,7 +409,7 @@ class H2Connection(AnswerWriter):
             stream = Stream(
                 stream_id, headers, self._peer_initial_window, self._max_message, placer, self._budget
             )
-            if len(self._streams) >= MAX_STREAMS:
+            if len(self._streams) >= self._limits.max_streams:
                 self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
                 return
             self._streams[stream_id] = stream

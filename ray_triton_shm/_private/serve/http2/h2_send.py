@@ -23,7 +23,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     HEADERS,
     NO_ERROR,
     RST_STREAM,
-    SEND_TIMEOUT_S,
     Stream,
     StreamGone,
     frame_header,
@@ -53,6 +52,7 @@ class AnswerWriter:
     _closed: bool
     _reader_thread: threading.Thread | None
     _slot_stall_s: float
+    _send_timeout_s: float
 
     def _read_one_frame(self, timeout: float, give_up: bool = True) -> None:
         raise NotImplementedError
@@ -175,7 +175,7 @@ class AnswerWriter:
         meanwhile (its window updates among them). ``0``: the windows were still
         closed at ``stall_at`` (a ``time.monotonic()`` time).
         """
-        deadline = time.monotonic() + SEND_TIMEOUT_S
+        deadline = time.monotonic() + self._send_timeout_s
         while True:
             with self._flow:
                 self._check(stream)

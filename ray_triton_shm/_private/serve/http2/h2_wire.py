@@ -101,6 +101,10 @@ class H2Limits:
             for the client before the bytes move to memory and the slot goes back.
         max_connection_bytes: Request bytes one connection's messages may hold in memory at once.
         max_buffered_bytes: Request bytes all of a listener's connections may hold in memory at once.
+        max_streams: Streams a connection may have open at once (announced in the settings;
+            a stream past it is refused with ``REFUSED_STREAM``).
+        send_timeout_s: How long an answer may wait for the client to take it (to open its
+            flow-control window, or to read what was written).
     """
 
     max_message: int = 64 * 1024 * 1024
@@ -112,6 +116,8 @@ class H2Limits:
     slot_stall_s: float = SLOT_STALL_S
     max_connection_bytes: int = MAX_CONNECTION_BYTES
     max_buffered_bytes: int = MAX_BUFFERED_BYTES
+    max_streams: int = MAX_STREAMS
+    send_timeout_s: float = SEND_TIMEOUT_S
 
     def slot_time(self, length: int) -> float:
         """How long a message of ``length`` bytes may take to arrive into a slot.
@@ -122,11 +128,11 @@ class H2Limits:
 
     def __post_init__(self) -> None:
         sizes = ("max_message", "max_header_block", "max_connection_bytes", "max_buffered_bytes")
-        for name in (*sizes, "glitch_burst"):
+        for name in (*sizes, "glitch_burst", "max_streams"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("idle_timeout_s", "preface_timeout_s", "glitch_rate", "slot_stall_s"):
+        for name in ("idle_timeout_s", "preface_timeout_s", "glitch_rate", "slot_stall_s", "send_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
