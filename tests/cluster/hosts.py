@@ -63,6 +63,10 @@ def why_not() -> str | None:
     """Why hosts cannot be made on this machine, or None if they can."""
     if os.geteuid() != 0:
         return "needs root (network, mount and pid namespaces, a bridge)"
+    repo = Path(__file__).resolve().parents[2]
+    for private in ("/tmp", "/dev/shm"):
+        if repo.is_relative_to(private):
+            return f"the repository is under {private}, which each host mounts a tmpfs of its own on"
     for tool in ("ip", "unshare", "nsenter", "mount"):
         if shutil.which(tool) is None:
             return f"needs {tool!r} on PATH (iproute2, util-linux)"
