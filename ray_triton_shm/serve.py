@@ -20,6 +20,7 @@ against Serve unchanged, and Python code can call the deployment handle::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -164,6 +165,8 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             except BaseException:
                 self._client.close()
                 raise
+            for port in self._fixed_ports():  # kept open by the node actor between replicas
+                self._client.hold_door(port, self._app_name, frontdoor.host, frontdoor.port_linger_s)
             logger.info(
                 "front door on %s: HTTP port %s, gRPC port %s",
                 frontdoor.host,
@@ -182,10 +185,20 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         """
         door = self.__dict__.get("_frontdoor")
         if door is not None:
+            if _app_deleted(self._app_name):  # else the node keeps its ports for the next replicas
+                for port in self._fixed_ports():
+                    self._client.drop_door(port, self._app_name)
             self._frontdoor = None
             wait_s = door.config.drain_timeout_s
             if not door.drain(wait_s):
                 logger.warning("front door: calls still running after %g s were cut", wait_s)
+
+    def _fixed_ports(self) -> list[int]:
+        """The front door's ports named in its config (a port the OS picked is this replica's own)."""
+        door = self._frontdoor
+        if door is None:
+            return []
+        return [port for port in (door.config.http_port, door.config.grpc_port) if port]
 
     async def check_health(self) -> None:
         """Serve's health check: the front door (when the app has one) must be accepting connections.
@@ -331,6 +344,7 @@ PROBE_TIMEOUT_S = kserve_routes.PROBE_TIMEOUT_S
 """How long a health or readiness probe waits for the node's Triton before answering "not ready"."""
 _VERSION_TTL_S = 10.0
 _DOOR_REPORT_S = 2.0
+_STATUS_TIMEOUT_S = 2.0
 
 
 def _max_ongoing_requests(context: Any) -> int | None:
@@ -343,6 +357,23 @@ def _max_ongoing_requests(context: Any) -> int | None:
     config = getattr(context, "_deployment_config", None)
     value = getattr(config, "max_ongoing_requests", None)
     return value if isinstance(value, int) and value > 0 else None
+
+
+def _app_deleted(app_name: str, timeout_s: float = _STATUS_TIMEOUT_S) -> bool:
+    """Whether Serve is deleting ``app_name`` (``serve delete``, ``serve shutdown``) or cannot say so in time.
+
+    Asked by a replica as it stops: a redeploy or a downscale leaves the app's
+    front-door ports open on the node for its next replicas; a deletion closes them.
+    """
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="app-status")
+    try:
+        application = pool.submit(serve.status).result(timeout=timeout_s).applications.get(app_name)
+    except Exception as e:  # the controller gone or busy: as deleted, the ports must not outlive it
+        logger.info("front door: Serve's status unknown (%s); closing the app's ports", e)
+        return True
+    finally:
+        pool.shutdown(wait=False)  # a status call that hangs ends with its thread, not with us
+    return application is None or application.status == "DELETING"
 
 
 def _error_response(error: Exception) -> Response:

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
+from ray_triton_shm._private.node.port_claim import PortClaim, app_digest, port_claims
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler
-from ray_triton_shm._private.serve.door.port_claim import PortClaim, app_digest, port_claims
 from ray_triton_shm._private.serve.http1.head import HttpParseError, parse_head, response_head
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
@@ -55,6 +55,10 @@ def test_config_defaults_and_validation(monkeypatch: pytest.MonkeyPatch) -> None
         FrontDoorConfig(host="", http_port=1)
     with pytest.raises(ConfigError, match="max_connections"):
         FrontDoorConfig(http_port=1, max_connections=0)
+    assert FrontDoorConfig(http_port=1, port_linger_s=0).port_linger_s == 0
+    for bad in (-1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ConfigError, match="port_linger_s must be a number >= 0"):
+            FrontDoorConfig(http_port=1, port_linger_s=bad)
 
 
 def test_config_environment_then_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -487,7 +491,7 @@ def test_a_port_claim_ends_with_its_process() -> None:
 _CLAIMED_PORT = 1  # never a front door's: claims are names only, nothing is bound on the port
 _CLAIM_AND_WAIT = f"""
 import sys
-from ray_triton_shm._private.serve.door.port_claim import PortClaim
+from ray_triton_shm._private.node.port_claim import PortClaim
 claim = PortClaim({_CLAIMED_PORT}, "other")
 print("claimed", flush=True)
 sys.stdin.read()

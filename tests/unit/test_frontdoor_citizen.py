@@ -15,11 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from ray_triton_shm._private.node.held_doors import HeldDoors
+from ray_triton_shm._private.node.port_claim import PortClaim, claim_names
 from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING, frontdoor_autoscaling_policy
 from ray_triton_shm._private.serve.door.calls import CallGate
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler, error_answer
-from ray_triton_shm._private.serve.door.port_claim import PortClaim, claim_names
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.net.listener import TcpListener
 from ray_triton_shm.errors import OverloadedError
@@ -41,7 +42,7 @@ def _answer(name: bytes):
 
 _REPLICA = """
 import os, sys
-from ray_triton_shm._private.serve.door.port_claim import PortClaim
+from ray_triton_shm._private.node.port_claim import PortClaim
 from ray_triton_shm._private.serve.net.listener import TcpListener
 claim = PortClaim({port}, "app")
 sock = claim.listening_socket("127.0.0.1", "HTTP")
@@ -133,6 +134,81 @@ def test_the_port_stays_open_while_one_replica_holds_it() -> None:
             each.close()
         first_claim.close()
         second_claim.close()
+
+
+def _replica(port: int, name: bytes) -> tuple[PortClaim, TcpListener]:
+    """A replica's claim of ``port`` and its listener on the app's shared socket, answering ``name``."""
+    claim = PortClaim(port, "app")
+    listening = claim.listening_socket("127.0.0.1", "HTTP")
+    return claim, TcpListener("127.0.0.1", port, _answer(name), protocol="HTTP", listening=listening)
+
+
+def _leave(replica: tuple[PortClaim, TcpListener]) -> None:
+    claim, listener = replica
+    claim.close()
+    listener.close()
+
+
+def test_the_node_keeps_the_port_open_between_replicas_and_the_next_one_answers_who_waited() -> None:
+    port = _free_port()
+    doors = HeldDoors()
+    old = _replica(port, b"old")
+    new = None
+    try:
+        assert doors.hold(port, "app", "127.0.0.1", linger_s=60.0)
+        _leave(old)  # every old replica gone before a new one starts (a redeploy)
+        doors.sweep()
+        assert [d["port"] for d in doors.ports()] == [port]
+        waiting = socket.create_connection(("127.0.0.1", port), timeout=5)  # queued, not refused
+        with waiting:
+            waiting.sendall(b"x")
+            new = _replica(port, b"new")  # borrows the socket from the node
+            assert waiting.recv(100) == b"new\n"
+        doors.sweep()
+        assert doors.ports() == [{"port": port, "app": "app", "replicas_away": False}]
+    finally:
+        _leave(old)
+        if new is not None:
+            _leave(new)
+        doors.close()
+    with pytest.raises(ConnectionRefusedError):
+        _ask(port)
+    assert claim_names(port) == []
+
+
+def test_the_node_lets_the_port_go_after_its_linger_time_or_at_once_for_a_deleted_app() -> None:
+    ports = [_free_port(), _free_port()]
+    doors = HeldDoors()
+    try:
+        for port in ports:
+            replica = _replica(port, b"r")
+            assert doors.hold(port, "app", "127.0.0.1", linger_s=30.0)
+            _leave(replica)
+        doors.drop(ports[1], "app")  # its app is being deleted
+        now = time.monotonic()
+        assert doors.sweep(now) == [(ports[1], "app")]
+        with pytest.raises(ConnectionRefusedError):
+            _ask(ports[1])
+        assert doors.sweep(now + 29.0) == []
+        assert doors.sweep(now + 30.0) == [(ports[0], "app")]
+        with pytest.raises(ConnectionRefusedError):
+            _ask(ports[0])
+        assert doors.ports() == []
+    finally:
+        doors.close()
+    assert [claim_names(port) for port in ports] == [[], []]
+
+
+def test_the_node_holds_nothing_that_no_replica_handed_over() -> None:
+    port = _free_port()
+    doors = HeldDoors()
+    try:
+        assert not doors.hold(port, "app", "127.0.0.1", linger_s=30.0)
+        assert doors.ports() == [] and claim_names(port) == []
+        with pytest.raises(ConnectionRefusedError):
+            _ask(port)
+    finally:
+        doors.close()
 
 
 def _echo(conn, head, body) -> None:

@@ -38,6 +38,10 @@ NODE = {
             "refused": 2,
         },
     ],
+    "held_doors": [
+        {"port": 8100, "app": "triton", "replicas_away": False},
+        {"port": 8101, "app": "triton", "replicas_away": True},
+    ],
     "idle_shutdown_s": 30.0,
     "traffic": [{"model": "add_sub", "path": "shm", "requests": 12, "bytes": 3 << 20}],
 }
@@ -53,6 +57,7 @@ def test_render_shows_every_part_of_a_node() -> None:
     assert "users: 1 (serve 1)" in text
     door_line = next(line for line in text.splitlines() if line.strip().startswith("triton"))
     assert door_line.split() == ["triton", "41", "8100", "8101", "9", "3", "1200", "2"]
+    assert "ports held open by the node: 8100 (triton), 8101 (triton, no replica on it)" in text
     traffic_line = next(line for line in text.splitlines() if " shm " in line)
     assert traffic_line.split() == ["add_sub", "shm", "12", "3.0", "MB"]
     assert "1 node(s), 3.0 MB moved in all" in text

@@ -213,18 +213,34 @@ def wait_until(predicate: Any, timeout_s: float, poll_s: float = 0.5) -> bool:
 
 
 def rolling_update(directory: Path, path: str) -> dict[str, Any]:
-    """Redeploy with one deployment option changed (every replica replaced) under the callers."""
+    """Two redeploys under the callers: a deployment option changed (each of the 2 replicas replaced),
+    then an app argument changed and one replica fewer (Serve stops both old replicas before
+    the new one starts)."""
     spec = app_spec(SHIPPED)
     deploy(spec, directory, "first.yaml")
     before = replicas()
+    application = spec["applications"][0]
     with Callers(target_of(spec, path)) as callers:
         time.sleep(3)
-        spec["applications"][0]["deployments"][0]["ray_actor_options"] = {"num_cpus": 0.26}
+        application["deployments"][0]["ray_actor_options"] = {"num_cpus": 0.26}
         deploy(spec, directory, "second.yaml")
         replaced = wait_until(lambda: len(replicas()) == 2 and not set(replicas()) & set(before), 120)
+        time.sleep(2)
+        middle = replicas()
+        application["args"]["frontdoor"]["drain_timeout_s"] = 9.0
+        application["deployments"][0]["num_replicas"] = 1
+        deploy(spec, directory, "third.yaml")
+        shrunk = wait_until(lambda: len(replicas()) == 1 and not set(replicas()) & set(middle), 120)
         time.sleep(3)
         tally = callers.stop()
-    return {"replicas_before": len(before), "replaced": replaced, **_counts(tally)}
+    door = application["args"]["frontdoor"]
+    return {
+        "replicas_before": len(before),
+        "replaced": replaced,
+        "replaced_by_one": shrunk,
+        "door_ports": [door["http_port"], door["grpc_port"]],
+        **_counts(tally),
+    }
 
 
 def hung_replica(directory: Path, path: str, stopped_s: float = 30.0) -> dict[str, Any]:

@@ -168,6 +168,13 @@ def render(nodes: list[dict[str, Any]]) -> str:
             header = ["front door", "replica pid", "HTTP", "gRPC", "connections", "running", "calls"]
             header.append("refused")
             out += _table(header, rows)
+        held = node.get("held_doors") or []
+        if held:
+            ports = ", ".join(
+                f"{h.get('port')} ({h.get('app')}{', no replica on it' if h.get('replicas_away') else ''})"
+                for h in held
+            )
+            out.append(f"  front-door ports held open by the node: {ports}")
         pools = node["pools"]
         if pools:
             rows = [

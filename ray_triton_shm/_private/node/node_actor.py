@@ -24,6 +24,7 @@ import ray
 from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.node import metrics
+from ray_triton_shm._private.node.held_doors import HeldDoors
 from ray_triton_shm._private.node.node_config import CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node.node_health import HealthMonitor
 from ray_triton_shm._private.node.node_pools import CudaRegion, Grant, NodePools, pool_key
@@ -93,6 +94,8 @@ class _NodeActor:
         self._traffic: dict[tuple[str, str], list[int]] = {}
         # user id -> its front door's last report (ports, connections, calls), while it is attached.
         self._doors: dict[str, dict[str, Any]] = {}
+        # Front-door listening sockets kept open between an app's replicas (a redeploy).
+        self._held_doors = HeldDoors()
         for model in config.preload:
             self._ensure_pool(model)
         self._stopping = threading.Event()
@@ -195,6 +198,10 @@ class _NodeActor:
                 self._check_users()
             except Exception:
                 logger.exception("node user check failed")
+            try:
+                self._held_doors.sweep()
+            except Exception:
+                logger.exception("front-door sweep failed")
             try:
                 self._reaper.check()  # a reaper that died (OOM) is started again; status shows it
             except Exception:
@@ -397,6 +404,21 @@ class _NodeActor:
         with self._lock:
             self._doors[str(user_id)] = dict(stats)
 
+    def hold_door(self, port: int, app_name: str, host: str, linger_s: float) -> bool:
+        """Keep the listening socket of ``app_name``'s front door on ``port`` open between its replicas.
+
+        Borrowed from the replica that asks (see ``held_doors``); let go once no
+        replica has held it for ``linger_s``, or at :meth:`shutdown`.
+
+        Returns:
+            Whether the socket is held.
+        """
+        return self._held_doors.hold(int(port), str(app_name), str(host), float(linger_s))
+
+    def drop_door(self, port: int, app_name: str) -> None:
+        """Let the socket of ``app_name``'s front door on ``port`` go with its last replica (app deleted)."""
+        self._held_doors.drop(int(port), str(app_name))
+
     def status(self) -> dict[str, Any]:
         """What ``ray-triton-shm status`` shows: Triton, its models, pools, traffic by path, the reaper."""
         users = self._users.snapshot()
@@ -429,6 +451,7 @@ class _NodeActor:
             "pools": self._pools.stats(),
             "users": users,
             "frontdoors": doors,
+            "held_doors": self._held_doors.ports(),
             "idle_shutdown_s": self.config.idle_shutdown_s,
             "reaper": self._reaper.state(),
             "models": models,
@@ -465,6 +488,7 @@ class _NodeActor:
             self._users.close()
             self._users_file.close()
             self._reaper.close()
+            self._held_doors.close()
 
     # == model control and server warnings ===================================
 

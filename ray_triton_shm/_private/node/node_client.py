@@ -39,6 +39,8 @@ from ray_triton_shm.errors import (
 )
 
 logger = logging.getLogger(__name__)
+# Longest a replica waits for the node actor to take or drop its front-door port.
+_DOOR_CALL_S = 10.0
 
 
 class _Unset:
@@ -328,6 +330,34 @@ class NodeClient:
                 actor.report_door.remote(self._user_id, stats)
             except Exception as e:  # the actor may be restarting: status misses one report
                 logger.debug("front-door report failed: %s", e)
+
+    def hold_door(self, port: int, app_name: str, host: str, linger_s: float) -> bool:
+        """Ask the node actor to keep this app's front-door port open between its replicas.
+
+        The node actor borrows the listening socket from this process (see the
+        node actor's ``hold_door``); it lets it go once no replica of the app has
+        held it for ``linger_s``.
+
+        Returns:
+            Whether the node actor holds the socket (``False`` also when it did not answer in time).
+        """
+        actor = self._actor
+        if actor is None:
+            return False
+        try:
+            return bool(ray.get(actor.hold_door.remote(port, app_name, host, linger_s), timeout=_DOOR_CALL_S))
+        except Exception as e:  # the actor restarting or slow: the port closes with the last replica
+            logger.warning("front door: the node actor does not hold port %d: %s", port, e)
+            return False
+
+    def drop_door(self, port: int, app_name: str) -> None:
+        """Tell the node actor to close this app's front-door port with its last replica (app deleted)."""
+        actor = self._actor
+        if actor is not None:
+            try:
+                ray.get(actor.drop_door.remote(port, app_name), timeout=_DOOR_CALL_S)
+            except Exception as e:  # it lets the port go after its linger time instead
+                logger.warning("front door: could not tell the node actor to close port %d: %s", port, e)
 
     def model_changed(self, model: str) -> None:
         """Tell the node that ``model`` was loaded, reloaded or unloaded on its Triton by someone else.

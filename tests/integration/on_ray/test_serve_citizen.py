@@ -10,6 +10,7 @@ gRPC) outside Ray, every output checked, a new connection after a failed call.
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -57,9 +58,29 @@ def app_deleted():
 def test_a_rolling_update_under_load_drops_no_call(ray_up, app_deleted, tmp_path) -> None:
     result = citizen.rolling_update(tmp_path, "frontdoor")
     print("rolling update:", result)
-    assert result["replicas_before"] == 2 and result["replaced"]
+    assert result["replicas_before"] == 2 and result["replaced"] and result["replaced_by_one"]
     assert result["ok"] > 100
     assert (result["failed"], result["wrong"]) == (0, 0), result["failures"]
+    # The node actor held the ports through the redeploys; deleting the app closes them.
+    import ray
+    from ray import serve
+
+    from ray_triton_shm.node import get_node_actor
+
+    node = get_node_actor()
+    held = ray.get(node.status.remote())["held_doors"]
+    assert sorted(h["port"] for h in held) == sorted(result["door_ports"])
+    serve.delete("triton")
+    assert wait_for(lambda: not any(_listening(port) for port in result["door_ports"]), 10)
+    assert ray.get(node.status.remote())["held_doors"] == []
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return False
+    return True
 
 
 def test_a_hung_replica_takes_no_new_connection_and_is_replaced(ray_up, app_deleted, tmp_path) -> None:

@@ -4,7 +4,7 @@ Clients outside Ray (``tritonclient.http``, ``tritonclient.grpc``) reach the
 replica without Serve's proxy in between. Every replica of the app on a node
 listens on the same ports, and any node's address works on a multi-node cluster (bind
 ``0.0.0.0`` there). A replica of another app given the same port refuses to
-start (:mod:`~ray_triton_shm._private.serve.door.port_claim`), and the app's
+start (:mod:`~ray_triton_shm._private.node.port_claim`), and the app's
 replicas on a node accept from one listening socket, handed from replica to
 replica. The listeners run in the replica's process, in threads of their own
 (a thread per connection while it has work, idle ones parked in a selector;
@@ -37,6 +37,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from ray_triton_shm._private.node.port_claim import PortClaim
 from ray_triton_shm._private.serve.door.calls import CallGate, Observer
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor, run_on
 from ray_triton_shm._private.serve.door.frontdoor_http import (
@@ -45,12 +46,11 @@ from ray_triton_shm._private.serve.door.frontdoor_http import (
     KServeHttpHandler,
     error_answer,
 )
-from ray_triton_shm._private.serve.door.port_claim import PortClaim
 from ray_triton_shm._private.serve.http1.head import RequestHead
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
 from ray_triton_shm._private.serve.http2 import h2_wire
-from ray_triton_shm._private.serve.http2.h2_wire import IDLE_TIMEOUT_S, MAX_HEADER_BLOCK, H2Limits
+from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
 from ray_triton_shm._private.serve.net.listener import MAX_OPEN
 from ray_triton_shm.config import env_field
 from ray_triton_shm.errors import ConfigError, FrontDoorError
@@ -159,6 +159,10 @@ class FrontDoorConfig:
             stops accepting (HTTP/2 clients get GOAWAY, HTTP/1.1 answers
             ``Connection: close``); keep it under the deployment's
             ``graceful_shutdown_timeout_s`` (Serve's default: 20).
+        port_linger_s: How long the node keeps a fixed port open with no replica of the
+            app on it (a redeploy that stops the old replicas before the new ones
+            start): connections wait in the port's queue for the next replica. The
+            port closes at once when the app is deleted; 0: with the last replica.
     """
 
     host: str = env_field("FRONTDOOR_HOST", "127.0.0.1")
@@ -167,8 +171,8 @@ class FrontDoorConfig:
     max_connections: int = env_field("FRONTDOOR_MAX_CONNECTIONS", 256)
     max_open_connections: int = env_field("FRONTDOOR_MAX_OPEN_CONNECTIONS", MAX_OPEN)
     grpc_threads: int = env_field("FRONTDOOR_GRPC_THREADS", 16)
-    grpc_idle_timeout_s: float = env_field("FRONTDOOR_GRPC_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S)
-    grpc_max_header_bytes: int = env_field("FRONTDOOR_GRPC_MAX_HEADER_BYTES", MAX_HEADER_BLOCK)
+    grpc_idle_timeout_s: float = env_field("FRONTDOOR_GRPC_IDLE_TIMEOUT_S", h2_wire.IDLE_TIMEOUT_S)
+    grpc_max_header_bytes: int = env_field("FRONTDOOR_GRPC_MAX_HEADER_BYTES", h2_wire.MAX_HEADER_BLOCK)
     grpc_preface_timeout_s: float = env_field("FRONTDOOR_GRPC_PREFACE_TIMEOUT_S", h2_wire.PREFACE_TIMEOUT_S)
     grpc_slot_stall_s: float = env_field("FRONTDOOR_GRPC_SLOT_STALL_S", h2_wire.SLOT_STALL_S)
     grpc_send_timeout_s: float = env_field("FRONTDOOR_GRPC_SEND_TIMEOUT_S", h2_wire.SEND_TIMEOUT_S)
@@ -187,6 +191,7 @@ class FrontDoorConfig:
     http_slot_stall_s: float = env_field("FRONTDOOR_HTTP_SLOT_STALL_S", SLOT_STALL_S)
     http_max_unsent_bytes: int = env_field("FRONTDOOR_HTTP_MAX_UNSENT_BYTES", MAX_UNSENT_BYTES)
     drain_timeout_s: float = env_field("FRONTDOOR_DRAIN_TIMEOUT_S", 10.0)
+    port_linger_s: float = env_field("FRONTDOOR_PORT_LINGER_S", 30.0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -214,6 +219,9 @@ class FrontDoorConfig:
                 or value <= 0
             ):
                 raise ConfigError(f"frontdoor.{name} must be a number > 0, got {value!r}")
+        linger = self.port_linger_s
+        if isinstance(linger, bool) or not isinstance(linger, (int, float)) or not 0 <= linger < math.inf:
+            raise ConfigError(f"frontdoor.port_linger_s must be a number >= 0, got {linger!r}")
 
     def h2_limits(self, max_message: int) -> H2Limits:
         """The gRPC listener's limits, with messages of at most ``max_message`` bytes."""

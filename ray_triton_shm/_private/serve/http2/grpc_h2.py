@@ -148,9 +148,7 @@ class H2Connection(AnswerWriter):
         self._reader.on_stall = self._stalled
         # Sends give up after send_timeout_s (a client that stopped reading); reads wait for ever.
         self._send_timeout_s = limits.send_timeout_s
-        whole = int(limits.send_timeout_s)
-        micro = int((limits.send_timeout_s - whole) * 1e6)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, micro))
+        _set_kernel_timeout(sock, socket.SO_SNDTIMEO, limits.send_timeout_s)
         self._decoder = HeaderDecoder(limits.max_header_block)
         self._size_update = b""  # sent before the next header block, after the client sets a table size
         self._write = threading.Lock()  # frames are written whole, and header blocks encoded, one at a time
@@ -257,9 +255,7 @@ class H2Connection(AnswerWriter):
 
     def _set_read_timeout(self, seconds: float) -> None:
         """A kernel timeout (``SO_RCVTIMEO``) on each read; ``0``: none."""
-        whole = int(seconds)
-        micro = int((seconds - whole) * 1e6)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, micro))
+        _set_kernel_timeout(self._sock, socket.SO_RCVTIMEO, seconds)
 
     def _header_block_too_long(self) -> H2ProtocolError:
         limit = self._limits.max_header_block
@@ -630,3 +626,10 @@ class H2Connection(AnswerWriter):
         """Whether a call is still running."""
         with self._flow:
             return any(s.dispatched and not s.done for s in self._streams.values())
+
+
+def _set_kernel_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """Set ``SO_RCVTIMEO`` or ``SO_SNDTIMEO`` (a ``timeval``) on ``sock``; ``0``: none."""
+    whole = int(seconds)
+    micro = int((seconds - whole) * 1e6)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, micro))

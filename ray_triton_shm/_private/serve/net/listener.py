@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ray_triton_shm.errors import FrontDoorError
+from ray_triton_shm._private.node.port_claim import bind_listening
 
 logger = logging.getLogger(__name__)
 
@@ -307,25 +307,6 @@ class TcpListener:
         with self._lock:
             self._lock.wait_for(lambda: not self._open, timeout=wait_s)
         self._workers.shutdown(wait=False)
-
-
-def bind_listening(host: str, port: int, protocol: str, backlog: int = 1024) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, ``SO_REUSEPORT``) and listening.
-
-    Raises:
-        FrontDoorError: The address cannot be bound.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-    except OSError as e:
-        sock.close()
-        raise FrontDoorError(f"cannot listen for {protocol} on {host}:{port}: {e}") from e
-    return sock
 
 
 class _Parking:

@@ -13,12 +13,14 @@ listening socket to the app's next replicas (``SCM_RIGHTS``, to processes of the
 same user only). One accept queue, shared: a replica that is stopped, hung or
 leaving takes no connection, and the others take them all (with a socket per
 replica, ``SO_REUSEPORT``, the kernel would go on queueing a share of the new
-connections on the stopped one). The socket lives while any replica holds it,
-so a rolling update, whose new replicas borrow it from the old, never closes
-the port. Should no holder answer (all of them stopped), a replica binds a
-socket of its own beside it (``SO_REUSEPORT``).
+connections on the stopped one). The node actor borrows the socket too and
+holds it under a claim of its own (:mod:`~ray_triton_shm._private.node.held_doors`),
+so a redeploy that stops every old replica before its new ones start never
+closes the port: connections wait in its queue for the new replicas, which
+borrow the socket from the node actor. Should no holder answer (all of them
+stopped), a replica binds a socket of its own beside it (``SO_REUSEPORT``).
 
-A claim lives exactly as long as its socket: it is gone when the replica closes
+A claim lives exactly as long as its socket: it is gone when its process closes
 it or dies, and it leaves no file behind. The claims are per network namespace,
 as the ports are.
 """
@@ -36,7 +38,6 @@ import struct
 import threading
 import time
 
-from ray_triton_shm._private.serve.net.listener import bind_listening
 from ray_triton_shm.errors import FrontDoorError
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,31 @@ def port_claims(port: int, path: str = _PROC_NET_UNIX) -> list[str]:
     return [name[start:].split(":", 1)[0] for name in claim_names(port, path)]
 
 
+def app_claim_names(port: int, app_name: str) -> list[str]:
+    """The socket names of the claims of ``port`` for ``app_name`` (its replicas', its node actor's)."""
+    mine = f"{_PREFIX}:{port}:{app_digest(app_name)}:"
+    return [n for n in claim_names(port) if n.startswith(mine)]
+
+
+def bind_listening(host: str, port: int, protocol: str, backlog: int = 1024) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, ``SO_REUSEPORT``) and listening.
+
+    Raises:
+        FrontDoorError: The address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        raise FrontDoorError(f"cannot listen for {protocol} on {host}:{port}: {e}") from e
+    return sock
+
+
 class PortClaim:
     """This process's claim of ``port`` for ``app_name``; held until :meth:`close`.
 
@@ -107,6 +133,11 @@ class PortClaim:
                 "applications do not): give each application ports of its own"
             )
 
+    @property
+    def name(self) -> str:
+        """The claim's socket name (without the leading NUL)."""
+        return self._name
+
     def listening_socket(self, host: str, protocol: str) -> socket.socket:
         """The app's listening socket on ``host:port``: borrowed from another replica, or bound.
 
@@ -116,16 +147,16 @@ class PortClaim:
             FrontDoorError: The address cannot be bound.
         """
         with _OpenLock(self.port):
-            sock = self._borrow(host)
+            sock = self.borrow(host)
             if sock is None:
                 sock = bind_listening(host, self.port, protocol)
-            self._share(sock)
+            self.share(sock)
         return sock
 
-    def _borrow(self, host: str) -> socket.socket | None:
-        """The listening socket on ``host:port`` of another replica of this app, if one hands it over."""
-        mine = f"{_PREFIX}:{self.port}:{self._digest}:"
-        others = [n for n in claim_names(self.port) if n.startswith(mine) and n != self._name]
+    def borrow(self, host: str) -> socket.socket | None:
+        """The listening socket on ``host:port`` of another holder of this app's claim (a replica, the node
+        actor), if one hands it over."""
+        others = [n for n in app_claim_names(self.port, self.app_name) if n != self._name]
         random.shuffle(others)
         for name in others:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as asker:
@@ -152,7 +183,7 @@ class PortClaim:
             sock.close()
         return None
 
-    def _share(self, listening: socket.socket) -> None:
+    def share(self, listening: socket.socket) -> None:
         """Hand ``listening`` to this app's replicas (same user) that ask, until :meth:`close`."""
         claim = self._sock
         if claim is None:
