@@ -207,6 +207,9 @@ def test_the_node_holds_nothing_that_no_replica_handed_over() -> None:
         assert doors.ports() == [] and claim_names(port) == []
         with pytest.raises(ConnectionRefusedError):
             _ask(port)
+        with PortClaim(port, "other"):  # another app's port: not held for this one
+            assert not doors.hold(port, "app", "127.0.0.1", linger_s=30.0)
+            assert doors.ports() == [] and len(claim_names(port)) == 1
     finally:
         doors.close()
 

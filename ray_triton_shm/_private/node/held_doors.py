@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_triton_shm._private.node.port_claim import PortClaim, app_claim_names
+from ray_triton_shm.errors import FrontDoorError
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class HeldDoors:
                 return True
             try:
                 claim = PortClaim(port, app_name)
-            except Exception as e:  # FrontDoorError: another app has the port; the replica saw it first
+            except FrontDoorError as e:  # another app has the port (its replica was refused first)
                 logger.warning("node: not holding front-door port %d for %r: %s", port, app_name, e)
                 return False
             sock = claim.borrow(host)
