@@ -429,3 +429,70 @@ def test_a_call_waiting_for_a_slot_never_blocks_the_call_that_holds_it(others: i
         assert not slot.held
     finally:
         listener.close()
+
+
+def test_a_client_calling_again_as_soon_as_its_call_ends_finds_the_slot_free() -> None:
+    """The slot an answer is sent from goes back before the call's status is sent: the client's
+    next call, sent the moment the status arrives, is placed in it, even while the first call's
+    thread has not come back from its answer yet."""
+    slot = _Slot()
+
+    def placer(head: bytes, length: int) -> Placement | None:
+        if not slot.acquire():
+            return None
+        target = bytearray(length - len(HEAD) - len(KEY))
+        return Placement(_OneRelease(slot), HEAD, [KEY, memoryview(target)], target)
+
+    def handler(call: Call) -> None:
+        placement = call.placement()
+        if placement is None:
+            call.respond([b"in memory"])
+            return
+        call.respond([b"placed"], placement.lease.release)
+        time.sleep(0.5)  # the call's thread comes back late (as one waiting for the GIL)
+        placement.release()
+
+    place = lambda method: placer if method == "/pkg.Svc/Put" else None  # noqa: E731
+    listener = H2Listener("127.0.0.1", 0, handler, place=place, threads=2)
+    message = b"\x00" + (len(HEAD + KEY) + 10).to_bytes(4, "big") + HEAD + KEY + b"x" * 10
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+            sock.sendall(PREFACE + frame_header(0, SETTINGS, 0, 0))
+            # A call left open on another stream: the calls below run in worker threads.
+            block = h2_request_block("/pkg.Svc/Other")
+            sock.sendall(frame_header(len(block), HEADERS, END_HEADERS, 1) + block)
+            said = []
+            for stream_id in (3, 5):
+                sock.sendall(_call_frames(stream_id, message))
+                said.append(_answer_with_status(sock, stream_id))
+        assert said == [b"placed", b"placed"]
+    finally:
+        listener.close()
+
+
+class _OneRelease:
+    def __init__(self, slot: _Slot) -> None:
+        self._slot = slot
+        self._lock = threading.Lock()
+        self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            self._slot.release()
+
+
+def _answer_with_status(sock: socket.socket, stream_id: int, timeout_s: float = 10.0) -> bytes:
+    """The answer message of ``stream_id``, once its status (its second HEADERS frame) has come."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while True:
+        frames = [(kind, payload) for kind, sid, payload in h2_whole_frames(data) if sid == stream_id]
+        if sum(kind == HEADERS for kind, _ in frames) >= 2:
+            body = b"".join(payload for kind, payload in frames if kind == DATA)
+            return body[5:]
+        got = sock.recv(1 << 20)
+        assert got, "the server closed the connection"
+        data += got
+

@@ -17,6 +17,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.protocol.grpc_messages import add_outputs, input_spec, output_names
+from ray_triton_shm._private.serve.protocol.kserve import placeholder
 from ray_triton_shm.errors import InputError, RefusedError
 
 _RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents
@@ -90,7 +91,7 @@ def plan_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], l
             shape, dtype = input_spec(tensor)
             if dtype is None:  # BYTES
                 return None
-            placeholders[tensor.name] = np.broadcast_to(np.zeros((), dtype), shape)
+            placeholders[tensor.name] = placeholder(shape, dtype)
         return placeholders, output_names(request)
     except (InputError, RefusedError):
         return None

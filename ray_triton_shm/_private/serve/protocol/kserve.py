@@ -29,6 +29,14 @@ from ray_triton_shm.errors import InputError, RefusedError
 HEADER_LENGTH = "inference-header-content-length"
 
 
+def placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A read-only array of ``shape`` and ``dtype`` with one element's memory behind it (every
+    stride 0): what ``np.broadcast_to`` of a scalar gives, at a fraction of its cost."""
+    array = np.ndarray(shape, dtype, buffer=np.zeros(1, dtype), strides=(0,) * len(shape))
+    array.flags.writeable = False
+    return array
+
+
 def serialize_bytes(array: np.ndarray) -> bytes:
     """A BYTES tensor in Triton's serialised form: per element a 4-byte little-endian length, its bytes."""
     parts = []
@@ -328,7 +336,7 @@ def _decode(
                 if spans is None:
                     array = np.frombuffer(body, dtype=dtype, count=count, offset=cursor)
                 else:  # a placeholder of the right dtype and shape: no memory behind it
-                    array = np.broadcast_to(np.zeros((), dtype=dtype), shape)
+                    array = placeholder(shape, dtype)
                     spans.append(BinarySpan(name, cursor, size))
             cursor += size
         elif "data" in entry:
