@@ -337,27 +337,31 @@ class _Slot:
             self._free.notify()
 
 
+class _OneRelease:
+    """A lease of the one slot: its release gives the slot back once."""
+
+    def __init__(self, slot: _Slot) -> None:
+        self._slot = slot
+        self._lock = threading.Lock()
+        self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            self._slot.release()
+
+
 def _one_slot_listener(**options) -> tuple[H2Listener, _Slot]:
     """A listener with one slot: ``HEAD KEY body`` messages are placed in it when it is free; any
     other call waits up to 20 s for it (answered ``waited``), or is answered ``no slot``."""
     slot = _Slot()
 
-    class _SlotLease:
-        def __init__(self) -> None:
-            self._lock = threading.Lock()
-            self._held = True
-
-        def release(self) -> None:
-            with self._lock:
-                held, self._held = self._held, False
-            if held:
-                slot.release()
-
     def placer(head: bytes, length: int) -> Placement | None:
         if not head.startswith(HEAD) or not slot.acquire():
             return None
         target = bytearray(length - len(HEAD) - len(KEY))
-        return Placement(_SlotLease(), HEAD, [KEY, memoryview(target)], target)
+        return Placement(_OneRelease(slot), HEAD, [KEY, memoryview(target)], target)
 
     def handler(call: Call) -> None:
         placement = call.placement()
@@ -468,19 +472,6 @@ def test_a_client_calling_again_as_soon_as_its_call_ends_finds_the_slot_free() -
         assert said == [b"placed", b"placed"]
     finally:
         listener.close()
-
-
-class _OneRelease:
-    def __init__(self, slot: _Slot) -> None:
-        self._slot = slot
-        self._lock = threading.Lock()
-        self._held = True
-
-    def release(self) -> None:
-        with self._lock:
-            held, self._held = self._held, False
-        if held:
-            self._slot.release()
 
 
 def _answer_with_status(sock: socket.socket, stream_id: int, timeout_s: float = 10.0) -> bytes:
