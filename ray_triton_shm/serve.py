@@ -185,8 +185,9 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         """
         door = self.__dict__.get("_frontdoor")
         if door is not None:
-            if _app_deleted(self._app_name):  # else the node keeps its ports for the next replicas
-                for port in self._fixed_ports():
+            ports = self._fixed_ports()
+            if ports and _app_deleted(self._app_name):  # else the node keeps them for the next replicas
+                for port in ports:
                     self._client.drop_door(port, self._app_name)
             self._frontdoor = None
             wait_s = door.config.drain_timeout_s
