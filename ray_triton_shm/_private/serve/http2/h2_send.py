@@ -157,17 +157,6 @@ class AnswerWriter:
                     frames = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
                     first = False
                     frames += self._data_frames(sid, views, take)
-                    if not remaining and release is not None:
-                        # The slot goes back before the status goes out: a client that calls
-                        # again as soon as this call ends finds the slot free, not still held.
-                        self._send_locked(frames, copy_out)
-                        frames = []
-                        views = []
-                        if parts is not None:
-                            parts.clear()
-                        if release is not None:  # (copy_out may have given it back meanwhile)
-                            release()
-                            release = None
                     if not remaining:
                         frames += self._header_frames(sid, trailers, True)
                     self._send_locked(frames, copy_out if release is not None else None)
