@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 class _Held:
     claim: PortClaim
     sock: socket.socket
-    host: str
     linger_s: float
     alone_since: float | None = None  # since when no replica has held the socket
 
@@ -85,7 +84,7 @@ class HeldDoors:
                 claim.close()
                 return False
             claim.share(sock)
-            self._held[key] = _Held(claim, sock, host, linger_s)
+            self._held[key] = _Held(claim, sock, linger_s)
         logger.info("node: holding front-door port %d of app %r between its replicas", port, app_name)
         return True
 

@@ -39,43 +39,57 @@ class Call:
     error: str = ""
 
 
-def _caller(protocol: str, url: str, pause_s: float, events, stop, go) -> None:
+def _caller(protocol: str, url: str, pause_s: float, events, stop, go, in_flight) -> None:
     client_module = tritonclient.http if protocol == "http" else tritonclient.grpc
     rng = np.random.default_rng()
     client = None
     while not stop.is_set():
         if not go.wait(0.2):
             continue
-        x = rng.random((1, N), dtype=np.float32)
-        start = time.time()
-        error = ""
+        with in_flight.get_lock():  # checked and counted at once: pause() then waits for this call
+            if not go.is_set():
+                continue
+            in_flight.value += 1
         try:
-            if client is None:
-                if protocol == "http":
-                    client = client_module.InferenceServerClient(
-                        url, connection_timeout=CALL_TIMEOUT_S, network_timeout=CALL_TIMEOUT_S
-                    )
-                else:
-                    client = client_module.InferenceServerClient(url)
-            tensor = client_module.InferInput("INPUT0", [1, N], "FP32")
-            tensor.set_data_from_numpy(x)
-            if protocol == "http":
-                result = client.infer("identity", [tensor])
-            else:
-                result = client.infer("identity", [tensor], client_timeout=CALL_TIMEOUT_S)
-            if not np.array_equal(result.as_numpy("OUTPUT0"), x):
-                error = "wrong answer"
-        except Exception as e:
-            error = f"{type(e).__name__}: {str(e)[:200]}"
-            with contextlib.suppress(Exception):
-                client.close()
-            client = None
-        events.put((protocol, start, time.time(), not error, error))
+            client = _call(client_module, protocol, url, rng, events, client)
+        finally:
+            with in_flight.get_lock():
+                in_flight.value -= 1
         if pause_s:
             time.sleep(pause_s)
     if client is not None:
         with contextlib.suppress(Exception):
             client.close()
+
+
+def _call(client_module, protocol: str, url: str, rng: np.random.Generator, events, client):
+    """One call, reported on ``events``; returns the client to use next (``None`` after an error)."""
+    x = rng.random((1, N), dtype=np.float32)
+    start = time.time()
+    error = ""
+    try:
+        if client is None:
+            if protocol == "http":
+                client = client_module.InferenceServerClient(
+                    url, connection_timeout=CALL_TIMEOUT_S, network_timeout=CALL_TIMEOUT_S
+                )
+            else:
+                client = client_module.InferenceServerClient(url)
+        tensor = client_module.InferInput("INPUT0", [1, N], "FP32")
+        tensor.set_data_from_numpy(x)
+        if protocol == "http":
+            result = client.infer("identity", [tensor])
+        else:
+            result = client.infer("identity", [tensor], client_timeout=CALL_TIMEOUT_S)
+        if not np.array_equal(result.as_numpy("OUTPUT0"), x):
+            error = "wrong answer"
+    except Exception as e:
+        error = f"{type(e).__name__}: {str(e)[:200]}"
+        with contextlib.suppress(Exception):
+            client.close()
+        client = None
+    events.put((protocol, start, time.time(), not error, error))
+    return client
 
 
 class LegitCallers:
@@ -94,9 +108,12 @@ class LegitCallers:
         self._stop = context.Event()
         self._go = context.Event()
         self._go.set()
+        self._in_flight = context.Value("i", 0)
         self._processes = [
             context.Process(
-                target=_caller, args=(protocol, url, pause_s, self._events, self._stop, self._go), daemon=True
+                target=_caller,
+                args=(protocol, url, pause_s, self._events, self._stop, self._go, self._in_flight),
+                daemon=True,
             )
             for protocol, url in (("http", http_url), ("grpc", grpc_url))
             for _ in range(per_protocol)
@@ -143,9 +160,21 @@ class LegitCallers:
         """Whether a ``protocol`` call that began at ``since`` or later was answered right."""
         return any(c.ok and c.protocol == protocol and c.start >= since for c in self.snapshot())
 
-    def pause(self) -> None:
-        """Make no more calls until :meth:`resume` (a call in flight still ends)."""
+    def pause(self, timeout_s: float = CALL_TIMEOUT_S + 5) -> None:
+        """Make no more calls until :meth:`resume`; return once no call is in flight.
+
+        Raises:
+            TimeoutError: A call still in flight after ``timeout_s``.
+        """
         self._go.clear()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._in_flight.get_lock():
+                if self._in_flight.value == 0:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a legitimate call still in flight {timeout_s:.0f} s after pause")
+            time.sleep(0.02)
 
     def resume(self) -> None:
         """Call again after :meth:`pause`."""
