@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: bench-sharing native setup demo test unit integration cluster-test lint dist bench bench-quick bench-env bench-docs peers soak soak-faults cleanup clean
+.PHONY: bench-sharing native setup demo test test-slow unit integration cluster-test lint dist bench bench-quick bench-env bench-docs peers soak soak-faults cleanup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,10 +60,16 @@ RAY_TESTS := $(sort $(wildcard tests/integration/on_ray/test_*.py))
 # module's time is waiting. TEST_LANES=1 runs one at a time.
 TEST_LANES ?= 2
 
+# make test: every test not marked slow (about 15 minutes on 2 cores); make test-slow: the long
+# scenarios marked slow (soaks, the benchmark's smoke run, notebooks, multi-node clusters, wheels,
+# faults and restarts; about 17 minutes). CI runs both.
 # bench-env: the benchmark's smoke test also runs triton-shm-client; its peers (perf_analyzer,
 # h2load, nghttp, curl) are what the real-peer tests run unchanged.
 test: setup native lint bench-env
-	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m tests.lanes --lanes $(TEST_LANES)
+	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m tests.lanes --lanes $(TEST_LANES) --tier fast
+
+test-slow: setup native lint bench-env
+	RAY_TRITON_SHM_BENCH_EXTRA=$(abspath $(BENCH_EXTRA)) $(PY) -m tests.lanes --lanes $(TEST_LANES) --tier slow
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit

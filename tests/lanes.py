@@ -1,9 +1,13 @@
-"""Run the whole suite in parallel lanes: what ``make test`` runs.
+"""Run the suite, or one tier of it, in parallel lanes: what ``make test`` and ``make test-slow`` run.
 
 The suite is a list of jobs, each one pytest process: the unit tests, the
 integration tests without Ray (everything outside ``tests/integration/on_ray``),
 then each Ray test module in a job of its own (a Ray started, shut down and
-started again in one process can hang).
+started again in one process can hang). It has two tiers: ``fast``, the tests
+not marked ``slow`` (``make test``), and ``slow``, the long scenarios marked so
+(``make test-slow``); CI runs both. A job in a tier runs only that tier's tests
+(``-m "not slow"`` or ``-m slow``), and none is started for a tier that has
+none of its tests.
 Most of a Ray module's time is waiting (for Ray, Serve, a Triton to start or
 to come back after a kill), so two jobs side by side finish the suite in
 about half the time on a 2-core machine. Jobs start longest first, by the
@@ -19,8 +23,9 @@ non-zero status after all jobs ended. ``--record`` writes the measured times
 back to ``tests/durations.json``.
 
 Example:
-    $ python -m tests.lanes --lanes 2              # what make test runs
-    $ python -m tests.lanes --lanes 1 --record     # one job at a time; keep the times
+    $ python -m tests.lanes --lanes 2 --tier fast  # what make test runs
+    $ python -m tests.lanes --lanes 2 --tier slow  # what make test-slow runs
+    $ python -m tests.lanes --lanes 1 --record     # the whole suite, one job at a time; keep the times
 """
 
 from __future__ import annotations
@@ -51,31 +56,68 @@ UNKNOWN_S = 120.0
 # (10002-19999 by default), below the kernel's ephemeral ones (32768 and up here).
 PORTS = (20000, 31999)
 _ALONE = re.compile(r"pytest\.mark\.alone\b")
+_SLOW = re.compile(r"pytest\.mark\.slow\b")
+_SLOW_MODULE = re.compile(r"^pytestmark\s*=.*pytest\.mark\.slow\b", re.MULTILINE)
+TIERS = {"fast": "not slow", "slow": "slow", "all": ""}
+"""Each tier's pytest marker expression: ``make test`` runs ``fast``, ``make test-slow`` ``slow``."""
 
 
 @dataclass
 class Job:
-    """One pytest process: its name (a path, or ``integration-without-ray``) and its arguments."""
+    """One pytest process: its name (a path, or ``integration-without-ray``) and its arguments.
+
+    ``key`` names its time in ``tests/durations.json``: the name, with the tier added where
+    the tier runs only some of the job's tests.
+    """
 
     name: str
     args: list[str]
     ray: bool = True
     alone: bool = False
+    key: str = ""
     status: int | None = None
     seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.key = self.key or self.name
 
-def jobs(paths: list[str] | None = None) -> list[Job]:
-    """The suite's jobs; with ``paths``, only those named."""
-    found = [
-        Job(UNIT, [UNIT], ray=False),
-        Job(NOT_RAY, ["tests/integration", f"--ignore={RAY_DIR}"], ray=False),
+
+def _slowness(files: list[Path]) -> tuple[bool, bool]:
+    """(every test of these files is marked slow, some test is)."""
+    texts = [f.read_text() for f in files]
+    every = bool(texts) and all(_SLOW_MODULE.search(t) for t in texts)
+    return every, any(_SLOW.search(t) for t in texts)
+
+
+def _in_tier(name: str, args: list[str], files: list[Path], tier: str, **kw) -> Job | None:
+    """The job for ``tier``, or ``None`` where the tier has none of its tests."""
+    every, some = _slowness(files)
+    if tier == "all" or (tier == "fast" and not some) or (tier == "slow" and every):
+        return Job(name, args, **kw)
+    if (tier == "fast" and every) or (tier == "slow" and not some):
+        return None
+    return Job(name, [*args, "-m", TIERS[tier]], key=f"{name} ({tier})", **kw)
+
+
+def jobs(paths: list[str] | None = None, tier: str = "all") -> list[Job]:
+    """The suite's jobs in ``tier`` (``fast``: what is not marked slow; ``slow``: what is;
+    ``all``); with ``paths``, only those named."""
+    if tier not in TIERS:
+        raise ValueError(f"no such tier: {tier!r} (tiers: {', '.join(TIERS)})")
+    outside_ray = sorted((REPO / "tests" / "integration").glob("test_*.py"))
+    modules = sorted((REPO / RAY_DIR).glob("test_*.py"))
+    names = {UNIT, NOT_RAY} | {str(module.relative_to(REPO)) for module in modules}
+    candidates = [
+        _in_tier(UNIT, [UNIT], sorted((REPO / UNIT).rglob("test_*.py")), tier, ray=False),
+        _in_tier(NOT_RAY, ["tests/integration", f"--ignore={RAY_DIR}"], outside_ray, tier, ray=False),
     ]
-    for module in sorted((REPO / RAY_DIR).glob("test_*.py")):
+    for module in modules:
         name = str(module.relative_to(REPO))
-        found.append(Job(name, [name], alone=bool(_ALONE.search(module.read_text()))))
+        alone = bool(_ALONE.search(module.read_text()))
+        candidates.append(_in_tier(name, [name], [module], tier, alone=alone))
+    found = [job for job in candidates if job is not None]
     if paths:
-        unknown = sorted(set(paths) - {job.name for job in found})
+        unknown = sorted(set(paths) - names)
         if unknown:
             known = f"{UNIT}, {NOT_RAY} or {RAY_DIR}/test_*.py"
             raise SystemExit(f"lanes: no such job: {', '.join(unknown)} (jobs: {known})")
@@ -206,13 +248,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help=f"run only this job ({UNIT}, {NOT_RAY} or a Ray module's path); repeatable",
     )
+    parser.add_argument(
+        "--tier",
+        choices=list(TIERS),
+        default="all",
+        help="fast: the tests not marked slow (make test); slow: those marked slow (make test-slow); all",
+    )
     args, pytest_args = parser.parse_known_args(argv)
     if args.lanes < 1:
         parser.error("--lanes must be at least 1")
 
-    todo = jobs(args.jobs)
+    todo = jobs(args.jobs, args.tier)
     recorded = _recorded()
-    weight = {job.name: recorded.get(job.name, UNKNOWN_S) for job in todo}
+    weight = {job.name: recorded.get(job.key, UNKNOWN_S) for job in todo}
     # Those marked alone first (they wait for nothing), then longest first.
     queue = sorted(todo, key=lambda job: (not job.alone, -weight[job.name]))
     runner = Runner(args.lanes, pytest_args)
@@ -224,16 +272,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     start = time.monotonic()
-    print(f"{len(todo)} jobs, {args.lanes} lane(s): {', '.join(job.name for job in queue)}", flush=True)
+    print(
+        f"{len(todo)} jobs ({args.tier} tier), {args.lanes} lane(s): {', '.join(job.key for job in queue)}",
+        flush=True,
+    )
     runner.run_lanes(queue)
     total = time.monotonic() - start
 
-    print(f"\n===== {len(todo)} jobs in {total:.0f} s ({args.lanes} lane(s))")
+    print(f"\n===== {len(todo)} jobs ({args.tier} tier) in {total:.0f} s ({args.lanes} lane(s))")
     for job in sorted(todo, key=lambda job: -job.seconds):
         verdict = {0: "passed", None: "not run"}.get(job.status, f"FAILED ({job.status})")
-        print(f"  {job.seconds:6.0f} s  {verdict:12}  {job.name}")
+        print(f"  {job.seconds:6.0f} s  {verdict:12}  {job.key}")
     if args.record:
-        times = {**recorded, **{job.name: round(job.seconds) for job in todo if job.status == 0}}
+        times = {**recorded, **{job.key: round(job.seconds) for job in todo if job.status == 0}}
         DURATIONS.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
     failed = [job for job in todo if job.status != 0]
     return next((job.status or 1 for job in failed), 0)

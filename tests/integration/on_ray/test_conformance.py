@@ -43,8 +43,6 @@ from .conformance_programs import (
 )
 from .conftest import CONFIG_FILE, REPO, free_port, teardown_ray
 
-pytestmark = pytest.mark.slow
-
 MODELS = REPO / "tests" / "models" / "conformance"
 # Pools of the models the programs call: BYTES elements up to 64 bytes, simple_identity rows up to 64.
 POOLS = {

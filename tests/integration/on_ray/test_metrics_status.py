@@ -18,8 +18,6 @@ from ray_triton_shm import InputError, PoolConfig
 
 from .conftest import free_port
 
-pytestmark = pytest.mark.slow
-
 REPO_MODELS = str(Path(__file__).resolve().parents[3] / "deployments" / "models")
 SHM_CALLS, GRPC_CALLS, BAD_CALLS = 5, 3, 2
 # add_sub: two int32 inputs and two int32 outputs of shape (2, 16).

@@ -24,8 +24,6 @@ from ray_triton_shm._private.bench import perf_analyzer as pa
 
 from .conftest import config_copy, local_ray
 
-pytestmark = pytest.mark.slow
-
 CALLERS = 8
 ELEMENTS = 1024 * 1024  # 4 MB of FP32 per request
 

@@ -19,8 +19,6 @@ from tests.helpers import wait_for
 
 from .conftest import teardown_ray
 
-pytestmark = pytest.mark.slow
-
 _OWNERS: set[int] = set()  # every process whose /dev/shm segments must be gone at the end
 
 

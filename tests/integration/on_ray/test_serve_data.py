@@ -9,8 +9,6 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-pytestmark = pytest.mark.slow
-
 
 def test_http_protocol_round_trip_with_tritonclient(serve_app):
     _, address = serve_app
