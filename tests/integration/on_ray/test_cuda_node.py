@@ -16,6 +16,8 @@ import pytest
 
 from .conftest import REPO, teardown_ray
 
+pytestmark = pytest.mark.slow
+
 
 def test_node_actor_keeps_the_nodes_gpus_where_ray_would_blank_them() -> None:
     """Ray versions that set CUDA_VISIBLE_DEVICES="" for zero-GPU workers must not do it to the node actor.

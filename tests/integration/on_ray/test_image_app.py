@@ -26,6 +26,8 @@ from .conftest import REPO, local_ray
 
 pytest.importorskip("PIL")
 
+pytestmark = pytest.mark.slow
+
 APP_FILE = REPO / "deployments" / "image_app.yaml"
 MEAN = np.array([0.485, 0.456, 0.406])
 STD = np.array([0.229, 0.224, 0.225])

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 LOAD_S = 120  # longer than the test: the actor dies while its model is still loading
 
 _SLOW_MODEL = f"""
@@ -88,7 +90,6 @@ def _wait(predicate, timeout: float):
     return predicate()
 
 
-@pytest.mark.slow
 def test_an_actor_killed_while_its_models_load_leaves_no_triton_behind(ray_local, tmp_path: Path) -> None:
     import ray
 

@@ -17,6 +17,8 @@ import yaml
 
 from .conftest import REPO, free_port, frontdoor_on_free_ports, teardown_ray
 
+pytestmark = pytest.mark.slow
+
 TWO_APPS = REPO / "deployments" / "two_apps.yaml"
 SERVE = str(Path(sys.executable).with_name("serve"))
 PREFIXES = ("/a", "/b")
@@ -111,7 +113,6 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.slow
 def test_serve_run_two_apps_then_ctrl_c(cluster) -> None:
     process = subprocess.Popen(
         [SERVE, "run", "--address", cluster["gcs"], cluster["config"]],
@@ -143,7 +144,6 @@ def test_serve_run_two_apps_then_ctrl_c(cluster) -> None:
         raise AssertionError(f"{e}\nserve run exited {process.returncode}; its output ends:\n{said}") from e
 
 
-@pytest.mark.slow
 def test_serve_deploy_two_apps(cluster) -> None:
     deployed = serve_cli("deploy", "--address", cluster["dashboard"], cluster["config"])
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
