@@ -7,6 +7,7 @@ never ran.
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import threading
@@ -110,13 +111,16 @@ def test_a_budget_allows_its_burst_then_its_rate() -> None:
     assert budget.spend()
 
 
-def test_a_header_block_over_the_limit_is_refused_before_it_is_read(server) -> None:
+def test_a_header_block_over_the_limit_is_refused_before_it_is_read(server, caplog) -> None:
     listener = server(limits=H2Limits(max_header_block=4096))
-    with _connect(listener) as sock:
+    with caplog.at_level(logging.WARNING), _connect(listener) as sock:
         # Only the frame's head is sent: the server refuses on the announced length alone.
         sock.sendall(frame_header(4 * 1024 * 1024, HEADERS, END_HEADERS, 1))
         frames = h2_frames_until_closed(sock)
     assert _goaway_code(frames) == ENHANCE_YOUR_CALM
+    # The replica's log says why the connection ended.
+    said = "GOAWAY 11: a header block over 4096 bytes"
+    assert wait_for(lambda: any(said in r.getMessage() for r in caplog.records))
     settings = next(payload for kind, _, payload in frames if kind == SETTINGS)
     announced = dict(struct.unpack(">HI", settings[i : i + 6]) for i in range(0, len(settings), 6))
     assert announced[6] == 4096  # SETTINGS_MAX_HEADER_LIST_SIZE

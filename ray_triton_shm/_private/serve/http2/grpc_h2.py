@@ -205,9 +205,11 @@ class H2Connection(AnswerWriter):
                 self._frame()
             raise self._fatal
         except H2ProtocolError as e:
+            logger.warning("front door gRPC: a connection ended with GOAWAY %d: %s", e.code, e.message)
             self._goaway(e.code, e.message)
-        except (EOFError, OSError, StreamGone):
-            pass  # the client went away, or the server is stopping
+        except (EOFError, OSError, StreamGone) as e:  # the client went away, or the server is stopping
+            if not self._idle():
+                logger.info("front door gRPC: a connection ended with calls open: %r", e.__cause__ or e)
         self._close()
         return None
 
