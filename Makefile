@@ -62,7 +62,7 @@ TEST_LANES ?= 2
 
 # make test: every test not marked slow (about 15 minutes on 2 cores); make test-slow: the long
 # scenarios marked slow (soaks, the benchmark's smoke run, notebooks, multi-node clusters, wheels,
-# faults and restarts; about 17 minutes). CI runs both.
+# faults and restarts; about 20 minutes). CI runs both.
 # bench-env: the benchmark's smoke test also runs triton-shm-client; its peers (perf_analyzer,
 # h2load, nghttp, curl) are what the real-peer tests run unchanged.
 test: setup native lint bench-env
