@@ -19,8 +19,12 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     GOAWAY,
     HEADER_TABLE_SIZE,
     HEADERS,
+    NO_ERROR,
+    PING,
     PREFACE,
     PROTOCOL_ERROR,
+    REFUSED_STREAM,
+    RST_STREAM,
     SETTING,
     SETTINGS,
     Call,
@@ -29,7 +33,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     frame_header,
     percent_encode,
 )
-from tests.helpers import h2_frames_until_closed
+from tests.helpers import h2_frames_until_closed, h2_request_block
 
 
 def _echo(call: Call) -> None:
@@ -256,3 +260,67 @@ def test_close_stops_listening_and_ends_connections(server) -> None:
             socket.create_connection(("127.0.0.1", listener.port), timeout=1).close()
         with pytest.raises(grpc.RpcError):
             echo(b"ab", timeout=2)
+
+
+def _call_frames(stream: int, message: bytes) -> bytes:
+    """A whole unary call to ``/pkg.Svc/Echo`` on ``stream``: its HEADERS and one DATA frame."""
+    block = h2_request_block("/pkg.Svc/Echo")
+    framed = b"\x00" + len(message).to_bytes(4, "big") + message
+    return (
+        frame_header(len(block), HEADERS, END_HEADERS, stream)
+        + block
+        + frame_header(len(framed), DATA, END_STREAM, stream)
+        + framed
+    )
+
+
+class _FrameStream:
+    """Reads a raw connection's frames one at a time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.data = sock, b""
+        sock.settimeout(5)
+
+    def until(self, want) -> list[tuple[int, int, int, bytes]]:
+        """Frames (type, flags, stream, payload) up to and including the first one ``want`` accepts."""
+        frames = []
+        while True:
+            while len(self.data) < 9 or len(self.data) < 9 + int.from_bytes(self.data[:3], "big"):
+                got = self.sock.recv(65536)
+                assert got, f"the connection closed; frames so far: {frames}"
+                self.data += got
+            length = int.from_bytes(self.data[:3], "big")
+            head, payload, self.data = self.data[:9], self.data[9 : 9 + length], self.data[9 + length :]
+            frame = (head[3], head[4], int.from_bytes(head[5:9], "big"), payload)
+            frames.append(frame)
+            if want(frame):
+                return frames
+
+
+def test_drain_serves_streams_sent_before_the_client_read_goaway_and_refuses_later_ones(server) -> None:
+    listener = server()
+    with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+        frames = _FrameStream(sock)
+        sock.sendall(PREFACE + frame_header(0, SETTINGS, 0, 0) + _call_frames(1, b"abc"))
+        frames.until(lambda f: f[0] == HEADERS and f[2] == 1 and f[1] & END_STREAM)
+        drained: list[bool] = []
+        drainer = threading.Thread(target=lambda: drained.append(listener.drain(5.0, quiet_s=3.0)))
+        drainer.start()
+        # First GOAWAY: every stream is still taken, and a PING marks when the client has read it.
+        seen = frames.until(lambda f: f[0] == PING and not f[1] & 1)
+        goaway = next(payload for kind, _, _, payload in seen if kind == GOAWAY)
+        assert struct.unpack(">II", goaway[:8]) == (0x7FFFFFFF, NO_ERROR)
+        ping = seen[-1][3]
+        # A call the client sent before it read the GOAWAY is served.
+        sock.sendall(_call_frames(3, b"xyz"))
+        answer = frames.until(lambda f: f[0] == HEADERS and f[2] == 3 and f[1] & END_STREAM)
+        assert next(payload for kind, _, sid, payload in answer if kind == DATA and sid == 3)[5:] == b"zyx"
+        # The PING acknowledged: the second GOAWAY names the last stream; a stream after it is refused.
+        sock.sendall(frame_header(8, PING, 1, 0) + ping)
+        final = frames.until(lambda f: f[0] == GOAWAY)[-1][3]
+        assert struct.unpack(">II", final[:8]) == (3, NO_ERROR)
+        sock.sendall(_call_frames(5, b"late"))
+        reset = frames.until(lambda f: f[0] == RST_STREAM)[-1]
+        assert reset[2] == 5 and int.from_bytes(reset[3], "big") == REFUSED_STREAM
+    drainer.join(10)
+    assert drained == [True]

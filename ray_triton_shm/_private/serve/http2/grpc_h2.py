@@ -97,6 +97,12 @@ _MAX_SETTINGS_BYTES = 6 * 64
 
 _IDLE_CHECK_S = 0.5  # while calls run, how often the reader looks whether the connection went idle
 
+# A graceful stop in two steps (RFC 9113, section 6.8): first a GOAWAY that still takes every stream
+# (its last stream ID the largest there is) and this PING; once the client acknowledges the PING,
+# every stream it opened before it read the GOAWAY has arrived, and a second GOAWAY names the last.
+_DRAIN_PING = b"draining"
+_ANY_STREAM = 0x7FFFFFFF
+
 Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
 
 
@@ -160,7 +166,9 @@ class H2Connection(AnswerWriter):
         self._peer_max_frame = DEFAULT_FRAME
         self._recv_window = MAX_WINDOW
         self._closed = False
-        self._going_away = False
+        self._going_away = False  # the first GOAWAY is due or sent: the connection is to end
+        self._preface_sent = False  # our SETTINGS went out (nothing may come before them)
+        self._final_goaway = False  # the last stream is named: later streams are refused
         self._reader_thread: threading.Thread | None = None
         self._started = False  # the preface has been read
         self._inline = False  # a call is running in the reader's thread
@@ -246,9 +254,12 @@ class H2Connection(AnswerWriter):
         ]
         body = b"".join(SETTING.pack(k, v) for k, v in settings)
         update = (MAX_WINDOW - 65535).to_bytes(4, "big")
-        self._send(
-            [frame_header(len(body), SETTINGS, 0, 0), body, frame_header(4, WINDOW_UPDATE, 0, 0), update]
-        )
+        frames = [frame_header(len(body), SETTINGS, 0, 0), body, frame_header(4, WINDOW_UPDATE, 0, 0), update]
+        with self._write:
+            self._preface_sent = True
+            if self._going_away:  # the server began to stop before the client's preface came
+                frames += self._first_goaway()
+            self._send_locked(frames)
         if self._reader.exactly(9)[3] != SETTINGS:
             raise H2ProtocolError(PROTOCOL_ERROR, "the preface is not followed by SETTINGS")
         self._reader.unread(9)
@@ -301,6 +312,9 @@ class H2Connection(AnswerWriter):
             if not flags & ACK:
                 self._glitch("PING")
                 self._send([frame_header(8, PING, ACK, 0), payload])
+            elif payload == _DRAIN_PING and self._going_away and not self._final_goaway:
+                self._final_goaway = True
+                self._goaway(NO_ERROR, "the server is stopping")
         elif kind == RST_STREAM:
             self._reader.payload(length)
             if length != 4 or not stream_id:
@@ -317,7 +331,6 @@ class H2Connection(AnswerWriter):
                 self._update_read_timeout()
         elif kind == GOAWAY:
             self._reader.skip(length)  # its debug data is not kept
-            self._going_away = True
         elif kind == PRIORITY:
             self._glitch("PRIORITY")
             self._reader.payload(length)
@@ -400,6 +413,9 @@ class H2Connection(AnswerWriter):
             return
         if stream_id <= self._last_stream:
             raise H2ProtocolError(PROTOCOL_ERROR, f"HEADERS on closed stream {stream_id}")
+        if self._final_goaway:  # past the last stream the GOAWAY named: never run (safe to retry)
+            self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
+            return
         self._last_stream = stream_id
         path = next((v for k, v in headers if k == ":path"), "")
         placer = self._place(path) if self._place is not None else None
@@ -597,11 +613,12 @@ class H2Connection(AnswerWriter):
             raise StreamGone() from e
 
     # -- closing -------------------------------------------------------------------------
-    def _goaway_frame(self, code: int, message: str) -> bytes:
+    def _goaway_frame(self, code: int, message: str, last_stream: int | None = None) -> bytes:
         debug = message.encode()[:256]
+        last = self._last_stream if last_stream is None else last_stream
         return (
             frame_header(8 + len(debug), GOAWAY, 0, 0)
-            + self._last_stream.to_bytes(4, "big")
+            + last.to_bytes(4, "big")
             + code.to_bytes(4, "big")
             + debug
         )
@@ -619,10 +636,26 @@ class H2Connection(AnswerWriter):
                     stream.release()
             self._flow.notify_all()
 
+    def _first_goaway(self) -> list[bytes]:
+        """The first step of a graceful stop: GOAWAY taking every stream, and the PING that ends it."""
+        goaway = self._goaway_frame(NO_ERROR, "the server is stopping", _ANY_STREAM)
+        return [goaway, frame_header(8, PING, 0, 0), _DRAIN_PING]
+
     def go_away(self) -> None:
-        """Tell the client no new calls are taken (GOAWAY); calls begun still run."""
-        self._going_away = True
-        self._goaway(NO_ERROR, "the server is stopping")
+        """Tell the client no new calls are taken; calls begun still run, and so do calls in flight.
+
+        The client gets GOAWAY and a PING; streams it opened before it read the
+        GOAWAY are served. When it acknowledges the PING, a second GOAWAY names
+        the last stream served, and any stream after it is refused
+        (``REFUSED_STREAM``: never run, so the client may send it again elsewhere).
+        """
+        with self._write:
+            if self._going_away:
+                return
+            self._going_away = True
+            if self._preface_sent:  # else it goes out right after our SETTINGS
+                with contextlib.suppress(OSError, StreamGone):
+                    self._send_locked(self._first_goaway())
 
     def busy(self) -> bool:
         """Whether a call is still running."""
