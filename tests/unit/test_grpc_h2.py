@@ -19,6 +19,8 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     GOAWAY,
     HEADER_TABLE_SIZE,
     HEADERS,
+    INITIAL_WINDOW_SIZE,
+    MAX_FRAME_SIZE,
     NO_ERROR,
     PING,
     PREFACE,
@@ -27,6 +29,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     RST_STREAM,
     SETTING,
     SETTINGS,
+    WINDOW_UPDATE,
     Call,
     CallError,
     H2Limits,
@@ -324,3 +327,47 @@ def test_drain_serves_streams_sent_before_the_client_read_goaway_and_refuses_lat
         assert reset[2] == 5 and int.from_bytes(reset[3], "big") == REFUSED_STREAM
     drainer.join(10)
     assert drained == [True]
+
+
+def test_frames_keep_to_the_clients_settings_as_acknowledged(server) -> None:
+    # A client holds the server to new settings only once it has the server's ACK (gRPC
+    # checks frame sizes against acknowledged settings): a frame written before the ACK
+    # must keep to the old maximum frame size, even by an answer already waiting to write.
+    listener = server(threads=4)
+    message = bytes(range(256)) * (32 * 1024)  # 8 MiB: more than both sockets' buffers hold
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    sock.connect(("127.0.0.1", listener.port))
+    with sock:
+        window = (0x7FFFFFFF - 65535).to_bytes(4, "big")
+        # Both calls at once: each runs on a worker, the first answer blocks the socket (the
+        # client reads nothing yet) and the second waits for the write lock meanwhile.
+        sock.sendall(
+            PREFACE
+            + frame_header(6, SETTINGS, 0, 0)
+            + SETTING.pack(INITIAL_WINDOW_SIZE, 0x7FFFFFFF)
+            + frame_header(4, WINDOW_UPDATE, 0, 0)
+            + window
+            + _call_frames(1, message)
+            + _call_frames(3, message)
+        )
+        time.sleep(0.5)
+        sock.sendall(frame_header(6, SETTINGS, 0, 0) + SETTING.pack(MAX_FRAME_SIZE, 1 << 20))
+        time.sleep(0.5)
+        frames = _FrameStream(sock)
+        ended: set[int] = set()
+        acks: list[int] = []
+
+        def both_answered(frame) -> bool:
+            if frame[0] == HEADERS and frame[1] & END_STREAM:
+                ended.add(frame[2])
+            if frame[0] == SETTINGS and frame[1] & 1:
+                acks.append(1)
+            return ended == {1, 3} and len(acks) == 2
+
+        seen = frames.until(both_answered)
+    acks = [i for i, (kind, flags, _, _) in enumerate(seen) if kind == SETTINGS and flags & 1]
+    assert len(acks) == 2  # of the client's first SETTINGS, and of its second
+    sizes_before = [len(payload) for kind, _, _, payload in seen[: acks[1]] if kind == DATA]
+    assert sizes_before and max(sizes_before) <= 16384, sorted(set(sizes_before))
+    assert b"".join(p for kind, _, sid, p in seen if kind == DATA and sid == 3)[5:] == message[::-1]

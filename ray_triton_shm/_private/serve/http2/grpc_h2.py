@@ -164,6 +164,7 @@ class H2Connection(AnswerWriter):
         self._send_window = 65535
         self._peer_initial_window = 65535
         self._peer_max_frame = DEFAULT_FRAME
+        self._settings_epoch = 0  # how many of the client's SETTINGS frames were applied
         self._recv_window = MAX_WINDOW
         self._closed = False
         self._going_away = False  # the first GOAWAY is due or sent: the connection is to end
@@ -423,10 +424,12 @@ class H2Connection(AnswerWriter):
             stream = Stream(
                 stream_id, headers, self._peer_initial_window, self._max_message, placer, self._budget
             )
-            if len(self._streams) >= self._limits.max_streams:
-                self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
-                return
-            self._streams[stream_id] = stream
+            refused = len(self._streams) >= self._limits.max_streams
+            if not refused:
+                self._streams[stream_id] = stream
+        if refused:
+            self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
+            return
         if self._refuse is not None:
             stream.error = self._refuse(path, stream.metadata)
             if stream.error is not None:
@@ -506,34 +509,43 @@ class H2Connection(AnswerWriter):
         self._update_read_timeout()
 
     def _settings(self, payload: bytes, flags: int, stream_id: int) -> None:
+        """Apply the client's settings and acknowledge them, in one hold of the write lock.
+
+        A client may hold us to its new values only once it has our ACK (gRPC checks
+        frame sizes and windows against the settings acknowledged): every frame
+        written before the ACK keeps to the old values, and every frame after it to
+        the new ones (see ``AnswerWriter._reserve`` for windows taken meanwhile).
+        """
         if stream_id:
             raise H2ProtocolError(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
             return
         if len(payload) % 6:
             raise H2ProtocolError(FRAME_SIZE_ERROR, "a SETTINGS frame of a partial setting")
-        for offset in range(0, len(payload), 6):
-            key, value = SETTING.unpack_from(payload, offset)
-            if key == INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    raise H2ProtocolError(FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
-                with self._flow:
-                    delta = value - self._peer_initial_window
-                    self._peer_initial_window = value
-                    for stream in self._streams.values():
-                        stream.send_window += delta
-                        if stream.send_window > MAX_WINDOW:
-                            message = f"stream {stream.id}'s window over 2^31-1"
-                            raise H2ProtocolError(FLOW_CONTROL_ERROR, message)
-                    self._flow.notify_all()
-            elif key == MAX_FRAME_SIZE:
-                if not DEFAULT_FRAME <= value <= OUR_MAX_FRAME:
-                    raise H2ProtocolError(PROTOCOL_ERROR, f"a maximum frame size of {value}")
-                self._peer_max_frame = value
-            elif key == HEADER_TABLE_SIZE:
-                with self._write:
-                    self._size_update = TABLE_SIZE_ZERO  # our blocks never use the table
-        self._send([frame_header(0, SETTINGS, ACK, 0)])
+        settings = [SETTING.unpack_from(payload, offset) for offset in range(0, len(payload), 6)]
+        for key, value in settings:
+            if key == INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
+                raise H2ProtocolError(FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
+            if key == MAX_FRAME_SIZE and not DEFAULT_FRAME <= value <= OUR_MAX_FRAME:
+                raise H2ProtocolError(PROTOCOL_ERROR, f"a maximum frame size of {value}")
+        with self._write:
+            with self._flow:
+                for key, value in settings:
+                    if key == INITIAL_WINDOW_SIZE:
+                        delta = value - self._peer_initial_window
+                        self._peer_initial_window = value
+                        for stream in self._streams.values():
+                            stream.send_window += delta
+                            if stream.send_window > MAX_WINDOW:
+                                message = f"stream {stream.id}'s window over 2^31-1"
+                                raise H2ProtocolError(FLOW_CONTROL_ERROR, message)
+                    elif key == MAX_FRAME_SIZE:
+                        self._peer_max_frame = value
+                    elif key == HEADER_TABLE_SIZE:
+                        self._size_update = TABLE_SIZE_ZERO  # our blocks never use the table
+                self._settings_epoch += 1
+                self._flow.notify_all()
+            self._send_locked([frame_header(0, SETTINGS, ACK, 0)])
 
     def _window_update(self, payload: bytes, stream_id: int) -> None:
         if len(payload) != 4:

@@ -49,6 +49,7 @@ class AnswerWriter:
     _size_update: bytes
     _peer_max_frame: int
     _send_window: int
+    _settings_epoch: int
     _closed: bool
     _reader_thread: threading.Thread | None
     _slot_stall_s: float
@@ -148,18 +149,22 @@ class AnswerWriter:
             first = True
             while remaining:
                 stall_at = time.monotonic() + self._slot_stall_s if release is not None else None
-                take = self._reserve(stream, remaining, stall_at)
+                take, epoch = self._reserve(stream, remaining, stall_at)
                 if not take:  # the client opens no window: the answer leaves the slot
                     copy_out([])
                     continue
-                remaining -= take
                 with self._write:
-                    frames = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
-                    first = False
-                    frames += self._data_frames(sid, views, take)
-                    if not remaining:
-                        frames += self._header_frames(sid, trailers, True)
-                    self._send_locked(frames, copy_out if release is not None else None)
+                    stale = epoch != self._settings_epoch  # new settings acknowledged since
+                    if not stale:
+                        remaining -= take
+                        frames = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
+                        first = False
+                        frames += self._data_frames(sid, views, take)
+                        if not remaining:
+                            frames += self._header_frames(sid, trailers, True)
+                        self._send_locked(frames, copy_out if release is not None else None)
+                if stale:  # the windows are taken again under the settings in force
+                    self._unreserve(stream, take)
                 frames = []
         if not stream.ended:  # answered before the client finished sending: stop it
             self._send([frame_header(4, RST_STREAM, 0, sid), NO_ERROR.to_bytes(4, "big")])
@@ -168,12 +173,17 @@ class AnswerWriter:
         if stream.reset or self._closed:
             raise StreamGone()
 
-    def _reserve(self, stream: Stream, want: int, stall_at: float | None = None) -> int:
+    def _reserve(self, stream: Stream, want: int, stall_at: float | None = None) -> tuple[int, int]:
         """Take up to ``want`` bytes of both send windows, waiting while either is closed.
 
         A call running in the reader's thread reads the client's frames itself
-        meanwhile (its window updates among them). ``0``: the windows were still
-        closed at ``stall_at`` (a ``time.monotonic()`` time).
+        meanwhile (its window updates among them).
+
+        Returns:
+            The bytes taken (``0``: the windows were still closed at ``stall_at``, a
+            ``time.monotonic()`` time), and the settings epoch they were taken under:
+            the frames may be written only while it is current (the client's SETTINGS
+            acknowledged in between may have shrunk the stream's window).
         """
         deadline = time.monotonic() + self._send_timeout_s
         while True:
@@ -183,10 +193,10 @@ class AnswerWriter:
                 if take > 0:
                     stream.send_window -= take
                     self._send_window -= take
-                    return take
+                    return take, self._settings_epoch
                 now = time.monotonic()
                 if stall_at is not None and now >= stall_at:
-                    return 0
+                    return 0, self._settings_epoch
                 remaining = deadline - now
                 if remaining <= 0:
                     raise StreamGone()
@@ -196,6 +206,13 @@ class AnswerWriter:
                     self._flow.wait(remaining)
                     continue
             self._read_one_frame(remaining, give_up=stall_at is None)
+
+    def _unreserve(self, stream: Stream, take: int) -> None:
+        """Give back ``take`` bytes of both send windows, taken by ``_reserve`` and not sent."""
+        with self._flow:
+            stream.send_window += take
+            self._send_window += take
+            self._flow.notify_all()
 
     def _data_frames(self, stream_id: int, views: list[memoryview], count: int) -> list[Any]:
         """DATA frames of the next ``count`` bytes of ``views`` (consumed from its front)."""
