@@ -415,7 +415,7 @@ class H2Connection(AnswerWriter):
         if stream_id <= self._last_stream:
             raise H2ProtocolError(PROTOCOL_ERROR, f"HEADERS on closed stream {stream_id}")
         if self._final_goaway:  # past the last stream the GOAWAY named: never run (safe to retry)
-            self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
+            self._send_reset(stream_id, REFUSED_STREAM)
             return
         self._last_stream = stream_id
         path = next((v for k, v in headers if k == ":path"), "")
@@ -428,7 +428,7 @@ class H2Connection(AnswerWriter):
             if not refused:
                 self._streams[stream_id] = stream
         if refused:
-            self._send([frame_header(4, RST_STREAM, 0, stream_id), REFUSED_STREAM.to_bytes(4, "big")])
+            self._send_reset(stream_id, REFUSED_STREAM)
             return
         if self._refuse is not None:
             stream.error = self._refuse(path, stream.metadata)
@@ -579,7 +579,7 @@ class H2Connection(AnswerWriter):
             if not stream.dispatched:
                 stream.release()
             self._flow.notify_all()
-        self._send([frame_header(4, RST_STREAM, 0, stream.id), code.to_bytes(4, "big")])
+        self._send_reset(stream.id, code)
 
     # -- running calls -------------------------------------------------------------------
     def _run(self, stream: Stream) -> None:

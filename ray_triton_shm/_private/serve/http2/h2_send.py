@@ -62,6 +62,10 @@ class AnswerWriter:
         with self._write:
             self._send_locked(parts)
 
+    def _send_reset(self, stream_id: int, code: int) -> None:
+        """Send RST_STREAM ``code`` for ``stream_id``."""
+        self._send([frame_header(4, RST_STREAM, 0, stream_id), code.to_bytes(4, "big")])
+
     def _send_locked(self, parts: Sequence[Any], on_stall: Unsent | None = None) -> None:
         """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``)."""
         try:
@@ -167,7 +171,7 @@ class AnswerWriter:
                     self._unreserve(stream, take)
                 frames = []
         if not stream.ended:  # answered before the client finished sending: stop it
-            self._send([frame_header(4, RST_STREAM, 0, sid), NO_ERROR.to_bytes(4, "big")])
+            self._send_reset(sid, NO_ERROR)
 
     def _check(self, stream: Stream) -> None:
         if stream.reset or self._closed:
