@@ -21,7 +21,9 @@ numbers and the per-stream pieces are in :mod:`~ray_triton_shm._private.serve.ht
   flow-control window.
 
 Header blocks are read with ``hpack`` (:mod:`~ray_triton_shm._private.serve.http2.h2_headers`);
-answers are written by :class:`~ray_triton_shm._private.serve.http2.h2_send.AnswerWriter`. Request
+answers are written by :class:`~ray_triton_shm._private.serve.http2.h2_send.AnswerWriter`, and the
+connection's own frames (settings, PING, windows, GOAWAY) handled by
+:class:`~ray_triton_shm._private.serve.http2.h2_control.ConnectionControl`. Request
 messages compressed with ``gzip`` or ``deflate`` are inflated; answers are sent uncompressed.
 A method may have a *placer*: its messages' tensors are then read straight into a slot
 (:mod:`~ray_triton_shm._private.serve.http2.grpc_message`).
@@ -33,15 +35,14 @@ import contextlib
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ray_triton_shm._private.serve.http2.grpc_message import Placer
-from ray_triton_shm._private.serve.http2.h2_headers import TABLE_SIZE_ZERO, HeaderDecoder
-from ray_triton_shm._private.serve.http2.h2_send import AnswerWriter
+from ray_triton_shm._private.serve.http2.h2_control import ConnectionControl, set_kernel_timeout
+from ray_triton_shm._private.serve.http2.h2_headers import HeaderDecoder
 from ray_triton_shm._private.serve.http2.h2_wire import (
     ACK,
     COMPRESSION_ERROR,
@@ -51,28 +52,20 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
-    FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR,
     GOAWAY,
-    HEADER_TABLE_SIZE,
     HEADERS,
-    INITIAL_WINDOW_SIZE,
-    MAX_CONCURRENT_STREAMS,
-    MAX_FRAME_SIZE,
-    MAX_HEADER_LIST_SIZE,
     MAX_WINDOW,
     NO_ERROR,
     OUR_MAX_FRAME,
     PADDED,
     PING,
-    PREFACE,
     PRIORITY,
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
     PUSH_PROMISE,
     REFUSED_STREAM,
     RST_STREAM,
-    SETTING,
     SETTINGS,
     WINDOW_UPDATE,
     Budget,
@@ -97,16 +90,10 @@ _MAX_SETTINGS_BYTES = 6 * 64
 
 _IDLE_CHECK_S = 0.5  # while calls run, how often the reader looks whether the connection went idle
 
-# A graceful stop in two steps (RFC 9113, section 6.8): first a GOAWAY that still takes every stream
-# (its last stream ID the largest there is) and this PING; once the client acknowledges the PING,
-# every stream it opened before it read the GOAWAY has arrived, and a second GOAWAY names the last.
-_DRAIN_PING = b"draining"
-_ANY_STREAM = 0x7FFFFFFF
-
 Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
 
 
-class H2Connection(AnswerWriter):
+class H2Connection(ConnectionControl):
     """One client connection: reads frames, runs each complete call on ``pool``, writes the answers.
 
     Args:
@@ -154,7 +141,7 @@ class H2Connection(AnswerWriter):
         self._reader.on_stall = self._stalled
         # Sends give up after send_timeout_s (a client that stopped reading); reads wait for ever.
         self._send_timeout_s = limits.send_timeout_s
-        _set_kernel_timeout(sock, socket.SO_SNDTIMEO, limits.send_timeout_s)
+        set_kernel_timeout(sock, socket.SO_SNDTIMEO, limits.send_timeout_s)
         self._decoder = HeaderDecoder(limits.max_header_block)
         self._size_update = b""  # sent before the next header block, after the client sets a table size
         self._write = threading.Lock()  # frames are written whole, and header blocks encoded, one at a time
@@ -236,49 +223,9 @@ class H2Connection(AnswerWriter):
         with self._flow:
             return not self._streams
 
-    def _start(self) -> None:
-        """Read the client's preface and first SETTINGS, and send ours.
-
-        Raises:
-            H2ProtocolError: Not HTTP/2's preface and SETTINGS.
-            EOFError, OSError: The client went away, or took longer than the preface timeout.
-        """
-        # The preface and the client's first SETTINGS come within PREFACE_TIMEOUT_S, in all.
-        self._set_read_timeout(self._limits.preface_timeout_s)
-        if self._reader.exactly(len(PREFACE)) != PREFACE:
-            raise EOFError  # not HTTP/2 with prior knowledge: nothing a gRPC client sends
-        settings = [
-            (MAX_CONCURRENT_STREAMS, self._limits.max_streams),
-            (INITIAL_WINDOW_SIZE, MAX_WINDOW),
-            (MAX_FRAME_SIZE, OUR_MAX_FRAME),
-            (MAX_HEADER_LIST_SIZE, self._limits.max_header_block),
-        ]
-        body = b"".join(SETTING.pack(k, v) for k, v in settings)
-        update = (MAX_WINDOW - 65535).to_bytes(4, "big")
-        frames = [frame_header(len(body), SETTINGS, 0, 0), body, frame_header(4, WINDOW_UPDATE, 0, 0), update]
-        with self._write:
-            self._preface_sent = True
-            if self._going_away:  # the server began to stop before the client's preface came
-                frames += self._first_goaway()
-            self._send_locked(frames)
-        if self._reader.exactly(9)[3] != SETTINGS:
-            raise H2ProtocolError(PROTOCOL_ERROR, "the preface is not followed by SETTINGS")
-        self._reader.unread(9)
-        self._frame()
-        self._set_read_timeout(0)
-
-    def _set_read_timeout(self, seconds: float) -> None:
-        """A kernel timeout (``SO_RCVTIMEO``) on each read; ``0``: none."""
-        _set_kernel_timeout(self._sock, socket.SO_RCVTIMEO, seconds)
-
     def _header_block_too_long(self) -> H2ProtocolError:
         limit = self._limits.max_header_block
         return H2ProtocolError(ENHANCE_YOUR_CALM, f"a header block over {limit} bytes")
-
-    def _glitch(self, what: str) -> None:
-        """Count a frame that carries no call against the connection's budget."""
-        if not self._glitches.spend():
-            raise H2ProtocolError(ENHANCE_YOUR_CALM, f"too many frames without a call ({what})")
 
     def _frame(self) -> None:
         head = self._reader.exactly(9)
@@ -307,15 +254,7 @@ class H2Connection(AnswerWriter):
         elif kind == WINDOW_UPDATE:
             self._window_update(self._reader.payload(length), stream_id)
         elif kind == PING:
-            payload = self._reader.payload(length)
-            if length != 8 or stream_id:
-                raise H2ProtocolError(FRAME_SIZE_ERROR if length != 8 else PROTOCOL_ERROR, "a malformed PING")
-            if not flags & ACK:
-                self._glitch("PING")
-                self._send([frame_header(8, PING, ACK, 0), payload])
-            elif payload == _DRAIN_PING and self._going_away and not self._final_goaway:
-                self._final_goaway = True
-                self._goaway(NO_ERROR, "the server is stopping")
+            self._ping(self._reader.payload(length), flags, stream_id)
         elif kind == RST_STREAM:
             self._reader.payload(length)
             if length != 4 or not stream_id:
@@ -508,69 +447,6 @@ class H2Connection(AnswerWriter):
             stream.to_memory()
         self._update_read_timeout()
 
-    def _settings(self, payload: bytes, flags: int, stream_id: int) -> None:
-        """Apply the client's settings and acknowledge them, in one hold of the write lock.
-
-        A client may hold us to its new values only once it has our ACK (gRPC checks
-        frame sizes and windows against the settings acknowledged): every frame
-        written before the ACK keeps to the old values, and every frame after it to
-        the new ones (see ``AnswerWriter._reserve`` for windows taken meanwhile).
-        """
-        if stream_id:
-            raise H2ProtocolError(PROTOCOL_ERROR, "SETTINGS on a stream")
-        if flags & ACK:
-            return
-        if len(payload) % 6:
-            raise H2ProtocolError(FRAME_SIZE_ERROR, "a SETTINGS frame of a partial setting")
-        settings = [SETTING.unpack_from(payload, offset) for offset in range(0, len(payload), 6)]
-        for key, value in settings:
-            if key == INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
-                raise H2ProtocolError(FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
-            if key == MAX_FRAME_SIZE and not DEFAULT_FRAME <= value <= OUR_MAX_FRAME:
-                raise H2ProtocolError(PROTOCOL_ERROR, f"a maximum frame size of {value}")
-        with self._write:
-            with self._flow:
-                for key, value in settings:
-                    if key == INITIAL_WINDOW_SIZE:
-                        delta = value - self._peer_initial_window
-                        self._peer_initial_window = value
-                        for stream in self._streams.values():
-                            stream.send_window += delta
-                            if stream.send_window > MAX_WINDOW:
-                                message = f"stream {stream.id}'s window over 2^31-1"
-                                raise H2ProtocolError(FLOW_CONTROL_ERROR, message)
-                    elif key == MAX_FRAME_SIZE:
-                        self._peer_max_frame = value
-                    elif key == HEADER_TABLE_SIZE:
-                        self._size_update = TABLE_SIZE_ZERO  # our blocks never use the table
-                self._settings_epoch += 1
-                self._flow.notify_all()
-            self._send_locked([frame_header(0, SETTINGS, ACK, 0)])
-
-    def _window_update(self, payload: bytes, stream_id: int) -> None:
-        if len(payload) != 4:
-            raise H2ProtocolError(FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
-        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
-        failed = None  # a stream error (RFC 9113, 6.9): that stream is reset, the connection goes on
-        with self._flow:
-            if not stream_id:
-                if not increment:
-                    raise H2ProtocolError(PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
-                self._send_window += increment
-                if self._send_window > MAX_WINDOW:
-                    raise H2ProtocolError(FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
-            else:
-                stream = self._streams.get(stream_id)
-                if stream is not None:
-                    stream.send_window += increment
-                    if not increment:
-                        failed = stream, PROTOCOL_ERROR
-                    elif stream.send_window > MAX_WINDOW:
-                        failed = stream, FLOW_CONTROL_ERROR
-            self._flow.notify_all()
-        if failed is not None:
-            self._reset(*failed)
-
     def _reset(self, stream: Stream, code: int) -> None:
         """End ``stream`` with RST_STREAM ``code`` (a stream error); its call, if running, is abandoned."""
         with self._flow:
@@ -624,21 +500,6 @@ class H2Connection(AnswerWriter):
             self._close()
             raise StreamGone() from e
 
-    # -- closing -------------------------------------------------------------------------
-    def _goaway_frame(self, code: int, message: str, last_stream: int | None = None) -> bytes:
-        debug = message.encode()[:256]
-        last = self._last_stream if last_stream is None else last_stream
-        return (
-            frame_header(8 + len(debug), GOAWAY, 0, 0)
-            + last.to_bytes(4, "big")
-            + code.to_bytes(4, "big")
-            + debug
-        )
-
-    def _goaway(self, code: int, message: str) -> None:
-        with contextlib.suppress(OSError, StreamGone):
-            self._send([self._goaway_frame(code, message)])
-
     def _close(self) -> None:
         with self._flow:
             self._closed = True
@@ -648,35 +509,7 @@ class H2Connection(AnswerWriter):
                     stream.release()
             self._flow.notify_all()
 
-    def _first_goaway(self) -> list[bytes]:
-        """The first step of a graceful stop: GOAWAY taking every stream, and the PING that ends it."""
-        goaway = self._goaway_frame(NO_ERROR, "the server is stopping", _ANY_STREAM)
-        return [goaway, frame_header(8, PING, 0, 0), _DRAIN_PING]
-
-    def go_away(self) -> None:
-        """Tell the client no new calls are taken; calls begun still run, and so do calls in flight.
-
-        The client gets GOAWAY and a PING; streams it opened before it read the
-        GOAWAY are served. When it acknowledges the PING, a second GOAWAY names
-        the last stream served, and any stream after it is refused
-        (``REFUSED_STREAM``: never run, so the client may send it again elsewhere).
-        """
-        with self._write:
-            if self._going_away:
-                return
-            self._going_away = True
-            if self._preface_sent:  # else it goes out right after our SETTINGS
-                with contextlib.suppress(OSError, StreamGone):
-                    self._send_locked(self._first_goaway())
-
     def busy(self) -> bool:
         """Whether a call is still running."""
         with self._flow:
             return any(s.dispatched and not s.done for s in self._streams.values())
-
-
-def _set_kernel_timeout(sock: socket.socket, option: int, seconds: float) -> None:
-    """Set ``SO_RCVTIMEO`` or ``SO_SNDTIMEO`` (a ``timeval``) on ``sock``; ``0``: none."""
-    whole = int(seconds)
-    micro = int((seconds - whole) * 1e6)
-    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, micro))

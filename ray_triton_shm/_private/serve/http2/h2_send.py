@@ -1,7 +1,8 @@
 """Writing a connection's answers: header blocks, and DATA frames within the client's windows.
 
-:class:`AnswerWriter` is the writing half of
-:class:`~ray_triton_shm._private.serve.http2.grpc_h2.H2Connection`, which sets up the
+:class:`AnswerWriter` is the writing part of
+:class:`~ray_triton_shm._private.serve.http2.grpc_h2.H2Connection` (a base of its
+:class:`~ray_triton_shm._private.serve.http2.h2_control.ConnectionControl`), which sets up the
 state it uses (the socket, the write lock, the send windows, the streams).
 """
 
