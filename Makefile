@@ -52,6 +52,7 @@ dist: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check ray_triton_shm tests notebooks tools
+	$(PY) -m ruff format --check ray_triton_shm tests tools
 
 # Each Ray test module gets its own process: a Ray started, shut down and started
 # again (a multi-node Cluster, then a local Ray) in one process can hang.

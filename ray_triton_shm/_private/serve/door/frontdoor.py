@@ -58,7 +58,6 @@ from ray_triton_shm.errors import ConfigError, FrontDoorError
 logger = logging.getLogger(__name__)
 
 
-
 def _optional_port(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none", "off") else int(text)
 

@@ -34,6 +34,7 @@ class Reader(Protocol):
         self, parts: Sequence[bytes | memoryview], stall_s: float | None = None
     ) -> list[memoryview]: ...
 
+
 RECV_BYTES = 64 * 1024
 """A connection's read buffer (a request head, chunk lines, small reads)."""
 

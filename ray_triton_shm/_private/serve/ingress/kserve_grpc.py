@@ -83,6 +83,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.use_local_subchannel_pool", 1),
 ]
 
+
 class KServeGrpcMixin:
     """The RPCs of ``inference.GRPCInferenceService`` as Serve deployment methods.
 

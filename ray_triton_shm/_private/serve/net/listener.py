@@ -194,8 +194,7 @@ class TcpListener:
                     conn.close()
                     if full:
                         logger.warning(
-                            "front door: %s connection refused (%d open)",
-                            self._protocol, self._max_open
+                            "front door: %s connection refused (%d open)", self._protocol, self._max_open
                         )
                         continue
                     return

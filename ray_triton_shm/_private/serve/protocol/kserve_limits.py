@@ -147,5 +147,3 @@ class VersionCache:
         self._entries.move_to_end(model)
         while len(self._entries) > self._size:
             self._entries.popitem(last=False)
-
-
