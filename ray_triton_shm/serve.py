@@ -42,6 +42,7 @@ from ray_triton_shm._private.serve.frontdoor_observe import FrontDoorObserver
 from ray_triton_shm._private.serve.ingress import kserve_http
 from ray_triton_shm._private.serve.ingress.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors, kserve_limits, kserve_routes
+from ray_triton_shm._private.serve.replica_log import log_through_serve
 from ray_triton_shm._private.serve.slot_ref import SlotRef
 from ray_triton_shm._private.serve.slot_ref_serve import SlotRefCaller, SlotRefLease, SlotRefMixin
 from ray_triton_shm._private.triton.repository import resolve_repositories
@@ -138,6 +139,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         memory: str = "system",
         frontdoor: FrontDoorConfig | None = None,
     ) -> None:
+        log_through_serve()  # the library's lines in the replica's log, as Serve's own
         # Outputs larger than their slot go over gRPC: the app answers whatever Triton answers.
         self._client = NodeClient(
             node_config, slots_per_model=slots_per_model, memory=memory, kind="serve", grpc_fallback=True

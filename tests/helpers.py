@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import threading
 import time
+import urllib.request
 
 # ``low-high``: the ports free_port hands out in this process (tests/lanes.py gives each lane
 # its own range, below the kernel's ephemeral ports and above Ray's worker ports, so that two
@@ -106,6 +108,29 @@ def wait_for(predicate, timeout_s: float = 10.0, poll_s: float = 0.02) -> bool:
             return True
         time.sleep(poll_s)
     return bool(predicate())
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape_prometheus(port: int) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample on a Prometheus endpoint (``127.0.0.1:port/metrics``): (name, labels, value)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            labels = dict(_LABEL.findall(match.group(2) or ""))
+            samples.append((match.group(1), labels, float(match.group(3))))
+    return samples
+
+
+def metric_value(samples, name: str, **labels: str) -> float | None:
+    """The sum of the samples named ``name`` that carry ``labels`` (``None``: no such sample)."""
+    hits = [v for n, tags, v in samples if n == name and all(tags.get(k) == w for k, w in labels.items())]
+    return sum(hits) if hits else None
 
 
 # -- A raw HTTP/2 client, for what a well-behaved one never sends (frames by hand). --

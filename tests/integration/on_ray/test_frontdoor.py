@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -21,11 +22,13 @@ import tritonclient.http as httpclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import H2_PREFACE, h2_frame, h2_request_block
+from tests.helpers import H2_PREFACE, h2_frame, h2_request_block, metric_value, scrape_prometheus, wait_for
 
 from .conftest import REPO, free_port, frontdoor_on_free_ports, teardown_ray
 
 TWO_APPS = REPO / "deployments" / "two_apps.yaml"
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+FRONTDOOR_REQUESTS = "ray_triton_shm_frontdoor_requests_total"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,15 @@ def apps(tmp_path_factory):
         application["args"]["pools"]["identity"]["max_shapes"] = {"INPUT0": [262144], "OUTPUT0": [262144]}
     path = tmp_path_factory.mktemp("frontdoor") / "two_apps.yaml"
     path.write_text(yaml.safe_dump(spec))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    metrics_port = free_port()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     try:
         handles = run_config_file(str(path))
         where = handles["triton-a"].whereami.remote().result()
@@ -56,6 +67,7 @@ def apps(tmp_path_factory):
             },
             "triton": (info.http_url, info.grpc_url),
             "where": where,
+            "metrics_port": metrics_port,
         }
     finally:
         teardown_ray()
@@ -403,6 +415,85 @@ def test_the_replicas_memory_stays_put_under_announced_sizes_and_idle_sockets(ap
             s.close()
     # What the clients announced: 32 x 60 MB = 1.9 GB; what they sent: 6.4 MB.
     assert grown < 100 * 1024 * 1024, f"the replica grew by {grown / 2**20:.0f} MiB"
+
+
+def _door_counts(port: int, app: str, cells) -> list[float]:
+    """The front-door request counter of ``app`` for each (protocol, method, route, status) of ``cells``."""
+    samples = scrape_prometheus(port)
+    return [
+        metric_value(
+            samples,
+            FRONTDOOR_REQUESTS,
+            application=app,
+            deployment="TritonDeployment",
+            protocol=protocol,
+            method=method,
+            route=route,
+            status_code=status,
+        )
+        or 0.0
+        for protocol, method, route, status in cells
+    ]
+
+
+def _replica_log(app: str) -> str:
+    """The text of ``app``'s replica log file(s), where Serve writes the replica's lines."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return "".join(path.read_text() for path in sorted(logs.glob(f"replica_{app}_TritonDeployment_*.log")))
+
+
+def test_calls_are_in_serves_metrics_and_the_replicas_log(apps) -> None:
+    """Each call counts in Ray's Prometheus metrics with Serve's labels and has its access-log line in
+    the replica's log, as Serve's own requests do; the library's own lines are in that log too."""
+    app = "triton-b"
+    _, http_url, grpc_url = apps["apps"][app]
+    x = np.ones((1, 16), dtype=np.float32)
+    cells = [
+        ("http", "POST", "/v2/models/identity/infer", "200"),
+        ("grpc", "ModelInfer", MODEL_INFER, "OK"),
+        ("http", "POST", "/v2/models/nonesuch/infer", "404"),
+    ]
+    lines = [
+        "POST /v2/models/identity/infer 200 ",
+        f"gRPC {MODEL_INFER} OK ",
+        "POST /v2/models/nonesuch/infer 404 ",
+    ]
+    calls = [3, 2, 1]
+    port = apps["metrics_port"]
+    before = _door_counts(port, app, cells)
+    logged_before = [_replica_log(app).count(line) for line in lines]
+    for _ in range(calls[0]):
+        assert np.array_equal(_http_identity(http_url, x), x)
+    for _ in range(calls[1]):
+        assert np.array_equal(_grpc_identity(grpc_url, x), x)
+    assert _http_error(http_url, "nonesuch", x)[0] == "404"  # as Triton answers
+    want = [b + n for b, n in zip(before, calls)]
+    assert wait_for(lambda: _door_counts(port, app, cells) == want, 60, 1.0), (
+        before,
+        _door_counts(port, app, cells),
+        sorted({n for n, _, _ in scrape_prometheus(port) if "frontdoor" in n}),
+    )
+    samples = scrape_prometheus(port)
+    latency = metric_value(
+        samples,
+        "ray_triton_shm_frontdoor_latency_ms_count",
+        application=app,
+        protocol="grpc",
+        status_code="OK",
+    )
+    assert latency is not None and latency >= calls[1]
+    assert wait_for(
+        lambda: (
+            [_replica_log(app).count(line) for line in lines] == [b + n for b, n in zip(logged_before, calls)]
+        ),
+        30,
+        0.5,
+    ), [_replica_log(app).count(line) for line in lines]
+    log = _replica_log(app)
+    assert "front door on 127.0.0.1: HTTP port" in log
+    assert "replica on node" in log and "uses Triton" in log
 
 
 def test_after_shutdown_nothing_listens_and_nothing_is_left(apps) -> None:

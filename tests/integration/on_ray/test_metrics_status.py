@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ray_triton_shm import InputError, PoolConfig
+from tests.helpers import metric_value, scrape_prometheus
 
 from .conftest import free_port
 
@@ -22,8 +21,6 @@ REPO_MODELS = str(Path(__file__).resolve().parents[3] / "deployments" / "models"
 SHM_CALLS, GRPC_CALLS, BAD_CALLS = 5, 3, 2
 # add_sub: two int32 inputs and two int32 outputs of shape (2, 16).
 ADD_SUB_BYTES = 4 * 2 * 16 * 4
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def setup_module(module):
@@ -82,23 +79,6 @@ def _traffic_task() -> dict[str, str]:
     return errors
 
 
-def _scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    samples = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            labels = dict(_LABEL.findall(match.group(2) or ""))
-            samples.append((match.group(1), labels, float(match.group(3))))
-    return samples
-
-
-def _value(samples, name: str, **labels: str) -> float | None:
-    hits = [v for n, tags, v in samples if n == name and all(tags.get(k) == w for k, w in labels.items())]
-    return sum(hits) if hits else None
-
-
 def test_metrics_reach_prometheus_and_status_counts_traffic(cluster):
     import ray
 
@@ -120,13 +100,13 @@ def test_metrics_reach_prometheus_and_status_counts_traffic(cluster):
     }
     deadline = time.monotonic() + 90
     while True:
-        samples = _scrape(port)
-        got = {key: _value(samples, key[0], model=key[1][0], path=key[1][1]) for key in want}
-        errors_seen = _value(samples, "ray_triton_shm_errors_total", model="add_sub", type="InputError")
-        waits = _value(samples, "ray_triton_shm_lease_wait_seconds_count", model="add_sub")
-        slots = _value(samples, "ray_triton_shm_pool_slots", model="add_sub")
-        utilization = _value(samples, "ray_triton_shm_pool_utilization", model="add_sub")
-        restarts = _value(samples, "ray_triton_shm_triton_restarts_total")
+        samples = scrape_prometheus(port)
+        got = {key: metric_value(samples, key[0], model=key[1][0], path=key[1][1]) for key in want}
+        errors_seen = metric_value(samples, "ray_triton_shm_errors_total", model="add_sub", type="InputError")
+        waits = metric_value(samples, "ray_triton_shm_lease_wait_seconds_count", model="add_sub")
+        slots = metric_value(samples, "ray_triton_shm_pool_slots", model="add_sub")
+        utilization = metric_value(samples, "ray_triton_shm_pool_utilization", model="add_sub")
+        restarts = metric_value(samples, "ray_triton_shm_triton_restarts_total")
         complete = (
             got == want
             and errors_seen == BAD_CALLS
@@ -143,7 +123,8 @@ def test_metrics_reach_prometheus_and_status_counts_traffic(cluster):
                 f"slots {slots}, utilization {utilization}, restarts {restarts}"
             )
         time.sleep(1.0)
-    assert _value(samples, "ray_triton_shm_request_seconds_count", model="add_sub", path="shm") == SHM_CALLS
+    seconds = metric_value(samples, "ray_triton_shm_request_seconds_count", model="add_sub", path="shm")
+    assert seconds == SHM_CALLS
 
     # status: the client closed, so its last traffic report has been sent.
     nodes = status.collect()
