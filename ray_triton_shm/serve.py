@@ -169,6 +169,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
                 raise
             for port in self._fixed_ports():  # kept open by the node actor between replicas
                 self._client.hold_door(port, self._app_name, frontdoor.host, frontdoor.port_linger_s)
+            self._report_door()
             logger.info(
                 "front door on %s: HTTP port %s, gRPC port %s",
                 frontdoor.host,
@@ -211,6 +212,19 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         """
         if self._frontdoor is not None:
             self._frontdoor.check()
+            self._report_door()
+
+    def _report_door(self) -> None:
+        """Every few seconds, the front door's state to the node actor (for ``ray-triton-shm status``).
+
+        From Serve's health checks, which every replica gets, and its requests for
+        autoscaling stats, which only an autoscaling deployment's replicas get.
+        """
+        door = self._frontdoor
+        now = time.monotonic()
+        if door is not None and now - self._door_reported >= _DOOR_REPORT_S:
+            self._door_reported = now
+            self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()})
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The front door's calls running, which Serve's autoscaler counts with its own requests.
@@ -221,10 +235,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         door = self._frontdoor
         if door is None:
             return {FRONTDOOR_ONGOING: 0.0}
-        now = time.monotonic()
-        if now - self._door_reported >= _DOOR_REPORT_S:  # Serve calls this often: status gets some
-            self._door_reported = now
-            self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()})
+        self._report_door()
         return {FRONTDOOR_ONGOING: float(door.calls.ongoing)}
 
     async def frontdoor_stats(self) -> dict[str, Any]:

@@ -496,6 +496,30 @@ def test_calls_are_in_serves_metrics_and_the_replicas_log(apps) -> None:
     assert "replica on node" in log and "uses Triton" in log
 
 
+def test_status_lists_each_replicas_front_door(apps) -> None:
+    """The node actor's status (``ray-triton-shm status``) has each replica's door, its ports and
+    calls, for a fixed replica count too (Serve asks for autoscaling stats only when it autoscales)."""
+    import ray
+
+    from ray_triton_shm.node import get_node_actor
+
+    app = "triton-a"
+    handle, http_url, grpc_url = apps["apps"][app]
+    pid = handle.whereami.remote().result()["pid"]
+    ports = {"http_port": int(http_url.rsplit(":", 1)[1]), "grpc_port": int(grpc_url.rsplit(":", 1)[1])}
+    x = np.ones((1, 16), dtype=np.float32)
+    assert np.array_equal(_http_identity(http_url, x), x)
+    calls = handle.frontdoor_stats.remote().result()["calls"]
+
+    def door() -> dict | None:
+        doors = ray.get(get_node_actor().status.remote(), timeout=60)["frontdoors"]
+        return next((d for d in doors if d.get("app") == app and d.get("pid") == pid), None)
+
+    assert wait_for(lambda: (door() or {}).get("calls", 0) >= calls, 30, 0.5), door()
+    seen = door()
+    assert {k: seen[k] for k in ports} == ports and seen["refused"] == 0
+
+
 def test_after_shutdown_nothing_listens_and_nothing_is_left(apps) -> None:
     """Last in this module: it shuts the apps down."""
     import ray
