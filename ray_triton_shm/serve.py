@@ -212,7 +212,22 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         """
         if self._frontdoor is not None:
             self._frontdoor.check()
+            self._follow_serve()
             self._report_door()
+
+    def _follow_serve(self) -> None:
+        """The door takes the settings Serve changes in place (a redeploy that changes only them).
+
+        ``max_ongoing_requests`` (the door's bound) and the ``logging_config``'s access
+        log: Serve reconfigures the replica it has, and its context then says the new values.
+        """
+        door = self._frontdoor
+        if door is None:
+            return
+        context = serve.get_replica_context()
+        door.calls.limit = _max_ongoing_requests(context)
+        if isinstance(door.calls.observer, FrontDoorObserver):
+            door.calls.observer.follow(context)
 
     def _report_door(self) -> None:
         """Every few seconds, the front door's state to the node actor (for ``ray-triton-shm status``).

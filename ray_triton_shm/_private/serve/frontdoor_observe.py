@@ -45,11 +45,7 @@ class FrontDoorObserver:
             boundaries=LATENCY_BUCKETS_MS,
             tag_keys=tags,
         )
-        config = getattr(context, "_deployment_config", None)
-        logging_config = getattr(config, "logging_config", None) or {}
-        if not isinstance(logging_config, dict):
-            logging_config = getattr(logging_config, "dict", lambda: {})()
-        self._access_log = bool(logging_config.get("enable_access_log", True))
+        self._access_log = _access_log_enabled(context)
         app = getattr(context, "app_name", "")
         deployment = getattr(context, "deployment", "")
         self._extra = {
@@ -60,6 +56,10 @@ class FrontDoorObserver:
             "skip_context_filter": True,
             "serve_access_log": True,
         }
+
+    def follow(self, context: Any) -> None:
+        """Take the deployment's access-log setting from Serve's context again (Serve changes it in place)."""
+        self._access_log = _access_log_enabled(context)
 
     def __call__(self, record: CallRecord) -> None:
         status = record.status or "-"
@@ -85,3 +85,12 @@ class FrontDoorObserver:
                 latency_ms,
                 extra={**self._extra, "route": record.route},
             )
+
+
+def _access_log_enabled(context: Any) -> bool:
+    """Whether the deployment's ``logging_config`` (in Serve's replica context) keeps access logs on."""
+    config = getattr(context, "_deployment_config", None)
+    logging_config = getattr(config, "logging_config", None) or {}
+    if not isinstance(logging_config, dict):
+        logging_config = getattr(logging_config, "dict", lambda: {})()
+    return bool(logging_config.get("enable_access_log", True))

@@ -37,6 +37,14 @@ def config_copy(tmp_dir: Path, **app_args) -> tuple[Path, int]:
     return path, port
 
 
+def replica_log(app: str, deployment: str = "TritonDeployment") -> str:
+    """The text of ``app``'s replica log file(s), where Serve writes a replica's lines (access log too)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return "".join(path.read_text() for path in sorted(logs.glob(f"replica_{app}_{deployment}_*.log")))
+
+
 def start_serve_on_a_free_port() -> None:
     """``serve.start`` with its HTTP proxy on a port from the OS, not Serve's default 8000: other
     test processes and Ray runs share the machine."""

@@ -12,7 +12,6 @@ import os
 import socket
 import struct
 import time
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -24,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.helpers import H2_PREFACE, h2_frame, h2_request_block, metric_value, scrape_prometheus, wait_for
 
-from .conftest import REPO, free_port, frontdoor_on_free_ports, teardown_ray
+from .conftest import REPO, free_port, frontdoor_on_free_ports, replica_log, teardown_ray
 
 TWO_APPS = REPO / "deployments" / "two_apps.yaml"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -436,14 +435,6 @@ def _door_counts(port: int, app: str, cells) -> list[float]:
     ]
 
 
-def _replica_log(app: str) -> str:
-    """The text of ``app``'s replica log file(s), where Serve writes the replica's lines."""
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return "".join(path.read_text() for path in sorted(logs.glob(f"replica_{app}_TritonDeployment_*.log")))
-
-
 def test_calls_are_in_serves_metrics_and_the_replicas_log(apps) -> None:
     """Each call counts in Ray's Prometheus metrics with Serve's labels and has its access-log line in
     the replica's log, as Serve's own requests do; the library's own lines are in that log too."""
@@ -463,7 +454,7 @@ def test_calls_are_in_serves_metrics_and_the_replicas_log(apps) -> None:
     calls = [3, 2, 1]
     port = apps["metrics_port"]
     before = _door_counts(port, app, cells)
-    logged_before = [_replica_log(app).count(line) for line in lines]
+    logged_before = [replica_log(app).count(line) for line in lines]
     for _ in range(calls[0]):
         assert np.array_equal(_http_identity(http_url, x), x)
     for _ in range(calls[1]):
@@ -486,12 +477,12 @@ def test_calls_are_in_serves_metrics_and_the_replicas_log(apps) -> None:
     assert latency is not None and latency >= calls[1]
     assert wait_for(
         lambda: (
-            [_replica_log(app).count(line) for line in lines] == [b + n for b, n in zip(logged_before, calls)]
+            [replica_log(app).count(line) for line in lines] == [b + n for b, n in zip(logged_before, calls)]
         ),
         30,
         0.5,
-    ), [_replica_log(app).count(line) for line in lines]
-    log = _replica_log(app)
+    ), [replica_log(app).count(line) for line in lines]
+    log = replica_log(app)
     assert "front door on 127.0.0.1: HTTP port" in log
     assert "replica on node" in log and "uses Triton" in log
 

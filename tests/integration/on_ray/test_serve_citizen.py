@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 
 from ray_triton_shm._private.bench import citizen
 from tests.helpers import wait_for
 
-from .conftest import teardown_ray
+from .conftest import config_copy, replica_log, teardown_ray
 
 _OWNERS: set[int] = set()  # every process whose /dev/shm segments must be gone at the end
 
@@ -97,3 +98,65 @@ def test_autoscaling_follows_front_door_load(ray_up, app_deleted, tmp_path) -> N
     assert result["peak"] >= 2, "front-door load did not scale the app up"
     assert result["back_to_1"], "the app did not scale back down after the load"
     assert result["wrong"] == 0 and result["ok"] > 0
+
+
+def _deploy_config(spec: dict) -> None:
+    """Deploy ``spec`` as ``serve deploy`` does (the config's code version: same args, same replicas)."""
+    from ray import serve
+    from ray.serve._private import api as serve_api
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(spec)
+    client = serve_api.serve_start(
+        http_options=config.http_options.model_dump(), proxy_location=config.proxy_location
+    )
+    client.deploy_apps(config)
+    assert wait_for(lambda: serve.status().applications["triton"].status == "RUNNING", 180, 1.0)
+
+
+def test_the_door_takes_what_serve_changes_in_place(ray_up, tmp_path) -> None:
+    """``serve deploy`` with only ``max_ongoing_requests`` and the access log changed: Serve
+    reconfigures the replica it has, and its front door takes the new bound and access-log setting."""
+    import numpy as np
+    import tritonclient.http as httpclient
+    import yaml
+    from ray import serve
+
+    path, _ = config_copy(tmp_path, quarantine_s=1.0)
+    spec = yaml.safe_load(path.read_text())
+    application = spec["applications"][0]
+    deployment = {"name": "TritonDeployment", "num_replicas": 1, "health_check_period_s": 1}
+    application["deployments"] = [{**deployment, "logging_config": {"enable_access_log": False}}]
+    door = f"127.0.0.1:{application['args']['frontdoor']['http_port']}"
+    line = "POST /v2/models/identity/infer 200 "
+
+    def call() -> None:
+        client = httpclient.InferenceServerClient(door)
+        try:
+            x = np.ones((1, 16), dtype=np.float32)
+            tensor = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+            tensor.set_data_from_numpy(x)
+            assert np.array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), x)
+        finally:
+            client.close()
+
+    _deploy_config(spec)
+    try:
+        handle = serve.get_app_handle("triton")
+        where = handle.whereami.remote().result()
+        _OWNERS.update({where["actor_pid"], where["triton_pid"], where["pid"]})
+        assert handle.frontdoor_stats.remote().result()["max_ongoing"] == 32  # the deployment's default
+        logged = replica_log("triton").count(line)  # the app's earlier replicas' lines too
+        call()
+        time.sleep(2.0)
+        assert replica_log("triton").count(line) == logged  # access log off
+        application["deployments"] = [
+            {**deployment, "max_ongoing_requests": 5, "logging_config": {"enable_access_log": True}}
+        ]
+        _deploy_config(spec)
+        assert wait_for(lambda: handle.frontdoor_stats.remote().result()["max_ongoing"] == 5, 30, 0.5)
+        assert handle.whereami.remote().result()["pid"] == where["pid"]  # reconfigured, not replaced
+        call()
+        assert wait_for(lambda: replica_log("triton").count(line) == logged + 1, 10, 0.5)
+    finally:
+        serve.delete("triton")

@@ -103,7 +103,7 @@ class FrontDoorConfig:
         max_connections: Connections served at once per replica on each port (a thread each
             while it has work; idle ones wait in a selector, without a thread).
         max_open_connections: Connections open at once per replica on each port, idle ones
-            included; past it a new connection waits in the kernel's backlog.
+            included; past it a new connection is accepted and closed at once (logged).
         grpc_threads: gRPC requests served at once per replica; as many again for calls
             whose message is already in a slot (run apart, so they never wait behind calls
             that wait for a slot).
