@@ -27,7 +27,7 @@ from .conftest import REPO, free_port, frontdoor_on_free_ports, replica_log, tea
 
 TWO_APPS = REPO / "deployments" / "two_apps.yaml"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
-FRONTDOOR_REQUESTS = "ray_triton_shm_frontdoor_requests_total"
+FRONTDOOR_REQUESTS = "ray_ray_triton_shm_frontdoor_requests_total"  # Ray prefixes ray_ to the name
 
 
 @pytest.fixture(scope="module")
@@ -469,7 +469,7 @@ def test_calls_are_in_serves_metrics_and_the_replicas_log(apps) -> None:
     samples = scrape_prometheus(port)
     latency = metric_value(
         samples,
-        "ray_triton_shm_frontdoor_latency_ms_count",
+        "ray_ray_triton_shm_frontdoor_latency_ms_count",
         application=app,
         protocol="grpc",
         status_code="OK",
