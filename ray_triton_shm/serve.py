@@ -156,13 +156,14 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         if frontdoor is not None:
             context = serve.get_replica_context()
             self._app_name = context.app_name
+            self._observer = FrontDoorObserver(context)
             try:
                 self._frontdoor = FrontDoor(
                     frontdoor,
                     self,
                     context.app_name,
                     max_ongoing=_max_ongoing_requests(context),
-                    observer=FrontDoorObserver(context),
+                    observer=self._observer,
                 )
             except BaseException:
                 self._client.close()
@@ -212,22 +213,18 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         """
         if self._frontdoor is not None:
             self._frontdoor.check()
-            self._follow_serve()
+            self._follow_serve(self._frontdoor)
             self._report_door()
 
-    def _follow_serve(self) -> None:
+    def _follow_serve(self, door: FrontDoor) -> None:
         """The door takes the settings Serve changes in place (a redeploy that changes only them).
 
         ``max_ongoing_requests`` (the door's bound) and the ``logging_config``'s access
         log: Serve reconfigures the replica it has, and its context then says the new values.
         """
-        door = self._frontdoor
-        if door is None:
-            return
         context = serve.get_replica_context()
         door.calls.limit = _max_ongoing_requests(context)
-        if isinstance(door.calls.observer, FrontDoorObserver):
-            door.calls.observer.follow(context)
+        self._observer.follow(context)
 
     def _report_door(self) -> None:
         """Every few seconds, the front door's state to the node actor (for ``ray-triton-shm status``).

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -88,12 +90,75 @@ def teardown_ray() -> None:
                 ray.shutdown()
 
 
+def init_ray(metrics_port: int | None = None):
+    """``ray.init`` of a private local Ray (2 CPUs, no dashboard); with ``metrics_port``, Ray's
+    Prometheus endpoint there, reported every second. Returns what ``ray.init`` returns."""
+    import ray
+
+    metrics = {}
+    if metrics_port is not None:
+        metrics = {
+            "_metrics_export_port": metrics_port,
+            "_system_config": {"metrics_report_interval_ms": 1000},
+        }
+    return ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **metrics)
+
+
+def deploy_config(spec: dict, timeout_s: float = 180) -> None:
+    """Deploy the Serve config ``spec`` as ``serve deploy`` does (the config's code version: a
+    redeploy that changes only options reconfigures the replicas Serve has), and wait until every
+    app in it runs.
+
+    Raises:
+        AssertionError: An app failed to deploy, or does not run within ``timeout_s``.
+    """
+    from ray import serve
+    from ray.serve._private import api as serve_api
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(spec)
+    client = serve_api.serve_start(
+        http_options=config.http_options.model_dump(), proxy_location=config.proxy_location
+    )
+    client.deploy_apps(config)
+    names = [application["name"] for application in spec["applications"]]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = serve.status().applications
+        states = {name: apps[name].status if name in apps else "MISSING" for name in names}
+        failed = {n: apps[n].message for n, s in states.items() if s == "DEPLOY_FAILED"}
+        if failed:
+            raise AssertionError(f"deploy failed: {failed}")
+        if all(s == "RUNNING" for s in states.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"apps not running within {timeout_s} s: {states}")
+        time.sleep(1)
+
+
+def http_identity(url: str, x: np.ndarray, binary: bool = True, model: str = "identity") -> np.ndarray:
+    """``model``'s ``OUTPUT0`` for ``x``, from an unmodified ``tritonclient.http`` client at ``url``.
+
+    The client is closed before this returns: an unclosed one is closed by the garbage
+    collector, on whichever thread runs it, and on one of Ray's threads gevent crashes the
+    process.
+    """
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(url, network_timeout=120)
+    try:
+        tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=binary)
+        wanted = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)]
+        return client.infer(model, [tensor], outputs=wanted).as_numpy("OUTPUT0")
+    finally:
+        client.close()
+
+
 @contextlib.contextmanager
 def local_ray() -> Iterator[None]:
     """A private local Ray (2 CPUs, no dashboard) for the block; Serve and node actors torn down after."""
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray()
     try:
         yield
     finally:

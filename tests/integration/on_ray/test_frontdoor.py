@@ -23,7 +23,15 @@ from tritonclient.utils import InferenceServerException
 
 from tests.helpers import H2_PREFACE, h2_frame, h2_request_block, metric_value, scrape_prometheus, wait_for
 
-from .conftest import REPO, free_port, frontdoor_on_free_ports, replica_log, teardown_ray
+from .conftest import (
+    REPO,
+    free_port,
+    frontdoor_on_free_ports,
+    http_identity,
+    init_ray,
+    replica_log,
+    teardown_ray,
+)
 
 TWO_APPS = REPO / "deployments" / "two_apps.yaml"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -45,14 +53,7 @@ def apps(tmp_path_factory):
     path = tmp_path_factory.mktemp("frontdoor") / "two_apps.yaml"
     path.write_text(yaml.safe_dump(spec))
     metrics_port = free_port()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    init_ray(metrics_port)
     try:
         handles = run_config_file(str(path))
         where = handles["triton-a"].whereami.remote().result()
@@ -72,17 +73,6 @@ def apps(tmp_path_factory):
         teardown_ray()
 
 
-def _http_identity(url: str, x: np.ndarray, binary: bool = True) -> np.ndarray:
-    client = httpclient.InferenceServerClient(url, network_timeout=120)
-    try:
-        tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
-        tensor.set_data_from_numpy(x, binary_data=binary)
-        wanted = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)]
-        return client.infer("identity", [tensor], outputs=wanted).as_numpy("OUTPUT0")
-    finally:
-        client.close()
-
-
 def _grpc_identity(url: str, x: np.ndarray, headers: dict[str, str] | None = None) -> np.ndarray:
     client = grpcclient.InferenceServerClient(url)
     try:
@@ -98,10 +88,10 @@ def test_unmodified_tritonclients_get_correct_outputs(apps) -> None:
     for _, http_url, grpc_url in apps["apps"].values():
         for n in (16, 262144):  # small, and 1 MB (through a slot)
             x = rng.random((1, n), dtype=np.float32)
-            assert np.array_equal(_http_identity(http_url, x), x)
+            assert np.array_equal(http_identity(http_url, x), x)
             assert np.array_equal(_grpc_identity(grpc_url, x), x)
         x = rng.random((1, 64), dtype=np.float32)
-        assert np.array_equal(_http_identity(http_url, x, binary=False), x)
+        assert np.array_equal(http_identity(http_url, x, binary=False), x)
         a = np.arange(32, dtype=np.int32).reshape(2, 16)
         for module, url in ((httpclient, http_url), (grpcclient, grpc_url)):
             client = module.InferenceServerClient(url)
@@ -236,7 +226,7 @@ def test_callers_gone_mid_answer_give_their_slots_back(apps) -> None:
         b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
         b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
     ) % (len(header), len(header) + len(body))
-    assert np.array_equal(_http_identity(http_url, np.ones((1, n), np.float32)), np.ones((1, n), np.float32))
+    assert np.array_equal(http_identity(http_url, np.ones((1, n), np.float32)), np.ones((1, n), np.float32))
     for _ in range(16):
         with socket.create_connection((host, int(port)), timeout=30) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -247,7 +237,7 @@ def test_callers_gone_mid_answer_give_their_slots_back(apps) -> None:
     while _busy_slots() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _busy_slots(), "slots held after their callers were gone"
-    assert np.array_equal(_http_identity(http_url, np.ones((1, n), np.float32)), np.ones((1, n), np.float32))
+    assert np.array_equal(http_identity(http_url, np.ones((1, n), np.float32)), np.ones((1, n), np.float32))
 
 
 def test_a_stalled_body_gives_its_slot_back_at_once(apps) -> None:
@@ -266,7 +256,7 @@ def test_a_stalled_body_gives_its_slot_back_at_once(apps) -> None:
         b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\n"
         b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
     ) % (len(header), len(header) + len(body))
-    assert np.array_equal(_http_identity(http_url, x), x)  # the pool is made, its layout known
+    assert np.array_equal(http_identity(http_url, x), x)  # the pool is made, its layout known
     with socket.create_connection((host, int(port)), timeout=30) as s:
         s.sendall(head + header + body[: len(body) // 2])
         time.sleep(2.5)
@@ -370,7 +360,7 @@ def test_stalled_grpc_clients_outnumbering_the_slots_stop_no_other_caller(apps) 
         for _ in range(5):  # while the attackers still hold their connections
             y = np.random.default_rng().random((1, n), dtype=np.float32)
             assert np.array_equal(_grpc_identity(grpc_url, y), y)
-            assert np.array_equal(_http_identity(http_url, y), y)
+            assert np.array_equal(http_identity(http_url, y), y)
         assert time.monotonic() - started < 60
         deadline = time.monotonic() + 30
         while _busy_slots() and time.monotonic() < deadline:
@@ -456,7 +446,7 @@ def test_calls_are_in_serves_metrics_and_the_replicas_log(apps) -> None:
     before = _door_counts(port, app, cells)
     logged_before = [replica_log(app).count(line) for line in lines]
     for _ in range(calls[0]):
-        assert np.array_equal(_http_identity(http_url, x), x)
+        assert np.array_equal(http_identity(http_url, x), x)
     for _ in range(calls[1]):
         assert np.array_equal(_grpc_identity(grpc_url, x), x)
     assert _http_error(http_url, "nonesuch", x)[0] == "404"  # as Triton answers
@@ -499,7 +489,7 @@ def test_status_lists_each_replicas_front_door(apps) -> None:
     pid = handle.whereami.remote().result()["pid"]
     ports = {"http_port": int(http_url.rsplit(":", 1)[1]), "grpc_port": int(grpc_url.rsplit(":", 1)[1])}
     x = np.ones((1, 16), dtype=np.float32)
-    assert np.array_equal(_http_identity(http_url, x), x)
+    assert np.array_equal(http_identity(http_url, x), x)
     calls = handle.frontdoor_stats.remote().result()["calls"]
 
     def door() -> dict | None:

@@ -22,7 +22,7 @@ import yaml
 
 from tests.helpers import free_port
 
-from .conftest import REPO, local_ray
+from .conftest import REPO, deploy_config, local_ray
 
 pytest.importorskip("PIL")
 
@@ -33,23 +33,6 @@ MEAN = np.array([0.485, 0.456, 0.406])
 STD = np.array([0.229, 0.224, 0.225])
 
 
-def _wait_running(names: list[str], timeout_s: float) -> None:
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        apps = serve.status().applications
-        states = {name: apps[name].status if name in apps else "MISSING" for name in names}
-        failed = {n: apps[n].message for n, s in states.items() if s == "DEPLOY_FAILED"}
-        if failed:
-            raise AssertionError(f"deploy failed: {failed}")
-        if all(s == "RUNNING" for s in states.values()):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"apps not running within {timeout_s} s: {states}")
-        time.sleep(1)
-
-
 def _segments(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"rtshm_{pid}_")]
 
@@ -58,8 +41,6 @@ def _segments(pid: int) -> list[str]:
 def image_app():
     """(handle of the shm app, URL of the shm app, URL of the grpc app, the node actor's pid)."""
     from ray import serve
-    from ray.serve._private import api as serve_api
-    from ray.serve.schema import ServeDeploySchema
 
     if str(REPO) not in sys.path:  # `serve run` from the repository root has it as its app dir
         sys.path.insert(0, str(REPO))
@@ -72,14 +53,9 @@ def image_app():
     grpc.update(name="images-grpc", route_prefix="/embed-grpc")
     grpc["args"]["transport"] = "grpc"
     spec["applications"].append(grpc)
-    config = ServeDeploySchema.model_validate(spec)
     actor_pid = None
     with local_ray():
-        client = serve_api.serve_start(
-            http_options=config.http_options.model_dump(), proxy_location=config.proxy_location
-        )
-        client.deploy_apps(config)
-        _wait_running(["images", "images-grpc"], 300)
+        deploy_config(spec, 300)
         handle = serve.get_deployment_handle("ImageEmbedder", app_name="images")
         actor_pid = handle.node.remote().result()["actor_pid"]
         base = f"http://127.0.0.1:{port}"

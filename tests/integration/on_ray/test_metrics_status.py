@@ -15,7 +15,7 @@ import pytest
 from ray_triton_shm import InputError, PoolConfig
 from tests.helpers import metric_value, scrape_prometheus
 
-from .conftest import free_port
+from .conftest import free_port, init_ray
 
 REPO_MODELS = str(Path(__file__).resolve().parents[3] / "deployments" / "models")
 SHM_CALLS, GRPC_CALLS, BAD_CALLS = 5, 3, 2
@@ -38,14 +38,7 @@ def cluster():
     from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
 
     port = free_port()
-    info = ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=port,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    info = init_ray(port)
     try:
         config = NodeConfig.for_repository(
             REPO_MODELS, health_interval_s=0.2, idle_shutdown_s=None, pools={"add_sub": PoolConfig(slots=3)}

@@ -18,7 +18,7 @@ import pytest
 from ray_triton_shm._private.bench import citizen
 from tests.helpers import wait_for
 
-from .conftest import config_copy, replica_log, teardown_ray
+from .conftest import config_copy, deploy_config, http_identity, replica_log, teardown_ray
 
 _OWNERS: set[int] = set()  # every process whose /dev/shm segments must be gone at the end
 
@@ -100,25 +100,10 @@ def test_autoscaling_follows_front_door_load(ray_up, app_deleted, tmp_path) -> N
     assert result["wrong"] == 0 and result["ok"] > 0
 
 
-def _deploy_config(spec: dict) -> None:
-    """Deploy ``spec`` as ``serve deploy`` does (the config's code version: same args, same replicas)."""
-    from ray import serve
-    from ray.serve._private import api as serve_api
-    from ray.serve.schema import ServeDeploySchema
-
-    config = ServeDeploySchema.model_validate(spec)
-    client = serve_api.serve_start(
-        http_options=config.http_options.model_dump(), proxy_location=config.proxy_location
-    )
-    client.deploy_apps(config)
-    assert wait_for(lambda: serve.status().applications["triton"].status == "RUNNING", 180, 1.0)
-
-
 def test_the_door_takes_what_serve_changes_in_place(ray_up, tmp_path) -> None:
     """``serve deploy`` with only ``max_ongoing_requests`` and the access log changed: Serve
     reconfigures the replica it has, and its front door takes the new bound and access-log setting."""
     import numpy as np
-    import tritonclient.http as httpclient
     import yaml
     from ray import serve
 
@@ -131,16 +116,10 @@ def test_the_door_takes_what_serve_changes_in_place(ray_up, tmp_path) -> None:
     line = "POST /v2/models/identity/infer 200 "
 
     def call() -> None:
-        client = httpclient.InferenceServerClient(door)
-        try:
-            x = np.ones((1, 16), dtype=np.float32)
-            tensor = httpclient.InferInput("INPUT0", [1, 16], "FP32")
-            tensor.set_data_from_numpy(x)
-            assert np.array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), x)
-        finally:
-            client.close()
+        x = np.ones((1, 16), dtype=np.float32)
+        assert np.array_equal(http_identity(door, x), x)
 
-    _deploy_config(spec)
+    deploy_config(spec)
     try:
         handle = serve.get_app_handle("triton")
         where = handle.whereami.remote().result()
@@ -153,7 +132,7 @@ def test_the_door_takes_what_serve_changes_in_place(ray_up, tmp_path) -> None:
         application["deployments"] = [
             {**deployment, "max_ongoing_requests": 5, "logging_config": {"enable_access_log": True}}
         ]
-        _deploy_config(spec)
+        deploy_config(spec)
         assert wait_for(lambda: handle.frontdoor_stats.remote().result()["max_ongoing"] == 5, 30, 0.5)
         assert handle.whereami.remote().result()["pid"] == where["pid"]  # reconfigured, not replaced
         call()
