@@ -69,18 +69,22 @@ def run_ray_demo(
         rows.append(_row("Serve handle, identity 16 MB", shm.mb_per_s, grpc.mb_per_s, "handle"))
 
         # HTTP: unmodified tritonclient.http against Serve vs directly against Triton's HTTP.
-        serve_http = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120)
-        triton_http = httpclient.InferenceServerClient(info.http_url, network_timeout=120)
+        # Both clients closed here: the garbage collector would close them on any thread, and
+        # on one of Ray's, gevent (under tritonclient.http) crashes the process.
+        with (
+            httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120) as serve_http,
+            httpclient.InferenceServerClient(info.http_url, network_timeout=120) as triton_http,
+        ):
 
-        def http_call(client: httpclient.InferenceServerClient) -> np.ndarray:
-            tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
-            tensor.set_data_from_numpy(x)
-            return client.infer("identity", [tensor]).as_numpy("OUTPUT0")
+            def http_call(client: httpclient.InferenceServerClient) -> np.ndarray:
+                tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+                tensor.set_data_from_numpy(x)
+                return client.infer("identity", [tensor]).as_numpy("OUTPUT0")
 
-        if not np.array_equal(http_call(serve_http), x):
-            failures.append("serve http")
-        via_serve = time_call(lambda: http_call(serve_http), x.nbytes, repeats=3)
-        direct = time_call(lambda: http_call(triton_http), x.nbytes, repeats=3)
+            if not np.array_equal(http_call(serve_http), x):
+                failures.append("serve http")
+            via_serve = time_call(lambda: http_call(serve_http), x.nbytes, repeats=3)
+            direct = time_call(lambda: http_call(triton_http), x.nbytes, repeats=3)
         rows.append(_row("HTTP (tritonclient.http) 16 MB", via_serve.mb_per_s, direct.mb_per_s, "http"))
 
         # The front door: tritonclient processes (outside Ray) at 1 MB, ours vs Triton's own endpoints.

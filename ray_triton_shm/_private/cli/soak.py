@@ -11,6 +11,7 @@ Run it with ``make soak`` (2 minutes per target) or::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -187,7 +188,8 @@ def soak_serve(
             return handle.infer.remote(MODEL, inputs).result(timeout_s=60)
 
         def via_http_factory() -> Call:
-            http = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
+            client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
+            http = clients.enter_context(client)  # ``clients``: the stack that closes them below
 
             def via_http(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                 request = []
@@ -203,10 +205,11 @@ def soak_serve(
         slots = slots_per_replica * replicas
         half = max(1, callers // 2)
         by_handle, by_http = SoakReport("serve-handle", half, slots), SoakReport("serve-http", half, slots)
-        _drive(
-            [(via_handle, by_handle)] * half + [(via_http_factory(), by_http) for _ in range(half)],
-            duration_s,
-        )
+        with contextlib.ExitStack() as clients:  # closed here, not by the garbage collector on a Ray thread
+            _drive(
+                [(via_handle, by_handle)] * half + [(via_http_factory(), by_http) for _ in range(half)],
+                duration_s,
+            )
         return by_handle, by_http
     finally:
         serve.delete("soak")

@@ -27,7 +27,7 @@ import yaml
 
 from tests.helpers import free_port
 
-from .conftest import REPO, frontdoor_on_free_ports, teardown_ray
+from .conftest import REPO, frontdoor_on_free_ports, http_identity, teardown_ray
 
 pytestmark = pytest.mark.slow
 
@@ -112,17 +112,6 @@ def _local_ray() -> Iterator[None]:
         teardown_ray()
 
 
-def _http_identity(address: str, model: str, x: np.ndarray) -> np.ndarray:
-    import tritonclient.http as httpclient
-
-    client = httpclient.InferenceServerClient(address)
-    tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x)
-    out = client.infer(model, [tensor]).as_numpy("OUTPUT0")
-    assert out is not None
-    return out
-
-
 def _data_identity(ray: Any, args: dict[str, Any], model: str, memory: str, rows: int) -> list[dict]:
     from ray_triton_shm.data import TritonPredictor
 
@@ -187,7 +176,7 @@ def test_memory_auto_falls_back_to_system_slots_everywhere(app: dict[str, Any]) 
     outputs, origin = app["handle"].infer_with_origin.remote("identity", {"INPUT0": x}).result()
     assert origin["path"] == "shm"
     np.testing.assert_array_equal(outputs["OUTPUT0"], x)
-    np.testing.assert_array_equal(_http_identity(app["http"], "identity", x), x)
+    np.testing.assert_array_equal(http_identity(app["http"], x), x)
     rows = _data_identity(ray, args, "identity", "auto", 200)
     assert len(rows) == 200
     for row in rows:
@@ -235,7 +224,7 @@ def test_serve_memory_cuda_handle_and_front_door(app: dict[str, Any]) -> None:
     assert isinstance(outputs["OUTPUT0"], cupy.ndarray)
     cupy.testing.assert_array_equal(outputs["OUTPUT0"], x)
     host = cupy.asnumpy(x)
-    np.testing.assert_array_equal(_http_identity(app["http"], "identity_gpu", host), host)
+    np.testing.assert_array_equal(http_identity(app["http"], host, model="identity_gpu"), host)
 
 
 @pytest.mark.gpu

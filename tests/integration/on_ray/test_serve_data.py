@@ -12,7 +12,11 @@ from tritonclient.utils import InferenceServerException
 
 def test_http_protocol_round_trip_with_tritonclient(serve_app):
     _, address = serve_app
-    client = httpclient.InferenceServerClient(address)
+    with httpclient.InferenceServerClient(address) as client:
+        _round_trips(client)
+
+
+def _round_trips(client: httpclient.InferenceServerClient) -> None:
     assert client.is_server_live() and client.is_server_ready()
     metadata = client.get_model_metadata("multi_io")
     assert [i["name"] for i in metadata["inputs"]] == ["INPUT0", "INPUT1"]
@@ -45,13 +49,13 @@ def test_http_protocol_round_trip_with_tritonclient(serve_app):
 
 def test_http_bad_input_is_a_clear_client_error(serve_app):
     _, address = serve_app
-    client = httpclient.InferenceServerClient(address)
     wrong = httpclient.InferInput("INPUT0", [1, 16], "FP32")
     wrong.set_data_from_numpy(np.zeros((1, 16), np.float32))
     other = httpclient.InferInput("INPUT1", [1, 16], "INT32")
     other.set_data_from_numpy(np.zeros((1, 16), np.int32))
-    with pytest.raises(InferenceServerException, match="dtype"):
-        client.infer("add_sub", [wrong, other])
+    with httpclient.InferenceServerClient(address) as client:
+        with pytest.raises(InferenceServerException, match="dtype"):
+            client.infer("add_sub", [wrong, other])
 
 
 def test_handle_round_trip_uses_shm(serve_app):
@@ -198,16 +202,16 @@ def test_bytes_model_through_handle_http_and_ray_data(serve_app):
     assert result["LENGTH"].tolist() == [[5, 6]] and result["UPPER"].tolist()[0][0] == b"HELLO"
     after_handle = _wait_for_traffic(start, 2)
 
-    client = httpclient.InferenceServerClient(address)
-    for binary in (False, True):
-        tensor = httpclient.InferInput("TEXT", [1, 2], "BYTES")
-        tensor.set_data_from_numpy(texts, binary_data=binary)
-        wanted = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("UPPER", "LENGTH")]
-        result = client.infer("strings", [tensor], outputs=wanted)
-        # tritonclient gives JSON BYTES back as str, binary ones as bytes (as against Triton itself)
-        upper = [u if isinstance(u, bytes) else u.encode() for u in result.as_numpy("UPPER").ravel()]
-        assert upper == [b"HELLO", "wörld".encode().upper()]
-        assert result.as_numpy("LENGTH").tolist() == [[5, 6]]
+    with httpclient.InferenceServerClient(address) as client:
+        for binary in (False, True):
+            tensor = httpclient.InferInput("TEXT", [1, 2], "BYTES")
+            tensor.set_data_from_numpy(texts, binary_data=binary)
+            wanted = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("UPPER", "LENGTH")]
+            result = client.infer("strings", [tensor], outputs=wanted)
+            # tritonclient gives JSON BYTES back as str, binary ones as bytes (as against Triton itself)
+            upper = [u if isinstance(u, bytes) else u.encode() for u in result.as_numpy("UPPER").ravel()]
+            assert upper == [b"HELLO", "wörld".encode().upper()]
+            assert result.as_numpy("LENGTH").tolist() == [[5, 6]]
     after_http = _wait_for_traffic(after_handle, 2)
 
     items = [{"TEXT": np.array([f"row{i}", "x" * (i % 5)], dtype=object)} for i in range(50)]
@@ -238,7 +242,8 @@ def test_bytes_model_through_handle_http_and_ray_data(serve_app):
     tensor = httpclient.InferInput("TEXT", [1, 1], "BYTES")
     tensor.set_data_from_numpy(long_text, binary_data=True)
     wanted = [httpclient.InferRequestedOutput(n, binary_data=True) for n in ("UPPER", "LENGTH")]
-    result = client.infer("strings", [tensor], outputs=wanted)
+    with httpclient.InferenceServerClient(address) as client:
+        result = client.infer("strings", [tensor], outputs=wanted)
     assert result.as_numpy("UPPER").tolist() == [[b"Z" * 300]]
     assert result.as_numpy("LENGTH").tolist() == [[300]]
 
