@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.helpers import PORTS_ENV
@@ -78,6 +78,7 @@ class Job:
     key: str = ""
     status: int | None = None
     seconds: float = 0.0
+    why: list[str] = field(default_factory=list)  # a failed job's own summary of its failure
 
     def __post_init__(self) -> None:
         self.key = self.key or self.name
@@ -133,6 +134,26 @@ def _recorded() -> dict[str, float]:
         return {}
 
 
+WHY_LINES = 12
+WHY_WIDTH = 400
+
+
+def failure_lines(output: str) -> list[str]:
+    """What a failed pytest process says of its failure, in a few lines.
+
+    The ``FAILED`` and ``ERROR`` lines of pytest's short summary (``-ra``), and a crash's
+    ``Fatal Python error`` line; failing those, the output's last lines. At most
+    ``WHY_LINES`` lines, each cut to ``WHY_WIDTH`` characters.
+    """
+    lines = output.splitlines()
+    said = [line for line in lines if line.startswith(("FAILED ", "ERROR ", "Fatal Python error"))]
+    if not said:
+        said = [line for line in lines if line.strip()][-5:]
+    if len(said) > WHY_LINES:
+        said = [*said[: WHY_LINES - 1], f"... and {len(said) - WHY_LINES + 1} more"]
+    return [line if len(line) <= WHY_WIDTH else line[: WHY_WIDTH - 3] + "..." for line in said]
+
+
 class Runner:
     """Runs jobs in lanes; prints each job's output when it ends."""
 
@@ -175,6 +196,8 @@ class Runner:
             text = out.read().decode("utf-8", "replace")
         if job.status == NO_TESTS and job.key != job.name:  # the tier's marker left none of its tests
             job.status = 0
+        if job.status != 0:
+            job.why = failure_lines(text)
         verdict = "passed" if job.status == 0 else f"FAILED (exit {job.status})"
         with self._print_lock:
             sys.stdout.write(f"\n===== {job.name} ({' '.join(command[1:])})\n")
@@ -286,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     for job in sorted(todo, key=lambda job: -job.seconds):
         verdict = {0: "passed", None: "not run"}.get(job.status, f"FAILED ({job.status})")
         print(f"  {job.seconds:6.0f} s  {verdict:12}  {job.key}")
+    failed = [job for job in todo if job.status not in (0, None)]
+    if failed:
+        # After the table, so that a report showing only the end of the output still says why.
+        print("\n===== why they failed")
+        for job in failed:
+            print(f"  {job.key}:")
+            for line in job.why:
+                print(f"    {line}")
     if args.record:
         times = {**recorded, **{job.key: round(job.seconds) for job in todo if job.status == 0}}
         DURATIONS.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")

@@ -45,3 +45,30 @@ def test_an_unknown_tier_or_job_is_refused() -> None:
         lanes.jobs(["tests/integration/on_ray/test_nothing.py"])
     # A job named that the tier has none of: no job, no error.
     assert lanes.jobs(["tests/integration/on_ray/test_bench_smoke.py"], tier="fast") == []
+
+
+def test_a_failed_jobs_summary_says_why_in_a_few_lines() -> None:
+    output = "\n".join(
+        [
+            "tests/x.py EEF",
+            "E   assert 1 == 2",
+            "=========================== short test summary info ============================",
+            "ERROR tests/x.py::test_a - RuntimeError: Failed to start the GCS",
+            "FAILED tests/x.py::test_c - assert 1 == 2" + "x" * 1000,
+            "========================= 1 failed, 2 errors in 3.00s ==========================",
+        ]
+    )
+    why = lanes.failure_lines(output)
+    assert why[0] == "ERROR tests/x.py::test_a - RuntimeError: Failed to start the GCS"
+    assert why[1].startswith("FAILED tests/x.py::test_c") and len(why[1]) == lanes.WHY_WIDTH
+    assert len(why) == 2
+
+
+def test_a_crash_is_summed_up_by_its_fatal_error_or_the_last_lines() -> None:
+    crash = "..\nFatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):\n  File x\n"
+    assert lanes.failure_lines(crash) == ["Fatal Python error: Segmentation fault"]
+    killed = "\n".join(f"line {n}" for n in range(20)) + "\n\n"
+    assert lanes.failure_lines(killed) == [f"line {n}" for n in range(15, 20)]
+    many = "\n".join(f"FAILED tests/x.py::test_{n}" for n in range(30))
+    why = lanes.failure_lines(many)
+    assert len(why) == lanes.WHY_LINES and why[-1] == f"... and {30 - lanes.WHY_LINES + 1} more"
