@@ -4,9 +4,9 @@ Serve records each request its router hands a replica (a counter and a latency
 histogram tagged with the application, deployment, replica and route) and
 writes an access-log line (``POST /route 200 3.2ms``) in the replica's log. The
 front door's calls never pass that router; :class:`FrontDoorObserver` records
-them alike: ``ray_triton_shm_frontdoor_requests`` and ``ray_triton_shm_frontdoor_latency_ms``
-(``ray_ray_triton_shm_frontdoor_requests_total`` and ``ray_ray_triton_shm_frontdoor_latency_ms_*``
-on Prometheus, after Ray's own prefix; ``ray.serve.metrics``, which adds
+them alike: ``triton_shm_frontdoor_requests`` and ``triton_shm_frontdoor_latency_ms``
+(``ray_triton_shm_frontdoor_requests_total`` and ``ray_triton_shm_frontdoor_latency_ms_*``
+on Prometheus, after Ray's prefix; ``ray.serve.metrics``, which adds
 ``application``, ``deployment`` and ``replica``; plus ``route``, ``protocol``,
 ``method`` and ``status_code``), and the access-log line through Serve's own
 logger, unless the deployment's ``logging_config`` turns access logs off.
@@ -35,12 +35,12 @@ class FrontDoorObserver:
     def __init__(self, context: Any) -> None:
         tags = ("route", "protocol", "method", "status_code")
         self._requests = metrics.Counter(
-            "ray_triton_shm_frontdoor_requests",
+            "triton_shm_frontdoor_requests",
             description="Calls answered by the replica's front door (its own KServe v2 listeners).",
             tag_keys=tags,
         )
         self._latency = metrics.Histogram(
-            "ray_triton_shm_frontdoor_latency_ms",
+            "triton_shm_frontdoor_latency_ms",
             description="Time a front-door call took in the replica, from its request to its answer.",
             boundaries=LATENCY_BUCKETS_MS,
             tag_keys=tags,

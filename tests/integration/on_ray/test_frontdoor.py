@@ -35,7 +35,7 @@ from .conftest import (
 
 TWO_APPS = REPO / "deployments" / "two_apps.yaml"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
-FRONTDOOR_REQUESTS = "ray_ray_triton_shm_frontdoor_requests_total"  # Ray prefixes ray_ to the name
+FRONTDOOR_REQUESTS = "ray_triton_shm_frontdoor_requests_total"
 
 
 @pytest.fixture(scope="module")
@@ -459,7 +459,7 @@ def test_calls_are_in_serves_metrics_and_the_replicas_log(apps) -> None:
     samples = scrape_prometheus(port)
     latency = metric_value(
         samples,
-        "ray_ray_triton_shm_frontdoor_latency_ms_count",
+        "ray_triton_shm_frontdoor_latency_ms_count",
         application=app,
         protocol="grpc",
         status_code="OK",
