@@ -190,10 +190,10 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         door = self.__dict__.get("_frontdoor")
         if door is not None:
             ports = self._fixed_ports()
+            self._frontdoor = None  # first: no report after this asks the node to hold the ports again
             if ports and _app_deleted(self._app_name):  # else the node keeps them for the next replicas
                 for port in ports:
                     self._client.drop_door(port, self._app_name)
-            self._frontdoor = None
             wait_s = door.config.drain_timeout_s
             if not door.drain(wait_s):
                 logger.warning("front door: calls still running after %g s were cut", wait_s)
@@ -230,13 +230,17 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         """Every few seconds, the front door's state to the node actor (for ``ray-triton-shm status``).
 
         From Serve's health checks, which every replica gets, and its requests for
-        autoscaling stats, which only an autoscaling deployment's replicas get.
+        autoscaling stats, which only an autoscaling deployment's replicas get. The
+        report names the door's fixed ports, which a node actor that restarted (and
+        so holds none) holds again for the app.
         """
         door = self._frontdoor
         now = time.monotonic()
         if door is not None and now - self._door_reported >= _DOOR_REPORT_S:
             self._door_reported = now
-            self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()})
+            config = door.config
+            hold = [(port, self._app_name, config.host, config.port_linger_s) for port in self._fixed_ports()]
+            self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()}, hold)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The front door's calls running, which Serve's autoscaler counts with its own requests.

@@ -199,6 +199,60 @@ def test_the_node_lets_the_port_go_after_its_linger_time_or_at_once_for_a_delete
     assert [claim_names(port) for port in ports] == [[], []]
 
 
+def test_a_repeated_hold_takes_the_port_in_a_new_holder_and_keeps_a_drop() -> None:
+    port = _free_port()
+    replica = _replica(port, b"r")
+    first, restarted = HeldDoors(), HeldDoors()
+    try:
+        assert first.hold(port, "app", "127.0.0.1", linger_s=30.0)
+        first.close()  # the node actor died: it holds nothing
+        assert restarted.hold(port, "app", "127.0.0.1", linger_s=30.0, again=True)  # a replica's report
+        assert [d["port"] for d in restarted.ports()] == [port]
+        restarted.drop(port, "app")  # the app is being deleted
+        assert restarted.hold(port, "app", "127.0.0.1", linger_s=30.0, again=True)  # a late report
+        _leave(replica)
+        assert restarted.sweep() == [(port, "app")]  # let go at once all the same
+        with pytest.raises(ConnectionRefusedError):
+            _ask(port)
+    finally:
+        _leave(replica)
+        first.close()
+        restarted.close()
+    assert claim_names(port) == []
+
+
+def test_a_port_moved_to_another_address_strands_no_connection() -> None:
+    """A redeploy changed the host: the node lets go of the old address's socket, so that once
+    its replicas leave, a connection to that address reaches the new replicas' socket."""
+    port = _free_port()
+    doors = HeldDoors()
+    old = _replica(port, b"old")  # on 127.0.0.1
+    claim = PortClaim(port, "app")
+    new = (
+        claim,
+        TcpListener(
+            "0.0.0.0",
+            port,
+            _answer(b"new"),
+            protocol="HTTP",
+            listening=claim.listening_socket("0.0.0.0", "HTTP"),
+        ),
+    )
+    try:
+        assert doors.hold(port, "app", "127.0.0.1", linger_s=30.0)
+        assert doors.hold(port, "app", "127.0.0.1", linger_s=30.0, again=True)  # an old replica's report
+        assert doors.hold(port, "app", "0.0.0.0", linger_s=30.0)  # the new replica's
+        assert doors.hold(port, "app", "127.0.0.1", linger_s=30.0, again=True)  # a late old report: no change
+        _leave(old)
+        assert _ask(port) == b"new\n"
+        assert [d["port"] for d in doors.ports()] == [port]
+    finally:
+        _leave(old)
+        _leave(new)
+        doors.close()
+    assert claim_names(port) == []
+
+
 def test_the_node_holds_nothing_that_no_replica_handed_over() -> None:
     port = _free_port()
     doors = HeldDoors()

@@ -12,7 +12,9 @@ of its own, and never accepts from it: while no replica holds the socket,
 connections wait in its queue, and the next replica borrows the socket from
 the node actor. The node actor lets it go once no replica of the app has held
 it for the app's linger time, at once when a leaving replica says its app is
-being deleted, and when the node actor stops.
+being deleted, and when the node actor stops. A node actor that restarts holds
+nothing; each replica's reports (every few seconds) name its ports, and the
+node actor holds them again.
 
 Example:
     >>> doors = HeldDoors()
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 class _Held:
     claim: PortClaim
     sock: socket.socket
+    host: str
     linger_s: float
     alone_since: float | None = None  # since when no replica has held the socket
 
@@ -52,11 +55,14 @@ class HeldDoors:
         self._lock = threading.Lock()
         self._held: dict[tuple[int, str], _Held] = {}
 
-    def hold(self, port: int, app_name: str, host: str, linger_s: float) -> bool:
+    def hold(self, port: int, app_name: str, host: str, linger_s: float, *, again: bool = False) -> bool:
         """Borrow the listening socket of ``app_name`` on ``host:port`` from its replicas, and keep it.
 
-        Called by each replica whose front door listens on a fixed port; a port
-        already held gets ``linger_s`` as its new linger time.
+        Called by each replica whose front door listens on a fixed port when the
+        door opens (a port already held gets ``linger_s`` as its new linger time;
+        one held on another address is let go and the new one held), and again
+        with each of its reports (``again``), so that a holder that restarted, and
+        so holds nothing, holds the port again.
 
         Args:
             port: The front-door port.
@@ -64,6 +70,8 @@ class HeldDoors:
             host: The address the replicas listen on.
             linger_s: How long to keep the socket once no replica holds it
                 (0: let it go with the last replica).
+            again: A replica repeating its request: a port held already keeps
+                its linger time (which :meth:`drop` may have set to 0).
 
         Returns:
             Whether the socket is held now (no replica handed it over: ``False``).
@@ -71,9 +79,17 @@ class HeldDoors:
         key = (port, app_name)
         with self._lock:
             held = self._held.get(key)
-            if held is not None:
-                held.linger_s = linger_s
+            if held is not None and (again or held.host == host):
+                if not again:
+                    held.linger_s = linger_s
                 return True
+            if held is not None:
+                # A replica of the app on another address (a redeploy changed the host): the old
+                # socket, with nobody to accept from it once its replicas leave, would otherwise
+                # take the connections to its address. Its replicas keep their own copies.
+                del self._held[key]
+                _let_go(held)
+                logger.info("node: port %d of app %r moves from %s to %s", port, app_name, held.host, host)
             try:
                 claim = PortClaim(port, app_name)
             except FrontDoorError as e:  # another app has the port (its replica was refused first)
@@ -84,7 +100,7 @@ class HeldDoors:
                 claim.close()
                 return False
             claim.share(sock)
-            self._held[key] = _Held(claim, sock, linger_s)
+            self._held[key] = _Held(claim, sock, host, linger_s)
         logger.info("node: holding front-door port %d of app %r between its replicas", port, app_name)
         return True
 

@@ -399,10 +399,24 @@ class _NodeActor:
                 entry[0] += int(requests)
                 entry[1] += int(nbytes)
 
-    def report_door(self, user_id: str, stats: dict[str, Any]) -> None:
-        """A replica's front door as it is now: ports, connections, calls (see ``status``)."""
+    def report_door(
+        self, user_id: str, stats: dict[str, Any], hold: Sequence[tuple[int, str, str, float]] = ()
+    ) -> bool:
+        """A replica's front door as it is now: ports, connections, calls (see ``status``).
+
+        ``hold``: the door's fixed ports, as ``(port, app, host, linger_s)`` for
+        :meth:`hold_door`; those this actor does not hold (it restarted since the
+        replica asked) it holds again.
+
+        Returns:
+            Whether ``user_id`` is attached here (``False``: this actor restarted
+            since the replica attached, and must not retire for want of users).
+        """
         with self._lock:
             self._doors[str(user_id)] = dict(stats)
+        for port, app_name, host, linger_s in hold:
+            self._held_doors.hold(int(port), str(app_name), str(host), float(linger_s), again=True)
+        return str(user_id) in self._users
 
     def hold_door(self, port: int, app_name: str, host: str, linger_s: float) -> bool:
         """Keep the listening socket of ``app_name``'s front door on ``port`` open between its replicas.

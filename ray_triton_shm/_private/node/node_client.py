@@ -130,6 +130,7 @@ class NodeClient:
         self.info: NodeInfo | None = None
         self._closed = False
         self._recheck = False  # a call failed as if Triton were down: look for a restart before the next
+        self._door_answer: ray.ObjectRef | None = None  # the node actor's answer to the last report_door
         # Held while this process uses the node: the actor counts it as a user for as long.
         self._user_lock = UserLock()
         try:
@@ -322,12 +323,28 @@ class NodeClient:
         if error.server_fingerprint and actor is not None:
             ray.get(actor.layout_changed.remote(error.model), timeout=60)
 
-    def report_door(self, stats: dict[str, Any]) -> None:
-        """Tell the node actor how this process's front door stands (``status`` shows it); fire-and-forget."""
+    def report_door(self, stats: dict[str, Any], hold: Sequence[tuple[int, str, str, float]] = ()) -> None:
+        """Tell the node actor how this process's front door stands (``status`` shows it); fire-and-forget.
+
+        ``hold``: the door's fixed ports as :meth:`hold_door` takes them, ``(port,
+        app, host, linger_s)``; a node actor that restarted holds them again. The
+        actor answers whether it knows this client: one that does not (it
+        restarted since, and an idle client would make no call to notice) gets
+        this client attached again at the next report, so that it does not retire
+        for want of users.
+        """
+        answer, self._door_answer = self._door_answer, None
+        if answer is not None and ray.wait([answer], timeout=0)[0]:
+            try:
+                attached = bool(ray.get(answer))
+            except ray.exceptions.RayError:  # the actor died meanwhile
+                attached = False
+            if not attached:
+                self._reconnect_if_changed()
         actor = self._actor
         if actor is not None:
             try:
-                actor.report_door.remote(self._user_id, stats)
+                self._door_answer = actor.report_door.remote(self._user_id, stats, list(hold))
             except Exception as e:  # the actor may be restarting: status misses one report
                 logger.debug("front-door report failed: %s", e)
 

@@ -238,6 +238,10 @@ class Users:
         with self._lock:
             return len(self._users)
 
+    def __contains__(self, user_id: object) -> bool:
+        with self._lock:
+            return user_id in self._users
+
     def close(self) -> None:
         """Close the users file's descriptor. Idempotent."""
         fd, self._fd = self._fd, -1

@@ -139,3 +139,61 @@ def test_the_door_takes_what_serve_changes_in_place(ray_up, tmp_path) -> None:
         assert wait_for(lambda: replica_log("triton").count(line) == logged + 1, 10, 0.5)
     finally:
         serve.delete("triton")
+
+
+def test_a_restarted_node_actor_holds_the_doors_ports_again(ray_up, app_deleted, tmp_path) -> None:
+    """The node actor killed: Ray restarts it, knowing no user and holding nothing. The idle
+    replica's next reports attach it again (else the actor would retire after
+    ``idle_shutdown_s``) and name its fixed ports, which the new actor holds again."""
+    import signal
+
+    import numpy as np
+    import ray
+    import yaml
+    from ray import serve
+    from tritonclient.utils import InferenceServerException
+
+    from ray_triton_shm import RayTritonShmError
+    from ray_triton_shm.node import get_node_actor
+
+    path, _ = config_copy(tmp_path, quarantine_s=1.0)
+    spec = yaml.safe_load(path.read_text())
+    application = spec["applications"][0]
+    application["deployments"] = [{"name": "TritonDeployment", "num_replicas": 1, "health_check_period_s": 1}]
+    application["args"]["idle_shutdown_s"] = 3.0
+    door = application["args"]["frontdoor"]
+    ports = sorted([door["http_port"], door["grpc_port"]])
+
+    def held() -> list[int]:
+        return sorted(h["port"] for h in ray.get(get_node_actor().status.remote(), timeout=30)["held_doors"])
+
+    deploy_config(spec)
+    handle = serve.get_app_handle("triton")
+    where = handle.whereami.remote().result()
+    _OWNERS.update({where["actor_pid"], where["triton_pid"], where["pid"]})
+    assert held() == ports
+    os.kill(where["actor_pid"], signal.SIGKILL)
+
+    def restarted() -> bool:
+        try:
+            return ray.get(get_node_actor().info.remote(), timeout=30).actor_pid != where["actor_pid"]
+        except (ray.exceptions.RayError, RayTritonShmError):  # the actor still restarting
+            return False
+
+    assert wait_for(restarted, 60, 0.5)
+    info = ray.get(get_node_actor().info.remote())
+    _OWNERS.update({info.actor_pid, info.triton_pid})
+    assert wait_for(lambda: held() == ports, 30, 0.5), held()
+    users = ray.get(get_node_actor().status.remote())["users"]
+    assert [u["pid"] for u in users] == [where["pid"]]
+    time.sleep(6.0)  # twice idle_shutdown_s: still there, with its user
+    assert ray.get(get_node_actor().info.remote()).actor_pid == info.actor_pid
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+
+    def answers() -> bool:
+        try:
+            return np.array_equal(http_identity(f"127.0.0.1:{door['http_port']}", x), x)
+        except InferenceServerException:  # a call that met the restart is told to try again
+            return False
+
+    assert wait_for(answers, 60, 1.0)
