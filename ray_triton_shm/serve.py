@@ -151,7 +151,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             self._client, node_config.server.explicit_model_control, node_config.max_request_bytes
         )
         self._frontdoor: FrontDoor | None = None
-        self._door_reported = 0.0
+        self._reported = 0.0
         self._app_name = ""
         if frontdoor is not None:
             context = serve.get_replica_context()
@@ -214,7 +214,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         if self._frontdoor is not None:
             self._frontdoor.check()
             self._follow_serve(self._frontdoor)
-            self._report_door()
+        await self._report()
 
     def _follow_serve(self, door: FrontDoor) -> None:
         """The door takes the settings Serve changes in place (a redeploy that changes only them).
@@ -226,21 +226,30 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         door.calls.limit = _max_ongoing_requests(context)
         self._observer.follow(context)
 
-    def _report_door(self) -> None:
-        """Every few seconds, the front door's state to the node actor (for ``ray-triton-shm status``).
+    async def _report(self) -> None:
+        """Every few seconds, this replica to the node actor: its front door's state (for
+        ``ray-triton-shm status``), and whether the actor knows it.
 
         From Serve's health checks, which every replica gets, and its requests for
-        autoscaling stats, which only an autoscaling deployment's replicas get. The
-        report names the door's fixed ports, which a node actor that restarted (and
-        so holds none) holds again for the app.
+        autoscaling stats, which only an autoscaling deployment's replicas get. A node
+        actor that restarted knows no user: the replica attaches again (else, under an
+        idle app, the actor would retire), and the door's report names its fixed
+        ports, which the actor then holds again.
         """
-        door = self._frontdoor
         now = time.monotonic()
-        if door is not None and now - self._door_reported >= _DOOR_REPORT_S:
-            self._door_reported = now
-            config = door.config
-            hold = [(port, self._app_name, config.host, config.port_linger_s) for port in self._fixed_ports()]
-            self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()}, hold)
+        if now - self._reported < _REPORT_S:
+            return
+        self._reported = now
+        await self._client.keep_attached(self._report_door())
+
+    def _report_door(self) -> ray.ObjectRef | None:
+        """The front door's state to the node actor; returns its answer (``None``: no door)."""
+        door = self._frontdoor
+        if door is None:
+            return None
+        config = door.config
+        hold = [(port, self._app_name, config.host, config.port_linger_s) for port in self._fixed_ports()]
+        return self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()}, hold)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The front door's calls running, which Serve's autoscaler counts with its own requests.
@@ -251,7 +260,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         door = self._frontdoor
         if door is None:
             return {FRONTDOOR_ONGOING: 0.0}
-        self._report_door()
+        await self._report()
         return {FRONTDOOR_ONGOING: float(door.calls.ongoing)}
 
     async def frontdoor_stats(self) -> dict[str, Any]:
@@ -373,7 +382,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
 PROBE_TIMEOUT_S = kserve_routes.PROBE_TIMEOUT_S
 """How long a health or readiness probe waits for the node's Triton before answering "not ready"."""
 _VERSION_TTL_S = 10.0
-_DOOR_REPORT_S = 2.0
+_REPORT_S = 2.0
 _STATUS_TIMEOUT_S = 2.0
 
 

@@ -356,6 +356,10 @@ class _NodeActor:
             self._users.attach(user_id, pid, kind, lock)
             return self.info()
 
+    def knows(self, user_id: str) -> bool:
+        """Whether ``user_id`` is attached here (``False``: this actor restarted since it attached)."""
+        return str(user_id) in self._users
+
     def detach(self, user_id: str) -> bool:
         """Unregister a user (its ``NodeClient`` closed). Returns whether it was registered."""
         return self._users.detach(user_id)
@@ -416,7 +420,7 @@ class _NodeActor:
             self._doors[str(user_id)] = dict(stats)
         for port, app_name, host, linger_s in hold:
             self._held_doors.hold(int(port), str(app_name), str(host), float(linger_s), again=True)
-        return str(user_id) in self._users
+        return self.knows(user_id)
 
     def hold_door(self, port: int, app_name: str, host: str, linger_s: float) -> bool:
         """Keep the listening socket of ``app_name``'s front door on ``port`` open between its replicas.

@@ -130,7 +130,6 @@ class NodeClient:
         self.info: NodeInfo | None = None
         self._closed = False
         self._recheck = False  # a call failed as if Triton were down: look for a restart before the next
-        self._door_answer: ray.ObjectRef | None = None  # the node actor's answer to the last report_door
         # Held while this process uses the node: the actor counts it as a user for as long.
         self._user_lock = UserLock()
         try:
@@ -323,30 +322,55 @@ class NodeClient:
         if error.server_fingerprint and actor is not None:
             ray.get(actor.layout_changed.remote(error.model), timeout=60)
 
-    def report_door(self, stats: dict[str, Any], hold: Sequence[tuple[int, str, str, float]] = ()) -> None:
-        """Tell the node actor how this process's front door stands (``status`` shows it); fire-and-forget.
+    def report_door(
+        self, stats: dict[str, Any], hold: Sequence[tuple[int, str, str, float]] = ()
+    ) -> ray.ObjectRef | None:
+        """Tell the node actor how this process's front door stands (``status`` shows it).
 
         ``hold``: the door's fixed ports as :meth:`hold_door` takes them, ``(port,
-        app, host, linger_s)``; a node actor that restarted holds them again. The
-        actor answers whether it knows this client: one that does not (it
-        restarted since, and an idle client would make no call to notice) gets
-        this client attached again at the next report, so that it does not retire
-        for want of users.
+        app, host, linger_s)``; a node actor that restarted holds them again.
+
+        Returns:
+            The actor's answer, whether it knows this client (for
+            :meth:`keep_attached`); ``None`` when the report could not be sent.
         """
-        answer, self._door_answer = self._door_answer, None
-        if answer is not None and ray.wait([answer], timeout=0)[0]:
-            try:
-                attached = bool(ray.get(answer))
-            except ray.exceptions.RayError:  # the actor died meanwhile
-                attached = False
-            if not attached:
-                self._reconnect_if_changed()
         actor = self._actor
-        if actor is not None:
-            try:
-                self._door_answer = actor.report_door.remote(self._user_id, stats, list(hold))
-            except Exception as e:  # the actor may be restarting: status misses one report
-                logger.debug("front-door report failed: %s", e)
+        if actor is None:
+            return None
+        try:
+            return actor.report_door.remote(self._user_id, stats, list(hold))
+        except Exception as e:  # the actor may be restarting: status misses one report
+            logger.debug("front-door report failed: %s", e)
+            return None
+
+    async def keep_attached(self, answer: ray.ObjectRef | None = None, timeout_s: float = 5.0) -> bool:
+        """Attach again if the node actor does not know this client; call it now and then.
+
+        A node actor that restarted knows no user, and one whose users make no
+        call (an idle app) would retire after ``idle_shutdown_s``. Serve replicas
+        call this from their health checks.
+
+        Args:
+            answer: The actor's answer to :meth:`report_door`; ``None``: ask it.
+            timeout_s: How long to wait for the answer (no answer: nothing done).
+
+        Returns:
+            Whether this client attached again.
+        """
+        actor = self._actor
+        if actor is None or self._closed:
+            return False
+        try:
+            if answer is None:
+                answer = actor.knows.remote(self._user_id)
+            attached = bool(await asyncio.wait_for(answer, timeout_s))
+        except asyncio.TimeoutError:  # the actor busy or restarting: the next call asks again
+            return False
+        except ray.exceptions.RayError:  # the actor died meanwhile
+            attached = False
+        if attached:
+            return False
+        return await asyncio.to_thread(self._reconnect_if_changed)
 
     def hold_door(self, port: int, app_name: str, host: str, linger_s: float) -> bool:
         """Ask the node actor to keep this app's front-door port open between its replicas.
