@@ -135,3 +135,16 @@ def test_a_user_in_another_pid_namespace_counts_while_alive_and_goes_when_it_exi
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
         users.close()
+
+
+def test_idle_time_counts_from_the_start_of_the_clock_and_stops_while_a_user_is_there() -> None:
+    users = Users()
+    time.sleep(0.2)
+    assert users.idle_for() >= 0.2  # from the registry's creation
+    users.start_idle_clock()  # the actor is ready only now (Triton took its time to start)
+    assert users.idle_for() < 0.2
+    users.attach("u", os.getpid(), "client")
+    users.start_idle_clock()  # a user is there: no idle time to count
+    assert users.idle_for() == 0.0 and "u" in users
+    users.detach("u")
+    assert "u" not in users and users.idle_for() < 0.2

@@ -99,6 +99,9 @@ class _NodeActor:
         for model in config.preload:
             self._ensure_pool(model)
         self._stopping = threading.Event()
+        # Users can attach from now on: Triton's start (it may take minutes) is not idle time, or
+        # an actor that Ray restarted would retire before its users had found it again.
+        self._users.start_idle_clock()
         self._watcher = threading.Thread(target=self._watch, name="triton-node-health", daemon=True)
         self._watcher.start()
         logger.info(

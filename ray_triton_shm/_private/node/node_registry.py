@@ -220,6 +220,12 @@ class Users:
         if not self._users and self._empty_since is None:
             self._empty_since = time.monotonic()
 
+    def start_idle_clock(self) -> None:
+        """Count idle time from now, if no user is registered (the actor is ready for them only now)."""
+        with self._lock:
+            if not self._users:
+                self._empty_since = time.monotonic()
+
     def idle_for(self) -> float:
         """Seconds since the last user went (or since this registry began); 0 while any is registered."""
         with self._lock:
