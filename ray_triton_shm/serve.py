@@ -42,6 +42,7 @@ from ray_triton_shm._private.serve.frontdoor_observe import FrontDoorObserver
 from ray_triton_shm._private.serve.ingress import kserve_http
 from ray_triton_shm._private.serve.ingress.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors, kserve_limits, kserve_routes
+from ray_triton_shm._private.serve.replica_context import drain_budget, max_ongoing_requests
 from ray_triton_shm._private.serve.replica_log import log_through_serve
 from ray_triton_shm._private.serve.slot_ref import SlotRef
 from ray_triton_shm._private.serve.slot_ref_serve import SlotRefCaller, SlotRefLease, SlotRefMixin
@@ -162,7 +163,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
                     frontdoor,
                     self,
                     context.app_name,
-                    max_ongoing=_max_ongoing_requests(context),
+                    max_ongoing=max_ongoing_requests(context),
                     observer=self._observer,
                 )
             except BaseException:
@@ -171,6 +172,15 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             for port in self._fixed_ports():  # kept open by the node actor between replicas
                 self._client.hold_door(port, self._app_name, frontdoor.host, frontdoor.port_linger_s)
             self._report_door()
+            drain_s = drain_budget(context, frontdoor.drain_timeout_s, _STATUS_TIMEOUT_S)
+            if drain_s < frontdoor.drain_timeout_s:
+                logger.warning(
+                    "front door: the deployment's graceful_shutdown_timeout_s leaves its drain %g s, "
+                    "not frontdoor.drain_timeout_s (%g s): raise graceful_shutdown_timeout_s to give "
+                    "calls in flight their whole drain when the replica stops",
+                    drain_s,
+                    frontdoor.drain_timeout_s,
+                )
             logger.info(
                 "front door on %s: HTTP port %s, gRPC port %s",
                 frontdoor.host,
@@ -185,7 +195,9 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         """Drain the front door, then close it (Serve calls this when the replica stops).
 
         New connections go to the app's other replicas on this node; calls in
-        flight finish within the front door's ``drain_timeout_s``.
+        flight finish within the front door's ``drain_timeout_s``, or less where
+        the deployment's ``graceful_shutdown_timeout_s`` (after which Serve kills
+        the replica) leaves less.
         """
         door = self.__dict__.get("_frontdoor")
         if door is not None:
@@ -194,7 +206,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             if ports and _app_deleted(self._app_name):  # else the node keeps them for the next replicas
                 for port in ports:
                     self._client.drop_door(port, self._app_name)
-            wait_s = door.config.drain_timeout_s
+            wait_s = drain_budget(_replica_context(), door.config.drain_timeout_s, _STATUS_TIMEOUT_S)
             if not door.drain(wait_s):
                 logger.warning("front door: calls still running after %g s were cut", wait_s)
 
@@ -223,7 +235,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         log: Serve reconfigures the replica it has, and its context then says the new values.
         """
         context = serve.get_replica_context()
-        door.calls.limit = _max_ongoing_requests(context)
+        door.calls.limit = max_ongoing_requests(context)
         self._observer.follow(context)
 
     async def _report(self) -> None:
@@ -386,16 +398,12 @@ _REPORT_S = 2.0
 _STATUS_TIMEOUT_S = 2.0
 
 
-def _max_ongoing_requests(context: Any) -> int | None:
-    """The deployment's ``max_ongoing_requests`` (``None`` where Serve's context does not say).
-
-    Serve's replica context has no public field for it: this reads its private
-    ``_deployment_config``; a Serve without it would leave the door's calls unbounded
-    (Serve still bounds its own), which ``test_real_peers`` catches.
-    """
-    config = getattr(context, "_deployment_config", None)
-    value = getattr(config, "max_ongoing_requests", None)
-    return value if isinstance(value, int) and value > 0 else None
+def _replica_context() -> Any:
+    """Serve's context of this replica (``None`` outside one)."""
+    try:
+        return serve.get_replica_context()
+    except Exception:  # outside a replica: no deployment settings apply
+        return None
 
 
 def _app_deleted(app_name: str, timeout_s: float = _STATUS_TIMEOUT_S) -> bool:

@@ -57,6 +57,9 @@ from ray_triton_shm.errors import ConfigError, FrontDoorError
 
 logger = logging.getLogger(__name__)
 
+CLOSE_S = 1.0
+"""How long the door's close gives the calls on the connections it shuts (a drain that ran out included)."""
+
 
 def _optional_port(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none", "off") else int(text)
@@ -444,12 +447,17 @@ class FrontDoor:
         headers = [(k, v) for k, v in response.headers.items() if k.lower() != "content-length"]
         return response.status_code, headers, bytes(response.body)
 
-    def close(self) -> None:
-        """Stop both listeners and the loop; returns when nothing listens any more."""
+    def close(self, wait_s: float = CLOSE_S) -> None:
+        """Stop both listeners and the loop; returns when nothing listens any more.
+
+        Open connections are shut; their calls get ``wait_s`` in all to end, and
+        one still running then is left to end with no connection to answer on.
+        """
+        deadline = time.monotonic() + wait_s
         if self.http is not None:
-            self.http.close()
+            self.http.close(wait_s)
         if self.grpc is not None:
-            self.grpc.close()
+            self.grpc.close(max(0.0, deadline - time.monotonic()))
         for claim in self._claims:  # once the ports are no longer bound
             claim.close()
         if self._thread.is_alive():

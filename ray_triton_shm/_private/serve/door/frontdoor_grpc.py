@@ -150,18 +150,24 @@ class H2Listener(TcpListener):
         return super().drain(wait_s, quiet_s)
 
     def close(self, grace_s: float = 1.0) -> None:
-        """Stop listening; tell every client to go away; wait up to ``grace_s`` for calls running."""
+        """Stop listening; tell every client to go away; wait up to ``grace_s`` for calls running.
+
+        Then every connection is shut. Returns within about ``grace_s``: a call
+        still running then (Triton has not answered) is left to end on its own,
+        with no connection to answer on.
+        """
+        deadline = time.monotonic() + grace_s
         self.stop_accepting(grace_s)
         with self._connections_lock:
             connections = list(self._connections.values())
         for connection in connections:
             connection.go_away()
-        deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(c.busy() for c in connections):
             time.sleep(0.02)
-        super().close()  # shuts every connection
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._held_pool.shutdown(wait=True, cancel_futures=True)
+        super().close(max(0.0, deadline - time.monotonic()))  # shuts every connection
+        idle = not any(c.busy() for c in connections)
+        self._pool.shutdown(wait=idle, cancel_futures=True)
+        self._held_pool.shutdown(wait=idle, cancel_futures=True)
 
 
 class GrpcDoor:

@@ -1,0 +1,50 @@
+"""What a replica reads of its deployment's settings from Serve's replica context.
+
+Serve's replica context has no public field for the deployment's settings: these
+read its private ``_deployment_config``. A Serve without it leaves the door's calls
+unbounded (Serve still bounds its own; ``test_real_peers`` catches it) and the
+drain at the front door's own ``drain_timeout_s``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray_triton_shm._private.serve.door.frontdoor import CLOSE_S
+
+
+def max_ongoing_requests(context: Any) -> int | None:
+    """The deployment's ``max_ongoing_requests`` (``None`` where Serve's context does not say)."""
+    config = getattr(context, "_deployment_config", None)
+    value = getattr(config, "max_ongoing_requests", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def graceful_shutdown_timeout_s(context: Any) -> float | None:
+    """The deployment's ``graceful_shutdown_timeout_s`` (``None`` where Serve's context does not say)."""
+    config = getattr(context, "_deployment_config", None)
+    value = getattr(config, "graceful_shutdown_timeout_s", None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return None
+    return float(value)
+
+
+def drain_budget(context: Any, drain_timeout_s: float, reserved_s: float) -> float:
+    """How long the front door's drain may take when the replica stops.
+
+    Serve's controller kills a stopping replica ``graceful_shutdown_timeout_s``
+    after it asked it to stop. The drain gets its ``drain_timeout_s`` where that
+    fits, else what is left of Serve's time after ``reserved_s`` (the other steps
+    of the stop) and the door's close (``CLOSE_S``): a call the drain cuts then ends with its
+    connection closed by the replica, its slot back in the pool, rather than with
+    the process killed under it.
+
+    Args:
+        context: Serve's replica context (or ``None``).
+        drain_timeout_s: The front door's ``drain_timeout_s``.
+        reserved_s: What the stop spends before the drain.
+    """
+    graceful_s = graceful_shutdown_timeout_s(context)
+    if graceful_s is None:
+        return drain_timeout_s
+    return max(0.0, min(drain_timeout_s, graceful_s - reserved_s - CLOSE_S))

@@ -1,0 +1,253 @@
+"""The front door's edges, without Ray: a call past the bound over gRPC, the drain's worst case,
+a port holder that does not answer, and a process of another user asking for the socket."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from ray_triton_shm._private.node.port_claim import HANDOVER_TIMEOUT_S, PortClaim, app_claim_names
+from ray_triton_shm._private.serve.door.calls import CallGate
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor
+from ray_triton_shm._private.serve.replica_context import CLOSE_S, drain_budget
+from ray_triton_shm.errors import UnavailableError
+from tests.helpers import wait_for
+
+_JSON = json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}]})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _grpc_infer(port: int, model: str = "m") -> None:
+    """One ``ModelInfer`` call of tritonclient's gRPC client (the client closed after it)."""
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+        tensor = grpcclient.InferInput("X", [1], "FP32")
+        tensor.set_data_from_numpy(np.ones(1, np.float32))
+        client.infer(model, [tensor], client_timeout=20)
+
+
+class _NeverRuns:
+    """A node client for calls the door must refuse before they run."""
+
+    _recheck = False
+    client = SimpleNamespace(_layout_or_none=lambda model: None)
+
+    def infer(self, model, inputs, **kwargs):
+        raise AssertionError("a refused call never runs")
+
+
+def test_a_full_front_door_answers_grpc_unavailable_as_serves_back_pressure() -> None:
+    gate = CallGate(1)
+    door = GrpcDoor(
+        "127.0.0.1",
+        0,
+        client=_NeverRuns(),
+        servicer=None,
+        served_version=lambda model: "1",
+        run=None,
+        app_name="app",
+        threads=2,
+        gate=gate,
+    )
+    try:
+        with gate.call():  # one call running: the bound
+            with pytest.raises(InferenceServerException) as refused:
+                _grpc_infer(door.port)
+            assert refused.value.status() == "StatusCode.UNAVAILABLE"
+            assert "max_ongoing_requests (1)" in refused.value.message()
+        assert (gate.ongoing, gate.refused) == (0, 1)
+    finally:
+        door.close()
+    assert not door.open_connections()
+
+
+class _Stuck:
+    """A node client whose calls wait for :attr:`release` (a call Triton takes long to answer)."""
+
+    _recheck = False
+    client = SimpleNamespace(_layout_or_none=lambda model: None)
+
+    def __init__(self) -> None:
+        self.started = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def infer(self, model, inputs, **kwargs):
+        self.started.release()
+        self.release.wait(60)
+        raise UnavailableError("released by the test", "UNAVAILABLE", model)
+
+
+class _Deployment:
+    _max_request_bytes = 1 << 20
+    _versions = SimpleNamespace(get=lambda model, now: "1")
+
+    def __init__(self, client: _Stuck) -> None:
+        self._client = client
+
+
+def _http_infer(port: int) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("POST", "/v2/models/m/infer", body=_JSON)
+        conn.getresponse().read()
+    finally:
+        conn.close()
+
+
+def test_a_drain_with_calls_that_do_not_end_returns_within_its_time_and_closes_their_connections() -> None:
+    # Serve kills a stopping replica graceful_shutdown_timeout_s after it asked it to stop:
+    # the drain and the door's close must end within the drain's time and CLOSE_S, however
+    # long the calls in flight would take.
+    stuck = _Stuck()
+    door = FrontDoor(FrontDoorConfig(http_port=0, grpc_port=0), _Deployment(stuck), "app")
+    ended: list[str] = []
+
+    def call(name: str, run) -> None:
+        try:
+            run()
+            ended.append(f"{name}: answered")
+        except Exception as e:
+            ended.append(f"{name}: {type(e).__name__}")
+
+    callers = [
+        threading.Thread(target=call, args=("http", lambda: _http_infer(door.http.port))),
+        threading.Thread(target=call, args=("grpc", lambda: _grpc_infer(door.grpc.port))),
+    ]
+    for caller in callers:
+        caller.start()
+    try:
+        for _ in callers:
+            assert stuck.started.acquire(timeout=20), "a call did not reach the node client"
+        assert door.calls.ongoing == 2
+        wait_s = 1.0
+        start = time.monotonic()
+        drained = door.drain(wait_s)
+        took = time.monotonic() - start
+        assert drained is False  # the calls were still running
+        assert took < wait_s + CLOSE_S + 0.5, f"the drain and close took {took:.2f} s"
+        for port in (door.http.port, door.grpc.port):  # no one else held them: the ports closed
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        assert wait_for(lambda: len(ended) == 2, 10, 0.05), ended  # their connections were closed
+        assert not any(e.endswith("answered") for e in ended), ended
+    finally:
+        stuck.release.set()
+        for caller in callers:
+            caller.join(20)
+        door.close()
+    assert wait_for(lambda: door.calls.ongoing == 0, 10, 0.05)  # the cut calls were counted out
+
+
+def test_the_drain_keeps_within_serves_graceful_shutdown_timeout() -> None:
+    def context(graceful_s):
+        return SimpleNamespace(_deployment_config=SimpleNamespace(graceful_shutdown_timeout_s=graceful_s))
+
+    assert drain_budget(context(20.0), 10.0, 2.0) == 10.0  # Serve's default leaves the whole drain
+    assert drain_budget(context(8.0), 10.0, 2.0) == pytest.approx(8.0 - 2.0 - CLOSE_S)
+    assert drain_budget(context(1.0), 10.0, 2.0) == 0.0
+    assert drain_budget(None, 10.0, 2.0) == 10.0  # outside Serve: the door's own setting
+    assert drain_budget(context("soon"), 10.0, 2.0) == 10.0
+
+
+_HOLDER = """
+import os, sys
+from ray_triton_shm._private.node.port_claim import PortClaim
+claim = PortClaim({port}, "app")
+sock = claim.listening_socket("127.0.0.1", "HTTP")
+print(os.fstat(sock.fileno()).st_ino, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_holder_that_does_not_answer_is_passed_over_after_the_handover_time() -> None:
+    # A replica stopped (SIGSTOP, a debugger) while it holds the app's socket: the next
+    # replica asks it, waits HANDOVER_TIMEOUT_S, and binds a socket of its own beside it.
+    port = _free_port()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER.format(port=port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    claim = None
+    sock = None
+    try:
+        assert holder.stdout is not None
+        held_inode = int(holder.stdout.readline())
+        os.kill(holder.pid, signal.SIGSTOP)
+        claim = PortClaim(port, "app")
+        start = time.monotonic()
+        sock = claim.listening_socket("127.0.0.1", "HTTP")
+        took = time.monotonic() - start
+        assert HANDOVER_TIMEOUT_S <= took < HANDOVER_TIMEOUT_S + 2.0, took
+        assert os.fstat(sock.fileno()).st_ino != held_inode  # its own, not the stopped holder's
+        assert sock.getsockname() == ("127.0.0.1", port)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.kill()
+        holder.wait()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # the holder is gone: ours takes all
+            conn, _ = sock.accept()
+            conn.close()
+    finally:
+        sock.close()
+        claim.close()
+    assert app_claim_names(port, "app") == []
+
+
+def _ask_as(uid: int, name: str) -> int:
+    """How many file descriptors a process of ``uid`` gets when it asks the claim ``name``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls, then _exit
+        count = -1
+        try:
+            os.close(read)
+            os.setgid(uid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as asker:
+                asker.settimeout(HANDOVER_TIMEOUT_S + 2)
+                asker.connect(f"\0{name}")
+                _, fds, _, _ = socket.recv_fds(asker, 1, 1)
+                count = len(fds)
+                for fd in fds:
+                    os.close(fd)
+        except BaseException:
+            count = -2
+        finally:
+            os.write(write, str(count).encode())
+            os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as answer:
+            return int(answer.read())
+    finally:
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="asking as another user needs root to switch users")
+def test_the_listening_socket_is_handed_only_to_processes_of_the_same_user() -> None:
+    port = _free_port()
+    with PortClaim(port, "app") as claim:
+        sock = claim.listening_socket("127.0.0.1", "HTTP")
+        try:
+            assert _ask_as(os.getuid(), claim.name) == 1  # a replica of this user: the socket
+            assert _ask_as(65534, claim.name) == 0  # nobody: the connection closes, no socket
+        finally:
+            sock.close()
