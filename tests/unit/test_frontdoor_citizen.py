@@ -165,7 +165,7 @@ def test_the_node_keeps_the_port_open_between_replicas_and_the_next_one_answers_
             new = _replica(port, b"new")  # borrows the socket from the node
             assert waiting.recv(100) == b"new\n"
         doors.sweep()
-        assert doors.ports() == [{"port": port, "app": "app", "replicas_away": False}]
+        assert doors.ports() == [{"port": port, "app": "app", "replicas_away": False, "listening": True}]
     finally:
         _leave(old)
         if new is not None:
@@ -249,6 +249,41 @@ def test_a_port_moved_to_another_address_strands_no_connection() -> None:
     finally:
         _leave(old)
         _leave(new)
+        doors.close()
+    assert claim_names(port) == []
+
+
+def test_a_socket_destroyed_from_outside_is_let_go_and_the_replicas_new_one_held() -> None:
+    """The app's listening socket stops listening (``ss -K``; here ``shutdown``, the same for
+    every holder): the replicas' listeners stop (their health checks fail), the node lets go
+    of the dead socket, and holds the one their successors bind, so the port stays open
+    between replicas again."""
+    port = _free_port()
+    doors = HeldDoors()
+    claim = PortClaim(port, "app")
+    listening = claim.listening_socket("127.0.0.1", "HTTP")
+    old = (claim, TcpListener("127.0.0.1", port, _answer(b"old"), protocol="HTTP", listening=listening))
+    new = None
+    try:
+        assert doors.hold(port, "app", "127.0.0.1", linger_s=30.0)
+        listening.shutdown(socket.SHUT_RDWR)
+        assert wait_for(lambda: not old[1].accepting, 10, 0.05)
+        assert doors.ports()[0]["listening"] is False
+        _leave(old)
+        new = _replica(port, b"new")  # the node's socket is passed over: a new one is bound
+        assert _ask(port) == b"new\n"
+        assert doors.hold(port, "app", "127.0.0.1", linger_s=30.0, again=True)  # the new replica's report
+        assert doors.ports() == [{"port": port, "app": "app", "replicas_away": False, "listening": True}]
+        _leave(new)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # queued for the next, not refused
+            pass
+        doors.close()
+        with pytest.raises(ConnectionRefusedError):
+            _ask(port)
+    finally:
+        _leave(old)
+        if new is not None:
+            _leave(new)
         doors.close()
     assert claim_names(port) == []
 

@@ -12,7 +12,8 @@ of its own, and never accepts from it: while no replica holds the socket,
 connections wait in its queue, and the next replica borrows the socket from
 the node actor. The node actor lets it go once no replica of the app has held
 it for the app's linger time, at once when a leaving replica says its app is
-being deleted, and when the node actor stops. A node actor that restarts holds
+being deleted or once the socket no longer listens (destroyed from outside), and
+when the node actor stops. A node actor that restarts holds
 nothing; each replica's reports (every few seconds) name its ports, and the
 node actor holds them again.
 
@@ -79,6 +80,13 @@ class HeldDoors:
         key = (port, app_name)
         with self._lock:
             held = self._held.get(key)
+            if held is not None and not _listening(held.sock):
+                # The socket stopped listening (destroyed from outside: ``ss -K``): the replicas
+                # that met it failed their health checks, and their successors bound a new one.
+                del self._held[key]
+                _let_go(held)
+                logger.warning("node: front-door port %d of app %r stopped listening; let go", port, app_name)
+                held = None
             if held is not None and (again or held.host == host):
                 if not again:
                     held.linger_s = linger_s
@@ -118,6 +126,10 @@ class HeldDoors:
         with self._lock:
             for key, held in list(self._held.items()):
                 port, app_name = key
+                if not _listening(held.sock):  # the next replica's report holds its new socket
+                    del self._held[key]
+                    gone.append((key, held))
+                    continue
                 if [n for n in app_claim_names(port, app_name) if n != held.claim.name]:
                     held.alone_since = None
                     continue
@@ -132,10 +144,16 @@ class HeldDoors:
         return [key for key, _ in gone]
 
     def ports(self) -> list[dict[str, Any]]:
-        """What is held: port, app, and whether a replica holds the socket too (at the last sweep)."""
+        """What is held: port, app, whether a replica holds the socket too (at the last sweep), and
+        whether it listens."""
         with self._lock:
             return [
-                {"port": port, "app": app_name, "replicas_away": held.alone_since is not None}
+                {
+                    "port": port,
+                    "app": app_name,
+                    "replicas_away": held.alone_since is not None,
+                    "listening": _listening(held.sock),
+                }
                 for (port, app_name), held in sorted(self._held.items())
             ]
 
@@ -145,6 +163,14 @@ class HeldDoors:
             held, self._held = list(self._held.values()), {}
         for h in held:
             _let_go(h)
+
+
+def _listening(sock: socket.socket) -> bool:
+    """Whether ``sock`` still listens (one destroyed from outside, ``ss -K``, no longer does)."""
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:
+        return False
 
 
 def _let_go(held: _Held) -> None:

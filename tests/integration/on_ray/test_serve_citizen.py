@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 
 import pytest
@@ -161,8 +162,6 @@ def test_a_restarted_node_actor_keeps_its_idle_replicas_and_doors(
     from tritonclient.utils import InferenceServerException
 
     from ray_triton_shm import RayTritonShmError
-    from ray_triton_shm._private.node.node_lifecycle import node_actor_names
-    from ray_triton_shm.node import NAMESPACE
 
     path, _ = config_copy(tmp_path, quarantine_s=1.0)
     spec = yaml.safe_load(path.read_text())
@@ -179,16 +178,10 @@ def test_a_restarted_node_actor_keeps_its_idle_replicas_and_doors(
     handle = serve.get_app_handle("triton")
     where = handle.whereami.remote().result()
     _OWNERS.update({where["actor_pid"], where["triton_pid"], where["pid"]})
-    # The app's node actor (an earlier test's, of another config, may still be there); its
-    # handle stays valid across the restart.
-    node = next(
-        actor
-        for actor in (ray.get_actor(n, namespace=NAMESPACE) for n in node_actor_names())
-        if ray.get(actor.info.remote()).actor_pid == where["actor_pid"]
-    )
+    node = _node_actor(where["actor_pid"])  # its handle stays valid across the restart
 
     def held() -> list[int]:
-        return sorted(h["port"] for h in ray.get(node.status.remote(), timeout=30)["held_doors"])
+        return sorted(h["port"] for h in _held(node))
 
     assert held() == ports
     os.kill(where["actor_pid"], signal.SIGKILL)
@@ -221,3 +214,79 @@ def test_a_restarted_node_actor_keeps_its_idle_replicas_and_doors(
             return False
 
     assert wait_for(answers, 60, 1.0)
+
+
+def test_a_replica_whose_listener_stops_is_replaced_and_its_port_answers_again(
+    ray_up, app_deleted, tmp_path
+) -> None:
+    """The app's HTTP listening socket destroyed from outside (``ss -K``): the replica's
+    listener stops, its health checks fail, Serve replaces it, the new replica binds a new
+    socket, and the node actor lets the dead one go and holds the new one."""
+    import numpy as np
+    import yaml
+    from ray import serve
+    from tritonclient.utils import InferenceServerException
+
+    path, _ = config_copy(tmp_path, quarantine_s=1.0)
+    spec = yaml.safe_load(path.read_text())
+    application = spec["applications"][0]
+    application["deployments"] = [{"name": "TritonDeployment", "num_replicas": 1, "health_check_period_s": 1}]
+    door = application["args"]["frontdoor"]
+    url = f"127.0.0.1:{door['http_port']}"
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+    deploy_config(spec)
+    handle = serve.get_app_handle("triton")
+    where = handle.whereami.remote().result()
+    _OWNERS.update({where["actor_pid"], where["triton_pid"], where["pid"]})
+    node = _node_actor(where["actor_pid"])
+    assert np.array_equal(http_identity(url, x), x)
+    assert wait_for(lambda: len(_held(node)) == 2, 30, 0.5)
+
+    start = time.monotonic()
+    destroy = ["ss", "-K", "-t", "state", "listening", "sport", "=", f":{door['http_port']}"]
+    subprocess.run(destroy, check=True, capture_output=True)
+    with pytest.raises(ConnectionRefusedError):  # nothing listens on the port now
+        socket.create_connection(("127.0.0.1", door["http_port"]), timeout=5).close()
+
+    def replica_pid() -> int | None:
+        try:
+            return handle.whereami.remote().result(timeout_s=10)["pid"]
+        except Exception:  # the replica being replaced
+            return None
+
+    assert wait_for(lambda: replica_pid() not in (None, where["pid"]), 90, 0.5), "not replaced"
+    replaced_s = time.monotonic() - start
+    _OWNERS.add(replica_pid())
+
+    def answers() -> bool:
+        try:
+            return np.array_equal(http_identity(url, x), x)
+        except (InferenceServerException, OSError):
+            return False
+
+    assert wait_for(answers, 30, 0.5)
+    assert "listener stops accepting" in replica_log("triton")
+    assert wait_for(lambda: [h["listening"] for h in _held(node)] == [True, True], 30, 0.5), _held(node)
+    print(f"listener destroyed: replica replaced after {replaced_s:.1f} s")
+
+
+def _node_actor(actor_pid: int):
+    """The handle of the node actor with process ``actor_pid`` (an earlier test's node actor, of
+    another config, may still be there)."""
+    import ray
+
+    from ray_triton_shm._private.node.node_lifecycle import node_actor_names
+    from ray_triton_shm.node import NAMESPACE
+
+    return next(
+        actor
+        for actor in (ray.get_actor(n, namespace=NAMESPACE) for n in node_actor_names())
+        if ray.get(actor.info.remote()).actor_pid == actor_pid
+    )
+
+
+def _held(node) -> list[dict]:
+    """The front-door ports ``node`` holds open, by port."""
+    import ray
+
+    return sorted(ray.get(node.status.remote(), timeout=30)["held_doors"], key=lambda h: h["port"])
