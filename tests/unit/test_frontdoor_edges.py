@@ -157,12 +157,16 @@ def test_a_drain_with_calls_that_do_not_end_returns_within_its_time_and_closes_t
 
 
 def test_the_drain_keeps_within_serves_graceful_shutdown_timeout() -> None:
-    def context(graceful_s):
-        return SimpleNamespace(_deployment_config=SimpleNamespace(graceful_shutdown_timeout_s=graceful_s))
+    def context(graceful_s, wait_loop_s=2.0):
+        config = SimpleNamespace(
+            graceful_shutdown_timeout_s=graceful_s, graceful_shutdown_wait_loop_s=wait_loop_s
+        )
+        return SimpleNamespace(_deployment_config=config)
 
-    assert drain_budget(context(20.0), 10.0, 2.0) == 10.0  # Serve's default leaves the whole drain
-    assert drain_budget(context(8.0), 10.0, 2.0) == pytest.approx(8.0 - 2.0 - CLOSE_S)
-    assert drain_budget(context(1.0), 10.0, 2.0) == 0.0
+    assert drain_budget(context(20.0), 10.0, 2.0) == 10.0  # Serve's defaults leave the whole drain
+    assert drain_budget(context(8.0), 10.0, 2.0) == pytest.approx(8.0 - 2.0 - 2.0 - CLOSE_S)
+    assert drain_budget(context(8.0, 0.5), 10.0, 2.0) == pytest.approx(8.0 - 0.5 - 2.0 - CLOSE_S)
+    assert drain_budget(context(3.0), 10.0, 2.0) == 0.0
     assert drain_budget(None, 10.0, 2.0) == 10.0  # outside Serve: the door's own setting
     assert drain_budget(context("soon"), 10.0, 2.0) == 10.0
 

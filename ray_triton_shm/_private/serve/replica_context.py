@@ -20,10 +20,10 @@ def max_ongoing_requests(context: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def graceful_shutdown_timeout_s(context: Any) -> float | None:
-    """The deployment's ``graceful_shutdown_timeout_s`` (``None`` where Serve's context does not say)."""
+def _seconds(context: Any, name: str) -> float | None:
+    """The deployment's setting ``name``, in seconds (``None`` where Serve's context does not say)."""
     config = getattr(context, "_deployment_config", None)
-    value = getattr(config, "graceful_shutdown_timeout_s", None)
+    value = getattr(config, name, None)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         return None
     return float(value)
@@ -33,18 +33,21 @@ def drain_budget(context: Any, drain_timeout_s: float, reserved_s: float) -> flo
     """How long the front door's drain may take when the replica stops.
 
     Serve's controller kills a stopping replica ``graceful_shutdown_timeout_s``
-    after it asked it to stop. The drain gets its ``drain_timeout_s`` where that
-    fits, else what is left of Serve's time after ``reserved_s`` (the other steps
-    of the stop) and the door's close (``CLOSE_S``): a call the drain cuts then ends with its
-    connection closed by the replica, its slot back in the pool, rather than with
-    the process killed under it.
+    after it asked it to stop. Before the replica's own stop runs, Serve waits at
+    least one ``graceful_shutdown_wait_loop_s`` for its own requests. The drain
+    gets its ``drain_timeout_s`` where that fits, else what is left of Serve's
+    time after that wait, ``reserved_s`` (the replica's own steps before the
+    drain) and the door's close (``CLOSE_S``): a call the drain cuts then ends
+    with its connection closed by the replica, its slot back in the pool, rather
+    than with the process killed under it.
 
     Args:
         context: Serve's replica context (or ``None``).
         drain_timeout_s: The front door's ``drain_timeout_s``.
-        reserved_s: What the stop spends before the drain.
+        reserved_s: What the replica's stop spends before the drain.
     """
-    graceful_s = graceful_shutdown_timeout_s(context)
+    graceful_s = _seconds(context, "graceful_shutdown_timeout_s")
     if graceful_s is None:
         return drain_timeout_s
-    return max(0.0, min(drain_timeout_s, graceful_s - reserved_s - CLOSE_S))
+    wait_loop_s = _seconds(context, "graceful_shutdown_wait_loop_s") or 0.0
+    return max(0.0, min(drain_timeout_s, graceful_s - wait_loop_s - reserved_s - CLOSE_S))

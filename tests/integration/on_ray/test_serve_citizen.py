@@ -270,6 +270,58 @@ def test_a_replica_whose_listener_stops_is_replaced_and_its_port_answers_again(
     print(f"listener destroyed: replica replaced after {replaced_s:.1f} s")
 
 
+def test_a_stopping_replica_cuts_a_call_that_outlasts_its_drain_within_serves_grace(ray_up, tmp_path) -> None:
+    """``graceful_shutdown_timeout_s`` 8 s, ``drain_timeout_s`` 10 s: the drain takes the 3 s that
+    Serve's grace leaves (8 s less Serve's 2 s wait loop, 2 s for the app's status and 1 s for
+    the close; the replica says so when it starts), then cuts a 30 s call and closes its
+    connection, before Serve would kill the replica."""
+    import http.client
+    import json
+    import threading
+
+    import yaml
+    from ray import serve
+
+    path, _ = config_copy(tmp_path, quarantine_s=1.0)
+    spec = yaml.safe_load(path.read_text())
+    application = spec["applications"][0]
+    application["deployments"] = [
+        {"name": "TritonDeployment", "num_replicas": 1, "graceful_shutdown_timeout_s": 8}
+    ]
+    door = application["args"]["frontdoor"]
+    door["drain_timeout_s"] = 10.0
+    deploy_config(spec)
+    handle = serve.get_app_handle("triton")
+    where = handle.whereami.remote().result()
+    _OWNERS.update({where["actor_pid"], where["triton_pid"], where["pid"]})
+    assert "leaves its drain 3 s, not frontdoor.drain_timeout_s (10 s)" in replica_log("triton")
+    ended: list[float] = []
+    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32", "data": [30.0]}]})
+
+    def slow_call() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", door["http_port"], timeout=60)
+        try:
+            conn.request("POST", "/v2/models/sleep/infer", body=body)
+            conn.getresponse().read()
+        except (OSError, http.client.HTTPException):
+            pass
+        finally:
+            ended.append(time.monotonic())
+            conn.close()
+
+    caller = threading.Thread(target=slow_call)
+    caller.start()
+    assert wait_for(lambda: handle.frontdoor_stats.remote().result()["ongoing"] == 1, 30, 0.2)
+    start = time.monotonic()
+    serve.delete("triton")
+    caller.join(60)
+    assert ended, "the call did not end"
+    print(f"a stopping replica cut its call {ended[0] - start:.1f} s after serve.delete")
+    assert ended[0] - start < 8.0, "the call outlived Serve's grace"
+    assert wait_for(lambda: "calls still running after 3 s were cut" in replica_log("triton"), 10, 0.5)
+    assert wait_for(lambda: not os.path.exists(f"/proc/{where['pid']}"), 30, 0.5)
+
+
 def _node_actor(actor_pid: int):
     """The handle of the node actor with process ``actor_pid`` (an earlier test's node actor, of
     another config, may still be there)."""
