@@ -160,7 +160,9 @@ class FrontDoorConfig:
             shutdown``), how long its calls in flight may take to finish after it
             stops accepting (HTTP/2 clients get GOAWAY, HTTP/1.1 answers
             ``Connection: close``); keep it under the deployment's
-            ``graceful_shutdown_timeout_s`` (Serve's default: 20).
+            ``graceful_shutdown_timeout_s`` (Serve's default: 20): in a Serve
+            replica the drain takes no more than what that leaves after Serve's
+            wait loop, the app's status and the close.
         port_linger_s: How long the node keeps a fixed port open with no replica of the
             app on it (a redeploy that stops the old replicas before the new ones
             start): connections wait in the port's queue for the next replica. The
