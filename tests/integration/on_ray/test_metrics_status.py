@@ -91,7 +91,8 @@ def test_metrics_reach_prometheus_and_status_counts_traffic(cluster):
         ("ray_triton_shm_bytes_total", ("add_sub", "shm")): SHM_CALLS * ADD_SUB_BYTES,
         ("ray_triton_shm_bytes_total", ("add_sub", "grpc")): GRPC_CALLS * ADD_SUB_BYTES,
     }
-    deadline = time.monotonic() + 90
+    # Triton's restart may take up to its startup_timeout_s (120 s) on a loaded machine.
+    deadline = time.monotonic() + 150
     while True:
         samples = scrape_prometheus(port)
         got = {key: metric_value(samples, key[0], model=key[1][0], path=key[1][1]) for key in want}
@@ -113,7 +114,8 @@ def test_metrics_reach_prometheus_and_status_counts_traffic(cluster):
         if time.monotonic() > deadline:
             pytest.fail(
                 f"metrics incomplete: {got} (want {want}), errors {errors_seen}, lease waits {waits}, "
-                f"slots {slots}, utilization {utilization}, restarts {restarts}"
+                f"slots {slots}, utilization {utilization}, restarts {restarts}; "
+                f"the node's health: {ray.get(actor.status.remote(), timeout=30)['health']}"
             )
         time.sleep(1.0)
     seconds = metric_value(samples, "ray_triton_shm_request_seconds_count", model="add_sub", path="shm")
