@@ -7,6 +7,8 @@ import random
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -52,6 +54,30 @@ def free_port() -> int:
                     break
         _given.add(port)
         return port
+
+
+_REPLICA = """
+import os, sys
+from ray_triton_shm._private.node.port_claim import PortClaim
+from ray_triton_shm._private.serve.net.listener import TcpListener
+claim = PortClaim({port}, "app")
+sock = claim.listening_socket("127.0.0.1", "HTTP")
+def serve(conn):
+    conn.sendall(b"child\\n")
+listener = TcpListener("127.0.0.1", {port}, serve, protocol="HTTP", listening=sock)
+print(os.fstat(sock.fileno()).st_ino, flush=True)
+sys.stdin.read()
+"""
+
+
+def replica_process(port: int) -> tuple[subprocess.Popen, int]:
+    """A process that claims ``port`` for app ``"app"`` and serves its shared listening socket
+    (answering ``child``) until killed; returns it and the socket's inode, once it listens."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _REPLICA.format(port=port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert child.stdout is not None
+    return child, int(child.stdout.readline())
 
 
 def pid_alive(pid: int) -> bool:

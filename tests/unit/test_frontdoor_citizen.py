@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -24,7 +22,7 @@ from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler,
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.net.listener import TcpListener
 from ray_triton_shm.errors import OverloadedError
-from tests.helpers import thread_states, wait_for
+from tests.helpers import replica_process, thread_states, wait_for
 
 
 def _free_port() -> int:
@@ -40,20 +38,6 @@ def _answer(name: bytes):
     return serve
 
 
-_REPLICA = """
-import os, sys
-from ray_triton_shm._private.node.port_claim import PortClaim
-from ray_triton_shm._private.serve.net.listener import TcpListener
-claim = PortClaim({port}, "app")
-sock = claim.listening_socket("127.0.0.1", "HTTP")
-def serve(conn):
-    conn.sendall(b"child\\n")
-listener = TcpListener("127.0.0.1", {port}, serve, protocol="HTTP", listening=sock)
-print(os.fstat(sock.fileno()).st_ino, flush=True)
-sys.stdin.read()
-"""
-
-
 def _ask(port: int, timeout: float = 3.0) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
         conn.sendall(b"x")  # a parked connection is served once it has bytes
@@ -62,14 +46,10 @@ def _ask(port: int, timeout: float = 3.0) -> bytes:
 
 def test_a_stopped_replica_takes_no_new_connection_the_others_take_them_all() -> None:
     port = _free_port()
-    child = subprocess.Popen(
-        [sys.executable, "-c", _REPLICA.format(port=port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
+    child, inode = replica_process(port)
     listener = None
     claim = None
     try:
-        assert child.stdout is not None
-        inode = int(child.stdout.readline())
         assert _ask(port) == b"child\n"
         claim = PortClaim(port, "app")
         sock = claim.listening_socket("127.0.0.1", "HTTP")

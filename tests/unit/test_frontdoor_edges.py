@@ -8,8 +8,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -25,15 +23,9 @@ from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorCon
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor
 from ray_triton_shm._private.serve.replica_context import CLOSE_S, drain_budget
 from ray_triton_shm.errors import UnavailableError
-from tests.helpers import wait_for
+from tests.helpers import free_port, replica_process, wait_for
 
 _JSON = json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}]})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _grpc_infer(port: int, model: str = "m") -> None:
@@ -171,28 +163,14 @@ def test_the_drain_keeps_within_serves_graceful_shutdown_timeout() -> None:
     assert drain_budget(context("soon"), 10.0, 2.0) == 10.0
 
 
-_HOLDER = """
-import os, sys
-from ray_triton_shm._private.node.port_claim import PortClaim
-claim = PortClaim({port}, "app")
-sock = claim.listening_socket("127.0.0.1", "HTTP")
-print(os.fstat(sock.fileno()).st_ino, flush=True)
-sys.stdin.read()
-"""
-
-
 def test_a_holder_that_does_not_answer_is_passed_over_after_the_handover_time() -> None:
     # A replica stopped (SIGSTOP, a debugger) while it holds the app's socket: the next
     # replica asks it, waits HANDOVER_TIMEOUT_S, and binds a socket of its own beside it.
-    port = _free_port()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER.format(port=port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
+    port = free_port()
+    holder, held_inode = replica_process(port)
     claim = None
     sock = None
     try:
-        assert holder.stdout is not None
-        held_inode = int(holder.stdout.readline())
         os.kill(holder.pid, signal.SIGSTOP)
         claim = PortClaim(port, "app")
         start = time.monotonic()
@@ -247,7 +225,7 @@ def _ask_as(uid: int, name: str) -> int:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="asking as another user needs root to switch users")
 def test_the_listening_socket_is_handed_only_to_processes_of_the_same_user() -> None:
-    port = _free_port()
+    port = free_port()
     with PortClaim(port, "app") as claim:
         sock = claim.listening_socket("127.0.0.1", "HTTP")
         try:
