@@ -80,24 +80,26 @@ class HeldDoors:
         key = (port, app_name)
         with self._lock:
             held = self._held.get(key)
-            if held is not None and not _listening(held.sock):
-                # The socket stopped listening (destroyed from outside: ``ss -K``): the replicas
-                # that met it failed their health checks, and their successors bound a new one.
-                del self._held[key]
-                _let_go(held)
-                logger.warning("node: front-door port %d of app %r stopped listening; let go", port, app_name)
-                held = None
-            if held is not None and (again or held.host == host):
+            if held is not None and _listening(held.sock) and (again or held.host == host):
                 if not again:
                     held.linger_s = linger_s
                 return True
             if held is not None:
                 # A replica of the app on another address (a redeploy changed the host): the old
                 # socket, with nobody to accept from it once its replicas leave, would otherwise
-                # take the connections to its address. Its replicas keep their own copies.
+                # take the connections to its address. Its replicas keep their own copies. Or the
+                # socket stopped listening (destroyed from outside, ``ss -K``): the replicas that
+                # met it failed their health checks, and their successors bound a new one.
+                why = f"moves from {held.host}" if _listening(held.sock) else "stopped listening"
                 del self._held[key]
                 _let_go(held)
-                logger.info("node: port %d of app %r moves from %s to %s", port, app_name, held.host, host)
+                logger.info(
+                    "node: port %d of app %r %s; holding the replicas' socket on %s",
+                    port,
+                    app_name,
+                    why,
+                    host,
+                )
             try:
                 claim = PortClaim(port, app_name)
             except FrontDoorError as e:  # another app has the port (its replica was refused first)

@@ -20,6 +20,7 @@ from typing import Any
 from ray.serve import metrics
 
 from ray_triton_shm._private.serve.door.calls import CallRecord
+from ray_triton_shm._private.serve.replica_context import access_log_enabled
 
 _ACCESS_LOG = logging.getLogger("ray.serve")
 LATENCY_BUCKETS_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
@@ -45,7 +46,7 @@ class FrontDoorObserver:
             boundaries=LATENCY_BUCKETS_MS,
             tag_keys=tags,
         )
-        self._access_log = _access_log_enabled(context)
+        self._access_log = access_log_enabled(context)
         app = getattr(context, "app_name", "")
         deployment = getattr(context, "deployment", "")
         self._extra = {
@@ -59,7 +60,7 @@ class FrontDoorObserver:
 
     def follow(self, context: Any) -> None:
         """Take the deployment's access-log setting from Serve's context again (Serve changes it in place)."""
-        self._access_log = _access_log_enabled(context)
+        self._access_log = access_log_enabled(context)
 
     def __call__(self, record: CallRecord) -> None:
         status = record.status or "-"
@@ -85,12 +86,3 @@ class FrontDoorObserver:
                 latency_ms,
                 extra={**self._extra, "route": record.route},
             )
-
-
-def _access_log_enabled(context: Any) -> bool:
-    """Whether the deployment's ``logging_config`` (in Serve's replica context) keeps access logs on."""
-    config = getattr(context, "_deployment_config", None)
-    logging_config = getattr(config, "logging_config", None) or {}
-    if not isinstance(logging_config, dict):
-        logging_config = getattr(logging_config, "dict", lambda: {})()
-    return bool(logging_config.get("enable_access_log", True))

@@ -2,8 +2,8 @@
 
 Serve's replica context has no public field for the deployment's settings: these
 read its private ``_deployment_config``. A Serve without it leaves the door's calls
-unbounded (Serve still bounds its own; ``test_real_peers`` catches it) and the
-drain at the front door's own ``drain_timeout_s``.
+unbounded (Serve still bounds its own; ``test_real_peers`` catches it), the access
+log on, and the drain at the front door's own ``drain_timeout_s``.
 """
 
 from __future__ import annotations
@@ -13,17 +13,28 @@ from typing import Any
 from ray_triton_shm._private.serve.door.frontdoor import CLOSE_S
 
 
+def _setting(context: Any, name: str) -> Any:
+    """The deployment's setting ``name`` in Serve's replica context (``None`` where it does not say)."""
+    return getattr(getattr(context, "_deployment_config", None), name, None)
+
+
 def max_ongoing_requests(context: Any) -> int | None:
     """The deployment's ``max_ongoing_requests`` (``None`` where Serve's context does not say)."""
-    config = getattr(context, "_deployment_config", None)
-    value = getattr(config, "max_ongoing_requests", None)
+    value = _setting(context, "max_ongoing_requests")
     return value if isinstance(value, int) and value > 0 else None
+
+
+def access_log_enabled(context: Any) -> bool:
+    """Whether the deployment's ``logging_config`` keeps access logs on (Serve's default: on)."""
+    logging_config = _setting(context, "logging_config") or {}
+    if not isinstance(logging_config, dict):
+        logging_config = getattr(logging_config, "dict", lambda: {})()
+    return bool(logging_config.get("enable_access_log", True))
 
 
 def _seconds(context: Any, name: str) -> float | None:
     """The deployment's setting ``name``, in seconds (``None`` where Serve's context does not say)."""
-    config = getattr(context, "_deployment_config", None)
-    value = getattr(config, name, None)
+    value = _setting(context, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         return None
     return float(value)
