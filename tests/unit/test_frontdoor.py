@@ -91,6 +91,7 @@ def test_every_grpc_limit_is_a_setting_and_reaches_the_listener(monkeypatch: pyt
         "grpc_max_buffered_bytes": 1 << 22,
         "grpc_max_streams": 3,
         "grpc_send_timeout_s": 9.0,
+        "grpc_max_unsent_bytes": 1 << 21,
     }
     monkeypatch.setenv("RAY_TRITON_SHM_FRONTDOOR_GRPC_MAX_STREAMS", "3")
     explicit = {k: v for k, v in values.items() if k != "grpc_max_streams"}

@@ -316,9 +316,9 @@ def test_drain_ends_kept_alive_connections_after_their_answer() -> None:
 
 def test_the_call_bound_refuses_past_max_ongoing_requests() -> None:
     gate = CallGate(2)
-    with gate.call(), gate.call():
+    with gate.running(), gate.running():
         assert gate.ongoing == 2
-        with pytest.raises(OverloadedError, match=r"max_ongoing_requests \(2\)"), gate.call():
+        with pytest.raises(OverloadedError, match=r"max_ongoing_requests \(2\)"), gate.running():
             pass
     assert (gate.ongoing, gate.total, gate.refused) == (0, 2, 1)
 
@@ -333,7 +333,7 @@ def test_a_full_front_door_answers_503_as_serves_back_pressure() -> None:
     handler = KServeHttpHandler(_Client(), lambda m: "1", None, error_answer, 1 << 20, gate=gate)
     door = HttpListener("127.0.0.1", 0, handler)
     try:
-        with gate.call():  # one call running: the bound
+        with gate.running():  # one call running: the bound
             conn = http.client.HTTPConnection("127.0.0.1", door.port, timeout=10)
             body = json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}]})
             conn.request("POST", "/v2/models/m/infer", body=body)

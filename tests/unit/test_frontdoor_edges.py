@@ -17,10 +17,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from ray_triton_shm._private.bench.attacks import wire
 from ray_triton_shm._private.node.port_claim import HANDOVER_TIMEOUT_S, PortClaim, app_claim_names
 from ray_triton_shm._private.serve.door.calls import CallGate
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor
+from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
 from ray_triton_shm._private.serve.replica_context import CLOSE_S, drain_budget
 from ray_triton_shm.errors import UnavailableError
 from tests.helpers import free_port, replica_process, wait_for
@@ -60,7 +62,7 @@ def test_a_full_front_door_answers_grpc_unavailable_as_serves_back_pressure() ->
         gate=gate,
     )
     try:
-        with gate.call():  # one call running: the bound
+        with gate.running():  # one call running: the bound
             with pytest.raises(InferenceServerException) as refused:
                 _grpc_infer(door.port)
             assert refused.value.status() == "StatusCode.UNAVAILABLE"
@@ -69,6 +71,82 @@ def test_a_full_front_door_answers_grpc_unavailable_as_serves_back_pressure() ->
     finally:
         door.close()
     assert not door.open_connections()
+
+
+class _Echo:
+    """A node client whose every call answers its first input (from memory: no slot layout)."""
+
+    _recheck = False
+    client = SimpleNamespace(_layout_or_none=lambda model: None)
+
+    def infer(self, model, inputs, **kwargs):
+        return {"OUTPUT0": np.array(next(iter(inputs.values())))}
+
+
+def _echo_door(gate: CallGate | None = None, **limits) -> GrpcDoor:
+    return GrpcDoor(
+        "127.0.0.1",
+        0,
+        client=_Echo(),
+        servicer=None,
+        served_version=lambda model: "1",
+        run=None,
+        app_name="app",
+        threads=2,
+        gate=gate,
+        limits=H2Limits(**limits),
+    )
+
+
+def _call_with_no_answer_window(port: int, x: np.ndarray) -> socket.socket:
+    """A whole ``ModelInfer`` call from a client that opens no window for its answer and reads nothing."""
+    s = wire.connect("127.0.0.1", port, rcvbuf=4096)
+    opening = wire.H2_PREFACE + wire.settings(initial_window_size=0)
+    wire.send_quietly(
+        s, opening + wire.frame(wire.HEADERS, wire.END_HEADERS, 1, wire.request_block(wire.INFER_PATH))
+    )
+    framed = wire.grpc_framed(wire.identity_message(x))
+    assert wire.send_data(s, 1, framed, time.monotonic() + 10) == len(framed)
+    return s
+
+
+def test_grpc_answers_not_taken_do_not_hold_the_call_bound() -> None:
+    """Three calls whose clients take no answer, against a bound of two: each counts only until its
+    answer is computed, so all three run and a prompt caller is still answered."""
+    gate = CallGate(2)
+    door = _echo_door(gate, slot_stall_s=0.2)
+    x = np.arange(1 << 18, dtype=np.float32).reshape(1, -1)  # 1 MiB answers
+    sockets = []
+    try:
+        sockets = [_call_with_no_answer_window(door.port, x) for _ in range(3)]
+        assert wait_for(lambda: gate.total == 3 and gate.ongoing == 0), (gate.total, gate.ongoing)
+        _grpc_infer(door.port)
+        assert (gate.total, gate.refused) == (4, 0)
+        assert not any(wire.closed_by_peer(s) for s in sockets)  # still waiting for their windows
+        assert wait_for(lambda: door._server.unsent.used >= 3 * x.nbytes)  # held against the budget
+    finally:
+        wire.close_all(sockets)
+        door.close()
+    assert wait_for(lambda: door._server.unsent.used == 0)
+
+
+def test_grpc_answers_not_taken_are_held_up_to_the_listeners_budget_then_their_connections_end() -> None:
+    x = np.arange(1 << 18, dtype=np.float32).reshape(1, -1)
+    door = _echo_door(slot_stall_s=0.2, max_unsent_bytes=3 * x.nbytes // 2)  # room for one answer
+    sockets = []
+    try:
+        sockets.append(_call_with_no_answer_window(door.port, x))
+        assert wait_for(lambda: door._server.unsent.used >= x.nbytes)
+        sockets.append(_call_with_no_answer_window(door.port, x))
+        assert wait_for(
+            lambda: wire.closed_by_peer(sockets[1])
+        )  # no room for its answer: the connection ended
+        assert not wire.closed_by_peer(sockets[0])
+        _grpc_infer(door.port)  # a caller that takes its answer is served meanwhile
+    finally:
+        wire.close_all(sockets)
+        door.close()
+    assert wait_for(lambda: door._server.unsent.used == 0)
 
 
 class _Stuck:

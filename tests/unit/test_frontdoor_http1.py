@@ -14,13 +14,14 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
 
 from ray_triton_shm._private.serve.door import frontdoor_http
+from ray_triton_shm._private.serve.door.calls import CallGate
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler
 from ray_triton_shm._private.serve.http1.server import HttpListener
@@ -456,6 +457,7 @@ def _door(
     monkeypatch: pytest.MonkeyPatch,
     stall_s: float,
     max_unsent_bytes: int = frontdoor_http.MAX_UNSENT_BYTES,
+    gate: CallGate | None = None,
     **timeouts: float,
 ) -> Iterator[tuple[int, _Client]]:
     monkeypatch.setattr(frontdoor_http, "shm_plan", lambda *args: True)
@@ -472,6 +474,7 @@ def _door(
         MAX_BYTES,
         slot_stall_s=stall_s,
         max_unsent_bytes=max_unsent_bytes,
+        gate=gate,
     )
     with _listening(handler, **timeouts) as door:
         yield door.port, client
@@ -567,3 +570,47 @@ def test_an_answer_not_taken_at_all_ends_at_the_send_deadline(monkeypatch: pytes
         assert wait_for(lambda: client.held == 0)
         time.sleep(1.0)  # the deadline passes: the server closes, what it had queued is all that comes
         assert len(_read_to_close(s)) < values.nbytes
+
+
+def test_clients_that_send_or_read_slowly_do_not_hold_the_call_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three answers never read and three trickled bodies, against a bound of two calls: each slow
+    client's call counts only while the replica works on it, so a prompt caller is still answered."""
+    gate = CallGate(2)
+    big = np.arange(4 << 20, dtype=np.float32)  # 16 MiB answers: more than the sockets' buffers hold
+    small = np.arange(1 << 10, dtype=np.float32)
+    with _door(monkeypatch, stall_s=0.2, gate=gate) as (port, client), ExitStack() as stack:
+        readers = [stack.enter_context(_connect(port, rcvbuf=4096)) for _ in range(3)]
+        tricklers = [stack.enter_context(_connect(port)) for _ in range(3)]
+        for s in readers:
+            s.sendall(_infer_request(big) + big.tobytes())
+        for s in tricklers:
+            s.sendall(_infer_request(small) + small.tobytes()[:100])
+        assert wait_for(lambda: client.calls.count("run") == 3), client.calls  # each answer computed
+        assert wait_for(lambda: client.held == 0)  # answers copied out, trickled bodies moved to memory
+        for s in tricklers:
+            s.sendall(b"\x00")  # still sending
+        with _connect(port) as s:
+            s.sendall(_infer_request(small) + small.tobytes())
+            np.testing.assert_array_equal(_answer_values(s, small.size), small)
+        assert (gate.ongoing, gate.refused) == (0, 0)
+        np.testing.assert_array_equal(_answer_values(readers[0], big.size), big)  # a slow reader's, whole
+
+
+def test_a_call_past_the_bound_once_its_body_is_read_is_refused_and_the_connection_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A body that moved to memory meets the bound only once it is whole: refused 503, read, kept alive."""
+    gate = CallGate(1)
+    values = np.arange(1 << 12, dtype=np.float32)
+    data = values.tobytes()
+    with _door(monkeypatch, stall_s=0.2, gate=gate) as (port, client), _connect(port) as s:
+        s.sendall(_infer_request(values) + data[:100])
+        assert wait_for(lambda: client.held == 1)
+        assert wait_for(lambda: client.held == 0)  # stalled: in memory now, not counted
+        with gate.running():  # the bound is full when the body completes
+            s.sendall(data[100:])
+            head = s.recv(1 << 16)
+            assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" not in head.lower()
+        s.sendall(_infer_request(values) + data)  # the same connection, a call that fits
+        np.testing.assert_array_equal(_answer_values(s, values.size), values)
+        assert gate.refused == 1 and client.calls == ["run"]

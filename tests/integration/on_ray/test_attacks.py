@@ -98,6 +98,18 @@ def test_slow_or_stalled_clients_hold_no_callers_slots(attacked, name: str) -> N
     _attack(attacked, name, STALL_BOUNDS)
 
 
+@pytest.mark.parametrize(
+    ("name", "scale"),
+    [("http-slow-bodies-past-the-bound", 1.5), ("grpc-unread-answers-past-the-bound", 0.9)],
+)
+def test_more_slow_clients_than_the_call_bound_refuse_no_caller(attacked, name: str, scale: float) -> None:
+    """120 slow HTTP clients, or 72 gRPC ones, more than the two replicas' ``max_ongoing_requests``
+    (32 each) together (the replicas share the accept queue, so the HTTP crowd is large enough
+    for each to get more than 32): a call counts against the bound only from its whole request
+    to its computed answer, so none of them holds it, and no legitimate call is refused."""
+    _attack(attacked, name, dataclasses.replace(STALL_BOUNDS, scale=scale))
+
+
 def test_answers_never_read_hold_no_callers_slots(attacked) -> None:
     """8 answers of 16 MiB never read: each is copied out of its slot and held, up to the
     replica's ``http_max_unsent_bytes`` (128 MiB) in all; past it the connection ends."""

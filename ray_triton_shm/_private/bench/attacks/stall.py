@@ -18,6 +18,8 @@ from ray_triton_shm._private.bench.attacks.catalog import Attack, count, hold
 from ray_triton_shm._private.bench.attacks.wire import Target
 
 CLIENTS = 16
+CROWD = 80
+"""Slow clients past the call bound: more than two replicas' ``max_ongoing_requests`` (32 each)."""
 
 
 def _x() -> np.ndarray:
@@ -39,11 +41,21 @@ def _trickle(sockets: list[socket.socket], until: float, every_s: float = 1.0) -
 def grpc_no_answer_window(target: Target, until: float, scale: float) -> dict[str, Any]:
     """Whole ``identity`` calls from clients that open no flow-control window for the answer
     (``SETTINGS_INITIAL_WINDOW_SIZE = 0``, a 4 KB receive buffer, nothing read)."""
-    framed = wire.grpc_framed(wire.identity_message(_x()))
+    return _no_answer_window(target, until, count(CLIENTS, scale))
+
+
+def grpc_unread_answers_past_the_bound(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """As :func:`grpc_no_answer_window`, more clients than the replicas' call bound, each asking for
+    ``identity``'s version 1 (Triton's own path: no slot is held while the answer waits)."""
+    return _no_answer_window(target, until, count(CROWD, scale), version="1")
+
+
+def _no_answer_window(target: Target, until: float, clients: int, version: str = "") -> dict[str, Any]:
+    framed = wire.grpc_framed(wire.identity_message(_x(), version=version))
     block = wire.request_block(wire.INFER_PATH)
     sockets: list[socket.socket] = []
     try:
-        for _ in range(count(CLIENTS, scale)):
+        for _ in range(clients):
             s = wire.connect(target.host, target.grpc_port, rcvbuf=4096)
             sockets.append(s)
             opening = wire.H2_PREFACE + wire.settings(initial_window_size=0)
@@ -84,10 +96,20 @@ def grpc_trickled_message(target: Target, until: float, scale: float) -> dict[st
 
 def http_trickled_body(target: Target, until: float, scale: float) -> dict[str, Any]:
     """``identity`` requests whose body stops half-way, then goes on at a byte a second."""
-    head, body = wire.http_identity_request(_x())
+    return _trickled_bodies(target, until, count(CLIENTS, scale))
+
+
+def http_slow_bodies_past_the_bound(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """As :func:`http_trickled_body`, more clients than the replicas' call bound, each asking for
+    ``identity``'s version 1 (Triton's own path: the body is read into memory, no slot)."""
+    return _trickled_bodies(target, until, count(CROWD, scale), version="1")
+
+
+def _trickled_bodies(target: Target, until: float, clients: int, version: str = "") -> dict[str, Any]:
+    head, body = wire.http_identity_request(_x(), version=version)
     sockets: list[socket.socket] = []
     try:
-        for _ in range(count(CLIENTS, scale)):
+        for _ in range(clients):
             s = wire.connect(target.host, target.http_port)
             sockets.append(s)
             wire.send_quietly(s, head + body[: len(body) // 2])
@@ -143,5 +165,19 @@ ATTACKS = (
         protocol="http",
         run=http_answer_unread,
         summary="16 HTTP calls whose 16 MiB answer is never read",
+    ),
+    Attack(
+        name="http-slow-bodies-past-the-bound",
+        kind="stalled",
+        protocol="http",
+        run=http_slow_bodies_past_the_bound,
+        summary="80 HTTP bodies (1 MB, version 1) stopping half-way, then 1 byte/s: past the call bound",
+    ),
+    Attack(
+        name="grpc-unread-answers-past-the-bound",
+        kind="stalled",
+        protocol="grpc",
+        run=grpc_unread_answers_past_the_bound,
+        summary="80 gRPC calls (1 MB, version 1) that open no window for their answer: past the call bound",
     ),
 )

@@ -87,9 +87,10 @@ def grpc_framed(message: bytes, *, compressed: bool = False) -> bytes:
     return bytes([1 if compressed else 0]) + len(message).to_bytes(4, "big") + message
 
 
-def identity_message(x: np.ndarray, request_id: str = "") -> bytes:
-    """A serialised ``ModelInferRequest`` of ``identity`` with the FP32 ``[1, n]`` tensor ``x``."""
-    request = pb.ModelInferRequest(model_name="identity", id=request_id)
+def identity_message(x: np.ndarray, request_id: str = "", version: str = "") -> bytes:
+    """A serialised ``ModelInferRequest`` of ``identity`` (of ``version``, if given) with the FP32
+    ``[1, n]`` tensor ``x``."""
+    request = pb.ModelInferRequest(model_name="identity", id=request_id, model_version=version)
     tensor = request.inputs.add(name="INPUT0", datatype="FP32")
     tensor.shape.extend([1, x.size])
     request.raw_input_contents.append(np.ascontiguousarray(x, np.float32).tobytes())
@@ -106,17 +107,25 @@ def add_sub_message() -> bytes:
     return request.SerializeToString()
 
 
-def http_identity_request(x: np.ndarray, *, keep_alive: bool = True) -> tuple[bytes, bytes]:
-    """(head, body) of a binary KServe v2 ``identity`` request of the FP32 ``[1, n]`` tensor ``x``."""
+def http_identity_request(
+    x: np.ndarray, *, keep_alive: bool = True, version: str = ""
+) -> tuple[bytes, bytes]:
+    """(head, body) of a binary KServe v2 ``identity`` request (of ``version``, if given) of the FP32
+    ``[1, n]`` tensor ``x``."""
     raw = np.ascontiguousarray(x, np.float32).tobytes()
     header = (
         b'{"inputs":[{"name":"INPUT0","shape":[1,%d],"datatype":"FP32","parameters":{"binary_data_size":%d}}],'
         b'"outputs":[{"name":"OUTPUT0","parameters":{"binary_data":true}}]}' % (x.size, len(raw))
     )
     head = (
-        b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+        b"POST /v2/models/identity%s/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
         b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n%s\r\n"
-    ) % (len(header), len(header) + len(raw), b"" if keep_alive else b"Connection: close\r\n")
+    ) % (
+        b"/versions/" + version.encode() if version else b"",
+        len(header),
+        len(header) + len(raw),
+        b"" if keep_alive else b"Connection: close\r\n",
+    )
     return head, header + raw
 
 

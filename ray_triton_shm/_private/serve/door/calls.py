@@ -2,9 +2,13 @@
 
 Serve counts, bounds, measures and logs the requests its router hands a
 replica; the front door's calls never pass that router, so the door does the
-same for its own: :class:`CallGate` counts the calls running (reported to
+same for its own: :class:`CallGate` counts the calls working (reported to
 Serve's autoscaler), refuses one past the deployment's ``max_ongoing_requests``
 and hands each finished call to an observer (Serve's metrics and access log).
+As Serve's proxy reads a request whole before a replica counts it, and writes
+the answer after the replica is done with it, a call counts only from its
+complete request to its computed answer: clients that send or read slowly
+never hold the bound.
 """
 
 from __future__ import annotations
@@ -41,11 +45,49 @@ class CallRecord:
 Observer = Callable[[CallRecord], None]
 
 
+class GatedCall:
+    """One call through a :class:`CallGate`: observed from its start to its end, counted only while it works.
+
+    A call works (counts against the gate's bound) from its complete request to
+    its computed answer: never while it waits on its client (a body still
+    arriving, an answer the client takes slowly), so slow clients cannot hold
+    the bound.
+
+    Attributes:
+        record: The call's record; the caller sets its ``status``.
+    """
+
+    def __init__(self, gate: CallGate, record: CallRecord) -> None:
+        self._gate = gate
+        self.record = record
+        self._counted = False
+        self._admitted = False
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[GatedCall]:
+        """Count the call while the block runs (or until :meth:`leave`).
+
+        Raises:
+            OverloadedError: The gate's bound of calls is working already.
+        """
+        self._gate._enter(self)
+        try:
+            yield self
+        finally:
+            self.leave()
+
+    def leave(self) -> None:
+        """Stop counting the call (its answer is computed); idempotent."""
+        if self._counted:
+            self._counted = False
+            self._gate._leave()
+
+
 class CallGate:
-    """Counts the calls a replica's front door runs, and refuses one past ``limit``.
+    """Counts the calls a replica's front door works on, and refuses one past ``limit``.
 
     Args:
-        limit: Calls running at once (``None``: no bound).
+        limit: Calls working at once (``None``: no bound).
         observer: Called with each call's record once it ends (also a refused one's),
             in the call's thread; it must be quick and must not raise.
     """
@@ -59,31 +101,46 @@ class CallGate:
         self._refused = 0
 
     @contextlib.contextmanager
-    def call(self, protocol: str = "", method: str = "", route: str = "") -> Iterator[CallRecord]:
-        """One call, counted while it runs; the caller sets its record's ``status``.
+    def call(self, protocol: str = "", method: str = "", route: str = "") -> Iterator[GatedCall]:
+        """One call, observed once it ends; it counts only inside :meth:`GatedCall.running`."""
+        call = GatedCall(self, CallRecord(protocol, method, route))
+        start = time.perf_counter()
+        try:
+            yield call
+        finally:
+            call.leave()
+            self._observe(call.record, start)
+
+    @contextlib.contextmanager
+    def running(self, protocol: str = "", method: str = "", route: str = "") -> Iterator[GatedCall]:
+        """One call counted for as long as it lasts (a call with no client to wait on).
 
         Raises:
-            OverloadedError: ``limit`` calls are running already.
+            OverloadedError: ``limit`` calls are working already.
         """
-        record = CallRecord(protocol, method, route)
-        start = time.perf_counter()
+        with self.call(protocol, method, route) as call, call.running():
+            yield call
+
+    def _enter(self, call: GatedCall) -> None:
+        if call._counted:
+            return
         with self._lock:
             full = self.limit is not None and self._ongoing >= self.limit
             if full:
                 self._refused += 1
             else:
                 self._ongoing += 1
-                self._total += 1
+                call._counted = True
+                if not call._admitted:
+                    call._admitted = True
+                    self._total += 1
         if full:
-            record.status = "503" if protocol == "http" else "UNAVAILABLE"
-            self._observe(record, start)
+            call.record.status = "503" if call.record.protocol == "http" else "UNAVAILABLE"
             raise OverloadedError(self.limit or 0)
-        try:
-            yield record
-        finally:
-            with self._lock:
-                self._ongoing -= 1
-            self._observe(record, start)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._ongoing -= 1
 
     def _observe(self, record: CallRecord, start: float) -> None:
         if self.observer is not None:
@@ -92,12 +149,12 @@ class CallGate:
 
     @property
     def ongoing(self) -> int:
-        """Calls running now."""
+        """Calls working now."""
         return self._ongoing
 
     @property
     def total(self) -> int:
-        """Calls taken since the door opened."""
+        """Calls let in since the door opened."""
         return self._total
 
     @property

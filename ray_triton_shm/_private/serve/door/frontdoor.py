@@ -75,6 +75,7 @@ _COUNTS = (
     "grpc_max_connection_bytes",
     "grpc_max_buffered_bytes",
     "grpc_glitch_burst",
+    "grpc_max_unsent_bytes",
     "http_max_unsent_bytes",
 )
 _GRPC_NUMBERS = (
@@ -153,9 +154,12 @@ class FrontDoorConfig:
             at once (1; no upstream equivalent: Triton reads a whole body
             before it uses its memory).
         http_max_unsent_bytes: Bytes of HTTP answers the replica holds at once for
-            clients that stopped taking them (copied out of their slots); an
-            answer with no room left ends its connection (128 MiB; no upstream
-            equivalent: Triton holds every such answer).
+            clients that took none of them for ``http_slot_stall_s`` (copied out of
+            their slots, or answers from memory); an answer with no room left ends
+            its connection (128 MiB; no upstream equivalent: Triton holds every
+            such answer).
+        grpc_max_unsent_bytes: The same for gRPC answers (``grpc_slot_stall_s``),
+            128 MiB.
         drain_timeout_s: When the replica stops (downscale, redeploy, ``serve
             shutdown``), how long its calls in flight may take to finish after it
             stops accepting (HTTP/2 clients get GOAWAY, HTTP/1.1 answers
@@ -187,6 +191,7 @@ class FrontDoorConfig:
     grpc_max_buffered_bytes: int = env_field("FRONTDOOR_GRPC_MAX_BUFFERED_BYTES", h2_wire.MAX_BUFFERED_BYTES)
     grpc_glitch_burst: int = env_field("FRONTDOOR_GRPC_GLITCH_BURST", h2_wire.GLITCH_BURST)
     grpc_glitch_rate: float = env_field("FRONTDOOR_GRPC_GLITCH_RATE", h2_wire.GLITCH_RATE)
+    grpc_max_unsent_bytes: int = env_field("FRONTDOOR_GRPC_MAX_UNSENT_BYTES", h2_wire.MAX_UNSENT_BYTES)
     http_head_timeout_s: float = env_field("FRONTDOOR_HTTP_HEAD_TIMEOUT_S", _HTTP_DEFAULTS.head_s)
     http_idle_timeout_s: float = env_field("FRONTDOOR_HTTP_IDLE_TIMEOUT_S", _HTTP_DEFAULTS.idle_s)
     http_body_grace_s: float = env_field("FRONTDOOR_HTTP_BODY_GRACE_S", _HTTP_DEFAULTS.body_grace_s)
@@ -241,6 +246,7 @@ class FrontDoorConfig:
             max_buffered_bytes=self.grpc_max_buffered_bytes,
             max_streams=self.grpc_max_streams,
             send_timeout_s=float(self.grpc_send_timeout_s),
+            max_unsent_bytes=self.grpc_max_unsent_bytes,
         )
 
     @property

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from ray_triton_shm._private.serve.door.calls import CallGate, CallRecord
+from ray_triton_shm._private.serve.door.calls import CallGate, GatedCall
 from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection, Refuse
 from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
 from ray_triton_shm._private.serve.http2.h2_wire import Call, CallError, H2Limits, StreamGone
@@ -53,7 +53,7 @@ from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
 from ray_triton_shm._private.serve.protocol.grpc_messages import decode_infer_request, status_of
 from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import SERVICE, STREAM_REFUSED, GrpcAnswerError
 from ray_triton_shm._private.serve.protocol.slot_plan import run_leased, shm_plan
-from ray_triton_shm.errors import InputError, LayoutError, OverloadedError
+from ray_triton_shm.errors import InputError, LayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class H2Listener(TcpListener):
     ) -> None:
         limits = limits or H2Limits()
         self.budget = ByteBudget(limits.max_buffered_bytes, "the listener's max_buffered_bytes")
+        self.unsent = ByteBudget(limits.max_unsent_bytes, "the listener's max_unsent_bytes")
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
         self._held_pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc-held")
         self._connections: dict[socket.socket, H2Connection] = {}
@@ -106,7 +107,15 @@ class H2Listener(TcpListener):
                 connection = self._connections.get(sock)
                 if connection is None:
                     connection = self._connections[sock] = H2Connection(
-                        sock, handler, refuse, self._pool, limits, place, self.budget, self._held_pool
+                        sock,
+                        handler,
+                        refuse,
+                        self._pool,
+                        limits,
+                        place,
+                        self.budget,
+                        self._held_pool,
+                        self.unsent,
                     )
             wait = None
             try:
@@ -313,15 +322,16 @@ class GrpcDoor:
     def handle(self, call: Call) -> None:
         """Answer one call (its method was accepted by :meth:`refuse`)."""
         name = call.method[len(_PREFIX) :]
-        try:
-            with self._gate.call("grpc", name, call.method) as record:
-                self._answer(call, name, record)
-        except OverloadedError as e:  # past max_ongoing_requests: refused before it runs
-            raise CallError(*status_of(e)) from e
+        with self._gate.call("grpc", name, call.method) as gated:
+            self._answer(call, name, gated)
 
-    def _answer(self, call: Call, name: str, record: CallRecord) -> None:
+    def _answer(self, call: Call, name: str, gated: GatedCall) -> None:
+        record = gated.record
         try:
-            self._handle(call, name)
+            # Counted from the whole request to the computed answer (each path leaves the
+            # gate before its answer is written: the client's pace, not the replica's work).
+            with gated.running():
+                self._handle(call, name, gated)
             record.status = "OK"
         except CallError as e:
             record.status = e.code
@@ -335,9 +345,9 @@ class GrpcDoor:
                 logger.warning("front door gRPC: %s", message, exc_info=e)
             raise CallError(code, message) from e
 
-    def _handle(self, call: Call, name: str) -> None:
+    def _handle(self, call: Call, name: str, gated: GatedCall) -> None:
         if name == "ModelInfer":
-            self.infer(call)
+            self.infer(call, gated)
             return
         request_cls, _ = _messages(name)  # type: ignore[misc]
         try:
@@ -346,18 +356,23 @@ class GrpcDoor:
             raise
         except Exception as e:  # protobuf's DecodeError
             raise InputError(f"the {name}Request message is malformed: {e}") from e
-        response = self._run(getattr(self._servicer, name)(request, None))
-        call.respond([response.SerializeToString()])
+        response = self._run(getattr(self._servicer, name)(request, None)).SerializeToString()
+        gated.leave()
+        call.respond([response])
 
-    def infer(self, call: Call) -> None:
+    def infer(self, call: Call, gated: GatedCall) -> None:
         """Answer a ``ModelInfer`` call: through one slot, answered from it, where the request fits one.
+
+        Args:
+            call: The call.
+            gated: The call as the gate counts it; left once the answer is computed.
 
         Raises:
             InputError, PoolTimeoutError, TritonCallError, UnavailableError, GrpcAnswerError.
         """
         placement = call.placement()
         if placement is not None:
-            self._infer_placed(call, placement)
+            self._infer_placed(call, placement, gated)
             return
         data = call.request()
         request, raw = split_infer_request(data)
@@ -365,7 +380,7 @@ class GrpcDoor:
         model = request.model_name
         _still_wanted(call)
         if not request.model_version and shm_plan(self._client, model, inputs, outputs):
-            self._infer_in_slot(call, request, inputs, outputs)
+            self._infer_in_slot(call, request, inputs, outputs, gated)
             return
         if not request.model_version:
             try:
@@ -374,20 +389,27 @@ class GrpcDoor:
                 result = None
             if result is not None:
                 version = self._served_version(model)
-                call.respond(encode_infer_response_parts(model, version, request.id, result))
+                parts = encode_infer_response_parts(model, version, request.id, result)
+                del result
+                gated.leave()
+                call.respond(parts)
                 return
         # A version asked for (Triton honours it) or no slots: the ingress's own path.
         del inputs, raw
         full = pb.ModelInferRequest.FromString(bytes(data))
-        call.respond([self._run(self._servicer.ModelInfer(full, None)).SerializeToString()])
+        del data
+        answer = self._run(self._servicer.ModelInfer(full, None)).SerializeToString()
+        del full
+        gated.leave()
+        call.respond([answer])
 
-    def _infer_placed(self, call: Call, placement: Placement) -> None:
+    def _infer_placed(self, call: Call, placement: Placement, gated: GatedCall) -> None:
         """Run a request whose inputs were read into a slot; answer from the slot."""
         request, outputs = placement.request
         lease = placement.lease
         with lease:
             placement.parts.clear()  # no view of the slot outlives the lease
-            self._run_and_answer(call, request, lease, outputs)
+            self._run_and_answer(call, request, lease, outputs, gated)
 
     def _infer_in_slot(
         self,
@@ -395,15 +417,21 @@ class GrpcDoor:
         request: pb.ModelInferRequest,
         inputs: Mapping[str, np.ndarray],
         outputs: Sequence[str] | None,
+        gated: GatedCall,
     ) -> None:
         """Lease a slot, copy the inputs in, run, answer from the slot (no copy of the outputs)."""
         with self._client.lease(request.model_name) as lease:
             for name, array in inputs.items():
                 lease.input(name, array.shape)[...] = array
-            self._run_and_answer(call, request, lease, outputs)
+            self._run_and_answer(call, request, lease, outputs, gated)
 
     def _run_and_answer(
-        self, call: Call, request: pb.ModelInferRequest, lease: Any, outputs: Sequence[str] | None
+        self,
+        call: Call,
+        request: pb.ModelInferRequest,
+        lease: Any,
+        outputs: Sequence[str] | None,
+        gated: GatedCall,
     ) -> None:
         """Run the model on the inputs in ``lease``'s slot and answer from the slot."""
         model = request.model_name
@@ -412,6 +440,7 @@ class GrpcDoor:
         result = run_leased(self._client, model, lease, outputs)
         parts = encode_infer_response_parts(model, version, request.id, result)
         del result
+        gated.leave()
         # Written from the slot, then it goes back; sooner, from a copy, if the client takes it slowly.
         call.respond(parts, lease.release)
         del parts  # no view of the slot outlives the lease

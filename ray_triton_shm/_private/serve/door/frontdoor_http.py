@@ -8,8 +8,11 @@ client: a tensor's bytes not all read into it within ``http_slot_stall_s``
 (and as long again per 4 MiB; stalled, or trickling) are copied out, the slot
 given back, and the rest read into memory (the general path then); an answer
 the client stops taking for ``http_slot_stall_s`` is copied out and finished
-from memory once the slot is back. Every other HTTP route goes to the Serve
-ingress's own handler (the deployment's ``__call__``), so both answer alike.
+from memory once the slot is back; so is an answer from memory, held against
+``http_max_unsent_bytes`` while it waits. A request counts against the
+deployment's ``max_ongoing_requests`` only from its whole body to its computed
+answer: a slow client never holds the bound. Every other HTTP route goes to the
+Serve ingress's own handler (the deployment's ``__call__``), so both answer alike.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_triton_shm._private.serve.door.calls import CallGate
+from ray_triton_shm._private.serve.door.calls import CallGate, GatedCall
 from ray_triton_shm._private.serve.http1.body import Body
 from ray_triton_shm._private.serve.http1.head import HttpParseError, RequestHead
 from ray_triton_shm._private.serve.http1.server import Connection
@@ -29,7 +32,7 @@ from ray_triton_shm._private.serve.net.bounded import ByteBudget
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
 from ray_triton_shm._private.serve.protocol.slot_plan import fast_path_lengths, run_leased, shm_plan
 from ray_triton_shm._private.shm.cuda import to_host
-from ray_triton_shm.errors import InputError, OverloadedError, RefusedError, RequestTooLargeError
+from ray_triton_shm.errors import InputError, RefusedError, RequestTooLargeError
 
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 SLOT_STALL_S = 1.0
@@ -78,30 +81,27 @@ class KServeHttpHandler:
         self._stall_s = slot_stall_s
 
     def __call__(self, conn: Connection, head: RequestHead, body: Body) -> None:
-        try:
-            with self._gate.call("http", head.method, head.path) as record:
-                conn.status = 0
-                try:
-                    self._answer(conn, head, body)
-                finally:
-                    record.status = str(conn.status) if conn.status else ""
-        except OverloadedError as e:  # the body is not read: the connection ends after the answer
-            conn.keep_alive = False
-            status, payload = self._error_answer(e)
-            conn.respond(status, [("content-type", "application/json")], [payload])
+        with self._gate.call("http", head.method, head.path) as call:
+            conn.status = 0
+            try:
+                self._answer(conn, head, body, call)
+            finally:
+                call.record.status = str(conn.status) if conn.status else ""
 
-    def _answer(self, conn: Connection, head: RequestHead, body: Body) -> None:
+    def _answer(self, conn: Connection, head: RequestHead, body: Body, call: GatedCall) -> None:
         try:
             if not body.chunked and body.remaining > self._max_bytes:  # refused before it is read
                 raise bounded.too_large("request body", self._max_bytes)
             if head.method == "POST":
                 match = _INFER.match(head.path)
                 if match and match.group(2) is None:
-                    self._infer(conn, match.group(1), head, body)
+                    self._infer(conn, match.group(1), head, body, call)
                     return
             data = body.read_all(self._max_bytes)
-            status, headers, payload = self._delegate(head, data)
-            conn.respond(status, headers, [payload])
+            with call.running():
+                status, headers, payload = self._delegate(head, data)
+            del data
+            self._respond(conn, status, headers, [payload])
         except (ConnectionGone, HttpParseError):
             raise  # the request's framing is lost (or too slow): the connection answers and closes
         except Exception as e:
@@ -115,7 +115,19 @@ class KServeHttpHandler:
             status, payload = self._error_answer(e)
             conn.respond(status, [("content-type", "application/json")], [payload])
 
-    def _infer(self, conn: Connection, model: str, head: RequestHead, body: Body) -> None:
+    def _respond(
+        self, conn: Connection, status: int, headers: list[tuple[str, str]], parts: list[Any]
+    ) -> None:
+        """Write an answer from memory; one the client does not take within ``slot_stall_s`` is held
+        against ``max_unsent_bytes`` while it waits (none: the connection ends), ``parts`` emptied."""
+        rest = conn.respond(status, headers, parts, self._stall_s, self._unsent)
+        parts.clear()
+        try:
+            conn.send_rest(rest)
+        finally:
+            self._unsent.give(len(rest))
+
+    def _infer(self, conn: Connection, model: str, head: RequestHead, body: Body, call: GatedCall) -> None:
         client = self._client
         lengths = None if body.chunked else fast_path_lengths(head.headers)
         data = bytearray()
@@ -131,17 +143,22 @@ class KServeHttpHandler:
             if planned is not None and planned[1]:
                 decoded, spans = planned
                 if shm_plan(client, model, decoded.inputs, decoded.outputs):
-                    stalled = self._infer_in_slot(conn, model, prefix, decoded, spans, body)
+                    stalled = self._infer_in_slot(conn, model, prefix, decoded, spans, body, call)
                     if stalled is None:
                         return
                     data = stalled
             if not data:
                 data += prefix
         body.read_rest_into(data, self._max_bytes)
-        self._infer_general(conn, model, head, bytes(data))
+        with call.running():
+            headers, parts = self._infer_general(model, head, bytes(data))
+        del data
+        self._respond(conn, 200, headers, parts)
 
-    def _infer_general(self, conn: Connection, model: str, head: RequestHead, data: bytes) -> None:
-        """Decode the whole body ``data``, run it with ``client.infer``, answer from memory."""
+    def _infer_general(
+        self, model: str, head: RequestHead, data: bytes
+    ) -> tuple[list[tuple[str, str]], list[Any]]:
+        """Decode the whole body ``data`` and run it with ``client.infer``: the answer's headers and parts."""
         client = self._client
         encoding = (head.headers.get("content-encoding") or "identity").strip().lower()
         if encoding != "identity":
@@ -153,7 +170,7 @@ class KServeHttpHandler:
         outputs = client.infer(model, decoded.inputs, outputs=decoded.outputs, copy=False)
         host = {name: to_host(value) for name, value in outputs.items()}
         parts, headers = kserve.encode_response_parts(model, decoded, host, version)
-        conn.respond(200, list(headers.items()), parts)
+        return list(headers.items()), parts
 
     def _slot_time(self, nbytes: int) -> float:
         """How long ``nbytes`` may take to come or go while they hold a slot: the stall time, and as
@@ -168,6 +185,7 @@ class KServeHttpHandler:
         decoded: kserve.DecodedRequest,
         spans: list[kserve.BinarySpan],
         body: Body,
+        call: GatedCall,
     ) -> bytearray | None:
         """Lease a slot, read the tensor bytes from the socket into it, run, answer from the slot.
 
@@ -182,6 +200,7 @@ class KServeHttpHandler:
             decoded: The request, its binary inputs placeholders.
             spans: Where the binary inputs lie in the body, one after another.
             body: The rest of the body.
+            call: The call, counted from its whole body to its computed answer.
 
         Returns:
             ``None`` once answered; or, when the body stalled, the body read so
@@ -191,6 +210,7 @@ class KServeHttpHandler:
             InputError: The body is longer than its tensors, or as ``client.run``.
             HttpTimeoutError: The body came too slowly.
             ConnectionGone: The client went, or did not take the answer in time.
+            OverloadedError: ``max_ongoing_requests`` calls are working already.
         """
         client = self._client
         version = self._served_version(model)
@@ -215,9 +235,10 @@ class KServeHttpHandler:
             del filled
             if body.remaining:
                 raise InputError("the request body is longer than its tensors")
-            outputs = run_leased(client, model, lease, decoded.outputs)
-            parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
-            del outputs
+            with call.running():
+                outputs = run_leased(client, model, lease, decoded.outputs)
+                parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
+                del outputs
             # Written from the slot while the client takes it; what it does not take in
             # time is copied out (rest), sent once the slot is back.
             rest = conn.respond(200, list(headers.items()), parts, self._stall_s, self._unsent)

@@ -110,6 +110,8 @@ class H2Connection(ConnectionControl):
         held_pool: Where calls whose message is already in a slot run (``None``: ``pool``).
             Kept apart so that they never wait behind calls that wait for a slot: those
             slots come back only when these calls run.
+        unsent: The listener's budget of answer bytes held for clients that do not take
+            them (``None``: one of the limits' ``max_unsent_bytes`` of its own).
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class H2Connection(ConnectionControl):
         place: Callable[[str], Placer | None] | None = None,
         budget: ByteBudget | None = None,
         held_pool: ThreadPoolExecutor | None = None,
+        unsent: ByteBudget | None = None,
     ) -> None:
         self._sock = sock
         self._place = place
@@ -137,6 +140,7 @@ class H2Connection(ConnectionControl):
         shared = budget or ByteBudget(limits.max_buffered_bytes, "the listener's max_buffered_bytes")
         what = "the connection's max_connection_bytes"
         self._budget = ByteBudget(limits.max_connection_bytes, what, shared)
+        self._unsent = unsent or ByteBudget(limits.max_unsent_bytes, "the listener's max_unsent_bytes")
         self._reader = FrameReader(sock)
         self._reader.on_stall = self._stalled
         # Sends give up after send_timeout_s (a client that stopped reading); reads wait for ever.

@@ -9,11 +9,12 @@ state it uses (the socket, the write lock, the send windows, the streams).
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ray_triton_shm._private.serve.http2.h2_headers import encode_block
 from ray_triton_shm._private.serve.http2.h2_wire import (
@@ -30,7 +31,10 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     percent_encode,
     status_number,
 )
+from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget
 from ray_triton_shm._private.serve.net.listener import Unsent, send_parts
+
+logger = logging.getLogger(__name__)
 
 _RESPONSE_HEADERS = [
     (":status", "200"),
@@ -55,6 +59,7 @@ class AnswerWriter:
     _reader_thread: threading.Thread | None
     _slot_stall_s: float
     _send_timeout_s: float
+    _unsent: ByteBudget
 
     def _read_one_frame(self, timeout: float, give_up: bool = True) -> None:
         raise NotImplementedError
@@ -68,13 +73,27 @@ class AnswerWriter:
         self._send([frame_header(4, RST_STREAM, 0, stream_id), code.to_bytes(4, "big")])
 
     def _send_locked(self, parts: Sequence[Any], on_stall: Unsent | None = None) -> None:
-        """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``)."""
+        """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``),
+        as does an answer not taken that ``on_stall`` has no room to hold."""
         try:
             send_parts(self._sock, parts, self._slot_stall_s, on_stall)
+        except OverBudget as e:
+            self._end_unsent(e)
         except OSError as e:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             raise StreamGone() from e
+
+    def _end_unsent(self, error: OverBudget) -> NoReturn:
+        """End the connection of an answer not taken that has no room to be held.
+
+        Raises:
+            StreamGone: Always.
+        """
+        logger.info("front door gRPC: an answer not taken, and no room to hold it (%s)", error.what)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        raise StreamGone() from error
 
     def _header_frames(self, stream_id: int, block: bytes, end_stream: bool) -> list[bytes]:
         """A header ``block`` as HEADERS (+ CONTINUATION) frames; called with the write lock held."""
@@ -109,10 +128,13 @@ class AnswerWriter:
             release: Gives back the memory ``parts`` are views of (a slot). When the client
                 does not take the answer within the slot stall time, the unsent bytes are
                 copied, ``parts`` is emptied, ``release`` is called, and the rest is sent
-                from the copy.
+                from the copy. Any answer not taken within the stall time is held against
+                the listener's ``max_unsent_bytes`` until it is sent; with no room left,
+                its connection ends.
 
         Raises:
-            StreamGone: The client reset the stream, or the connection closed.
+            StreamGone: The client reset the stream, or the connection closed (also for
+                an answer not taken with no room to hold it).
         """
         if stream.answered:
             return
@@ -135,42 +157,57 @@ class AnswerWriter:
                 memoryview(p).cast("B") for p in parts
             ]
             frames: list[Any] = []
+            held = 0  # bytes of the answer held against the listener's max_unsent_bytes
+            watching = True  # the client has taken each write within the stall time so far
 
-            def copy_out(unsent: list[memoryview]) -> list[memoryview]:
-                """The unsent bytes, and the answer not framed yet, copied; the slot given back."""
-                nonlocal views, release
+            def stalled(unsent: list[memoryview]) -> list[memoryview]:
+                """The client took nothing for the stall time: the rest of the answer is held against
+                the listener's ``max_unsent_bytes`` (no room: ``OverBudget``), copied out of its slot
+                (the slot given back) if it is a slot's."""
+                nonlocal views, release, held, watching
+                watching = False
+                want = sum(v.nbytes for v in unsent) + sum(v.nbytes for v in views)
+                self._unsent.take(want)
+                held = want
+                if release is None:
+                    return unsent
                 copied = [memoryview(b"".join(unsent))] if unsent else []
                 unsent.clear()
                 frames.clear()
                 views = [memoryview(b"".join(views))] if views else []
                 if parts is not None:
                     parts.clear()
-                if release is not None:
-                    release()
-                    release = None
+                release()
+                release = None
                 return copied
 
             remaining = length + 5
             first = True
-            while remaining:
-                stall_at = time.monotonic() + self._slot_stall_s if release is not None else None
-                take, epoch = self._reserve(stream, remaining, stall_at)
-                if not take:  # the client opens no window: the answer leaves the slot
-                    copy_out([])
-                    continue
-                with self._write:
-                    stale = epoch != self._settings_epoch  # new settings acknowledged since
-                    if not stale:
-                        remaining -= take
-                        frames = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
-                        first = False
-                        frames += self._data_frames(sid, views, take)
-                        if not remaining:
-                            frames += self._header_frames(sid, trailers, True)
-                        self._send_locked(frames, copy_out if release is not None else None)
-                if stale:  # the windows are taken again under the settings in force
-                    self._unreserve(stream, take)
-                frames = []
+            try:
+                while remaining:
+                    stall_at = time.monotonic() + self._slot_stall_s if watching else None
+                    take, epoch = self._reserve(stream, remaining, stall_at)
+                    if not take:  # the client opens no window: the answer is held (and leaves its slot)
+                        try:
+                            stalled([])
+                        except OverBudget as e:
+                            self._end_unsent(e)
+                        continue
+                    with self._write:
+                        stale = epoch != self._settings_epoch  # new settings acknowledged since
+                        if not stale:
+                            remaining -= take
+                            frames = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
+                            first = False
+                            frames += self._data_frames(sid, views, take)
+                            if not remaining:
+                                frames += self._header_frames(sid, trailers, True)
+                            self._send_locked(frames, stalled if watching else None)
+                    if stale:  # the windows are taken again under the settings in force
+                        self._unreserve(stream, take)
+                    frames = []
+            finally:
+                self._unsent.give(held)
         if not stream.ended:  # answered before the client finished sending: stop it
             self._send_reset(sid, NO_ERROR)
 

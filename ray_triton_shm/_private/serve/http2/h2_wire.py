@@ -75,6 +75,8 @@ MAX_STREAMS = 1024
 """Streams a connection may have open at once (announced in the settings)."""
 SEND_TIMEOUT_S = 60.0
 """How long an answer may wait for the client to open its flow-control window."""
+MAX_UNSENT_BYTES = 128 * 1024 * 1024
+"""Answer bytes a listener holds at once for clients that do not take them within the stall time."""
 SLOT_STALL_S = 1.0
 """How long a read into a slot, or a send from one, may wait for the client: past it the
 message (or answer) is moved to memory and the slot given back at once."""
@@ -105,6 +107,9 @@ class H2Limits:
             a stream past it is refused with ``REFUSED_STREAM``).
         send_timeout_s: How long an answer may wait for the client to take it (to open its
             flow-control window, or to read what was written).
+        max_unsent_bytes: Answer bytes all of a listener's connections hold at once for
+            clients that took nothing for ``slot_stall_s``; an answer with no room left
+            ends its connection.
     """
 
     max_message: int = 64 * 1024 * 1024
@@ -118,6 +123,7 @@ class H2Limits:
     max_buffered_bytes: int = MAX_BUFFERED_BYTES
     max_streams: int = MAX_STREAMS
     send_timeout_s: float = SEND_TIMEOUT_S
+    max_unsent_bytes: int = MAX_UNSENT_BYTES
 
     def slot_time(self, length: int) -> float:
         """How long a message of ``length`` bytes may take to arrive into a slot.
@@ -127,7 +133,13 @@ class H2Limits:
         return self.slot_stall_s * (1 + length / PLACED_CHUNK)
 
     def __post_init__(self) -> None:
-        sizes = ("max_message", "max_header_block", "max_connection_bytes", "max_buffered_bytes")
+        sizes = (
+            "max_message",
+            "max_header_block",
+            "max_connection_bytes",
+            "max_buffered_bytes",
+            "max_unsent_bytes",
+        )
         for name in (*sizes, "glitch_burst", "max_streams"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
