@@ -48,31 +48,6 @@ class _NeverRuns:
         raise AssertionError("a refused call never runs")
 
 
-def test_a_full_front_door_answers_grpc_unavailable_as_serves_back_pressure() -> None:
-    gate = CallGate(1)
-    door = GrpcDoor(
-        "127.0.0.1",
-        0,
-        client=_NeverRuns(),
-        servicer=None,
-        served_version=lambda model: "1",
-        run=None,
-        app_name="app",
-        threads=2,
-        gate=gate,
-    )
-    try:
-        with gate.running():  # one call running: the bound
-            with pytest.raises(InferenceServerException) as refused:
-                _grpc_infer(door.port)
-            assert refused.value.status() == "StatusCode.UNAVAILABLE"
-            assert "max_ongoing_requests (1)" in refused.value.message()
-        assert (gate.ongoing, gate.refused) == (0, 1)
-    finally:
-        door.close()
-    assert not door.open_connections()
-
-
 class _Echo:
     """A node client whose every call answers its first input (from memory: no slot layout)."""
 
@@ -83,11 +58,12 @@ class _Echo:
         return {"OUTPUT0": np.array(next(iter(inputs.values())))}
 
 
-def _echo_door(gate: CallGate | None = None, **limits) -> GrpcDoor:
+def _grpc_door(client, gate: CallGate | None = None, **limits) -> GrpcDoor:
+    """A gRPC front door on a free port, over ``client`` (a node client's stand-in), with ``limits``."""
     return GrpcDoor(
         "127.0.0.1",
         0,
-        client=_Echo(),
+        client=client,
         servicer=None,
         served_version=lambda model: "1",
         run=None,
@@ -96,6 +72,21 @@ def _echo_door(gate: CallGate | None = None, **limits) -> GrpcDoor:
         gate=gate,
         limits=H2Limits(**limits),
     )
+
+
+def test_a_full_front_door_answers_grpc_unavailable_as_serves_back_pressure() -> None:
+    gate = CallGate(1)
+    door = _grpc_door(_NeverRuns(), gate)
+    try:
+        with gate.running():  # one call running: the bound
+            with pytest.raises(InferenceServerException) as refused:
+                _grpc_infer(door.port)
+            assert refused.value.status() == "StatusCode.UNAVAILABLE"
+            assert "max_ongoing_requests (1)" in refused.value.message()
+        assert (gate.ongoing, gate.refused) == (0, 1)
+    finally:
+        door.close()
+    assert not door.open_connections()
 
 
 def _call_with_no_answer_window(port: int, x: np.ndarray) -> socket.socket:
@@ -114,7 +105,7 @@ def test_grpc_answers_not_taken_do_not_hold_the_call_bound() -> None:
     """Three calls whose clients take no answer, against a bound of two: each counts only until its
     answer is computed, so all three run and a prompt caller is still answered."""
     gate = CallGate(2)
-    door = _echo_door(gate, slot_stall_s=0.2)
+    door = _grpc_door(_Echo(), gate, slot_stall_s=0.2)
     x = np.arange(1 << 18, dtype=np.float32).reshape(1, -1)  # 1 MiB answers
     sockets = []
     try:
@@ -132,7 +123,7 @@ def test_grpc_answers_not_taken_do_not_hold_the_call_bound() -> None:
 
 def test_grpc_answers_not_taken_are_held_up_to_the_listeners_budget_then_their_connections_end() -> None:
     x = np.arange(1 << 18, dtype=np.float32).reshape(1, -1)
-    door = _echo_door(slot_stall_s=0.2, max_unsent_bytes=3 * x.nbytes // 2)  # room for one answer
+    door = _grpc_door(_Echo(), slot_stall_s=0.2, max_unsent_bytes=3 * x.nbytes // 2)  # room for one answer
     sockets = []
     try:
         sockets.append(_call_with_no_answer_window(door.port, x))
