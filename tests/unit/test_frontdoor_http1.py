@@ -368,6 +368,7 @@ class _Lease:
 
     def __init__(self, client: _Client) -> None:
         self._client = client
+        self.pool = client  # its ``waiting``: callers waiting for a slot
         self.buffers: dict[str, np.ndarray] = {}
         self.released = False
 
@@ -397,6 +398,7 @@ class _Client:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.held = 0
+        self.waiting = 0
         self.calls: list[str] = []
 
     def lease(self, model: str) -> _Lease:
@@ -458,6 +460,7 @@ def _door(
     stall_s: float,
     max_unsent_bytes: int = frontdoor_http.MAX_UNSENT_BYTES,
     gate: CallGate | None = None,
+    busy_stall_s: float = 0.1,
     **timeouts: float,
 ) -> Iterator[tuple[int, _Client]]:
     monkeypatch.setattr(frontdoor_http, "shm_plan", lambda *args: True)
@@ -475,6 +478,7 @@ def _door(
         slot_stall_s=stall_s,
         max_unsent_bytes=max_unsent_bytes,
         gate=gate,
+        busy_stall_s=busy_stall_s,
     )
     with _listening(handler, **timeouts) as door:
         yield door.port, client
@@ -614,3 +618,26 @@ def test_a_call_past_the_bound_once_its_body_is_read_is_refused_and_the_connecti
         s.sendall(_infer_request(values) + data)  # the same connection, a call that fits
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
         assert gate.refused == 1 and client.calls == ["run"]
+
+
+def test_while_others_wait_for_a_slot_a_slow_client_keeps_it_only_the_busy_stall_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With callers waiting for the pool, a stalled body and an answer not taken give their slots
+    back after ``busy_stall_s``, not the (here long) ``slot_stall_s``."""
+    values = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: more than the sockets' buffers hold
+    with _door(monkeypatch, stall_s=30.0, busy_stall_s=0.2) as (port, client):
+        client.waiting = 1
+        with _connect(port) as s:
+            s.sendall(_infer_request(values) + values.tobytes()[:1000])
+            assert wait_for(lambda: client.held == 1)
+            started = time.monotonic()
+            assert wait_for(lambda: client.held == 0)
+            assert time.monotonic() - started < 5, "the slot kept for slot_stall_s though others wait"
+        with _connect(port, rcvbuf=4096) as s:
+            s.sendall(_infer_request(values) + values.tobytes())
+            assert wait_for(lambda: client.calls.count("run") == 1)
+            started = time.monotonic()
+            assert wait_for(lambda: client.held == 0)
+            assert time.monotonic() - started < 5, "the answer kept its slot though others wait"
+            np.testing.assert_array_equal(_answer_values(s, values.size), values)  # whole, from the copy

@@ -159,6 +159,12 @@ class SlotPool:
     def slot_indices(self) -> list[int]:
         return sorted(self._slots)
 
+    @property
+    def waiting(self) -> int:
+        """Callers of this process waiting for a slot now."""
+        with self._cond:
+            return len(self._waiters)
+
     # -- leasing -----------------------------------------------------------
     def _to_free_locked(self, index: int) -> None:
         if self._table is not None:

@@ -110,6 +110,13 @@ def test_more_slow_clients_than_the_call_bound_refuse_no_caller(attacked, name: 
     _attack(attacked, name, dataclasses.replace(STALL_BOUNDS, scale=scale))
 
 
+@pytest.mark.parametrize("name", ["http-trickled-body", "grpc-no-answer-window", "grpc-trickled-message"])
+def test_more_slow_clients_than_slots_stop_no_caller(attacked, name: str) -> None:
+    """72 slow clients of ``identity``'s slot path, nine times its 8 slots: while other calls wait
+    for a slot, a slow client keeps one no longer than ``slot_busy_stall_s`` (0.1 s)."""
+    _attack(attacked, name, dataclasses.replace(STALL_BOUNDS, scale=4.5))
+
+
 def test_answers_never_read_hold_no_callers_slots(attacked) -> None:
     """8 answers of 16 MiB never read: each is copied out of its slot and held, up to the
     replica's ``http_max_unsent_bytes`` (128 MiB) in all; past it the connection ends."""

@@ -52,6 +52,7 @@ from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
 from ray_triton_shm._private.serve.http2 import h2_wire
 from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
 from ray_triton_shm._private.serve.net.listener import MAX_OPEN
+from ray_triton_shm._private.serve.protocol.slot_plan import BUSY_STALL_S
 from ray_triton_shm.config import env_field
 from ray_triton_shm.errors import ConfigError, FrontDoorError
 
@@ -160,6 +161,10 @@ class FrontDoorConfig:
             such answer).
         grpc_max_unsent_bytes: The same for gRPC answers (``grpc_slot_stall_s``),
             128 MiB.
+        slot_busy_stall_s: ``http_slot_stall_s`` and ``grpc_slot_stall_s`` while other
+            calls of the replica wait for a slot of the same pool (0.1): many slow
+            clients, more than the slots, then cannot keep the slots a second each
+            while prompt callers queue behind them.
         drain_timeout_s: When the replica stops (downscale, redeploy, ``serve
             shutdown``), how long its calls in flight may take to finish after it
             stops accepting (HTTP/2 clients get GOAWAY, HTTP/1.1 answers
@@ -199,6 +204,7 @@ class FrontDoorConfig:
     http_send_timeout_s: float = env_field("FRONTDOOR_HTTP_SEND_TIMEOUT_S", _HTTP_DEFAULTS.send_s)
     http_slot_stall_s: float = env_field("FRONTDOOR_HTTP_SLOT_STALL_S", SLOT_STALL_S)
     http_max_unsent_bytes: int = env_field("FRONTDOOR_HTTP_MAX_UNSENT_BYTES", MAX_UNSENT_BYTES)
+    slot_busy_stall_s: float = env_field("FRONTDOOR_SLOT_BUSY_STALL_S", BUSY_STALL_S)
     drain_timeout_s: float = env_field("FRONTDOOR_DRAIN_TIMEOUT_S", 10.0)
     port_linger_s: float = env_field("FRONTDOOR_PORT_LINGER_S", 30.0)
 
@@ -219,7 +225,7 @@ class FrontDoorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"frontdoor.{name} must be an integer >= 1, got {value!r}")
-        for name in (*_HTTP_SECONDS, *_GRPC_NUMBERS, "drain_timeout_s"):
+        for name in (*_HTTP_SECONDS, *_GRPC_NUMBERS, "slot_busy_stall_s", "drain_timeout_s"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -334,6 +340,7 @@ class FrontDoor:
                     slot_stall_s=config.http_slot_stall_s,
                     gate=self.calls,
                     max_unsent_bytes=config.http_max_unsent_bytes,
+                    busy_stall_s=config.slot_busy_stall_s,
                 )
                 self.http = HttpListener(
                     config.host,
@@ -361,6 +368,7 @@ class FrontDoor:
                     max_open=config.max_open_connections,
                     gate=self.calls,
                     listening=listening.pop("gRPC", None),
+                    busy_stall_s=config.slot_busy_stall_s,
                 )
                 if not config.grpc_port:
                     self._claims.append(PortClaim(self.grpc.port, app_name))

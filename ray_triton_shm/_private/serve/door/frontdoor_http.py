@@ -30,7 +30,13 @@ from ray_triton_shm._private.serve.http1.timing import ConnectionGone
 from ray_triton_shm._private.serve.net import bounded
 from ray_triton_shm._private.serve.net.bounded import ByteBudget
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
-from ray_triton_shm._private.serve.protocol.slot_plan import fast_path_lengths, run_leased, shm_plan
+from ray_triton_shm._private.serve.protocol.slot_plan import (
+    BUSY_STALL_S,
+    fast_path_lengths,
+    run_leased,
+    shm_plan,
+    slot_stall,
+)
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm.errors import InputError, RefusedError, RequestTooLargeError
 
@@ -57,6 +63,8 @@ class KServeHttpHandler:
         gate: Counts the requests running and refuses one past its bound (503).
         max_unsent_bytes: Bytes of answers copied out of slots for clients that did
             not take them, held at once; past it, such a client's connection ends.
+        busy_stall_s: ``slot_stall_s`` while other calls wait for a slot of the pool (see
+            :attr:`FrontDoorConfig.slot_busy_stall_s`).
     """
 
     def __init__(
@@ -70,6 +78,7 @@ class KServeHttpHandler:
         slot_stall_s: float = SLOT_STALL_S,
         gate: CallGate | None = None,
         max_unsent_bytes: int = MAX_UNSENT_BYTES,
+        busy_stall_s: float = BUSY_STALL_S,
     ) -> None:
         self._gate = gate or CallGate()
         self._unsent = ByteBudget(max_unsent_bytes, "the front door's http_max_unsent_bytes")
@@ -79,6 +88,7 @@ class KServeHttpHandler:
         self._delegate = delegate
         self._error_answer = error_answer
         self._stall_s = slot_stall_s
+        self._busy_stall_s = busy_stall_s
 
     def __call__(self, conn: Connection, head: RequestHead, body: Body) -> None:
         with self._gate.call("http", head.method, head.path) as call:
@@ -172,10 +182,14 @@ class KServeHttpHandler:
         parts, headers = kserve.encode_response_parts(model, decoded, host, version)
         return list(headers.items()), parts
 
-    def _slot_time(self, nbytes: int) -> float:
-        """How long ``nbytes`` may take to come or go while they hold a slot: the stall time, and as
-        long again per 4 MiB (as the gRPC door's messages)."""
-        return self._stall_s * (1.0 + nbytes / SLOT_PACE_BYTES)
+    def _stall(self, lease: Any) -> float:
+        """How long ``lease``'s slot may wait on the client now (shorter while others wait for one)."""
+        return slot_stall(lease, self._stall_s, self._busy_stall_s)
+
+    def _slot_time(self, nbytes: int, lease: Any) -> float:
+        """How long ``nbytes`` may take to come or go while they hold ``lease``'s slot: the stall
+        time, and as long again per 4 MiB (as the gRPC door's messages)."""
+        return self._stall(lease) * (1.0 + nbytes / SLOT_PACE_BYTES)
 
     def _infer_in_slot(
         self,
@@ -223,7 +237,7 @@ class KServeHttpHandler:
                 target = lease.input(span.name, decoded.inputs[span.name].shape)
                 view = memoryview(target.reshape(-1).view(np.uint8))
                 del target
-                got = body.readinto(view, self._slot_time(len(view)))
+                got = body.readinto(view, self._slot_time(len(view), lease))
                 filled.append(view[:got])
                 if got < len(view):  # the client stalled: what came goes to memory, the slot back
                     data = bytearray(prefix)
@@ -241,7 +255,7 @@ class KServeHttpHandler:
                 del outputs
             # Written from the slot while the client takes it; what it does not take in
             # time is copied out (rest), sent once the slot is back.
-            rest = conn.respond(200, list(headers.items()), parts, self._stall_s, self._unsent)
+            rest = conn.respond(200, list(headers.items()), parts, self._stall(lease), self._unsent)
             # No view of the slot outlives the lease: it goes straight back, not pinned.
             del parts
         try:

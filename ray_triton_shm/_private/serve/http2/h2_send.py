@@ -72,11 +72,13 @@ class AnswerWriter:
         """Send RST_STREAM ``code`` for ``stream_id``."""
         self._send([frame_header(4, RST_STREAM, 0, stream_id), code.to_bytes(4, "big")])
 
-    def _send_locked(self, parts: Sequence[Any], on_stall: Unsent | None = None) -> None:
+    def _send_locked(
+        self, parts: Sequence[Any], on_stall: Unsent | None = None, stall_s: float = 0.0
+    ) -> None:
         """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``),
         as does an answer not taken that ``on_stall`` has no room to hold."""
         try:
-            send_parts(self._sock, parts, self._slot_stall_s, on_stall)
+            send_parts(self._sock, parts, stall_s or self._slot_stall_s, on_stall)
         except OverBudget as e:
             self._end_unsent(e)
         except OSError as e:
@@ -117,6 +119,7 @@ class AnswerWriter:
         code: str,
         message: str,
         release: Callable[[], None] | None = None,
+        stall_s: float | None = None,
     ) -> None:
         """Send the answer of ``stream``: headers, the message of ``parts`` (if any), and the status.
 
@@ -131,6 +134,7 @@ class AnswerWriter:
                 from the copy. Any answer not taken within the stall time is held against
                 the listener's ``max_unsent_bytes`` until it is sent; with no room left,
                 its connection ends.
+            stall_s: The stall time (``None``: the connection's ``slot_stall_s``).
 
         Raises:
             StreamGone: The client reset the stream, or the connection closed (also for
@@ -181,11 +185,12 @@ class AnswerWriter:
                 release = None
                 return copied
 
+            stall = self._slot_stall_s if stall_s is None else stall_s
             remaining = length + 5
             first = True
             try:
                 while remaining:
-                    stall_at = time.monotonic() + self._slot_stall_s if watching else None
+                    stall_at = time.monotonic() + stall if watching else None
                     take, epoch = self._reserve(stream, remaining, stall_at)
                     if not take:  # the client opens no window: the answer is held (and leaves its slot)
                         try:
@@ -202,7 +207,7 @@ class AnswerWriter:
                             frames += self._data_frames(sid, views, take)
                             if not remaining:
                                 frames += self._header_frames(sid, trailers, True)
-                            self._send_locked(frames, stalled if watching else None)
+                            self._send_locked(frames, stalled if watching else None, stall)
                     if stale:  # the windows are taken again under the settings in force
                         self._unreserve(stream, take)
                     frames = []

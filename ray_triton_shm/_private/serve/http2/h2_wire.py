@@ -512,7 +512,12 @@ class Call:
         """
         return self._stream.placement()
 
-    def respond(self, parts: list[bytes | memoryview], release: Callable[[], None] | None = None) -> None:
+    def respond(
+        self,
+        parts: list[bytes | memoryview],
+        release: Callable[[], None] | None = None,
+        stall_s: float | None = None,
+    ) -> None:
         """Answer with one message made of ``parts`` (sent as they are), then status OK.
 
         Args:
@@ -520,11 +525,12 @@ class Call:
             release: Gives back the memory ``parts`` are views of (a slot): if the client
                 does not take the answer within the slot stall time, the rest is copied,
                 ``parts`` emptied and ``release`` called; the answer goes on from the copy.
+            stall_s: The stall time for this answer (``None``: the limits' ``slot_stall_s``).
 
         Raises:
             StreamGone: The client reset the call or went away first.
         """
-        self._connection.answer(self._stream, parts, "OK", "", release)
+        self._connection.answer(self._stream, parts, "OK", "", release, stall_s)
 
     def abort(self, code: str, message: str) -> None:
         """End the call with status ``code`` and ``message`` (no answer message)."""

@@ -37,6 +37,20 @@ def fast_path_lengths(headers: Any) -> tuple[int, int] | None:
     return header_length, int(text)
 
 
+BUSY_STALL_S = 0.1
+"""Longest a leased slot waits on a client while other calls wait for a slot of its pool."""
+
+
+def slot_stall(lease: Any, stall_s: float, busy_stall_s: float) -> float:
+    """How long ``lease``'s slot may wait on a client now: ``busy_stall_s`` while other calls of
+    this process wait for a slot of its pool, else ``stall_s``.
+
+    So many slow clients, more than the slots, cannot keep a pool's slots for ``stall_s`` each
+    while prompt callers queue behind them.
+    """
+    return min(stall_s, busy_stall_s) if lease.pool.waiting else stall_s
+
+
 def pool_at_hand(client: Any, model: str) -> bool:
     """Whether ``client`` has a live pool of ``model`` and nothing to look up first (no I/O needed)."""
     try:
