@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 from ray_triton_shm._private.shm.slot_table import SlotTable
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import PoolClosedError, PoolTimeoutError, SharedMemoryError
+from tests.helpers import wait_for
 
 CONFIG = {
     "name": "m",
@@ -289,6 +291,62 @@ def test_a_request_on_a_pool_closed_meanwhile_ends_quietly_and_a_new_one_is_refu
         pool.close()
         with pytest.raises(PoolClosedError):
             lease.request_started(30.0)
+    finally:
+        pool.close()
+        owner.close()
+        data.close()
+
+
+def test_a_process_waiting_for_a_slot_is_seen_by_the_others_until_it_stops_or_dies(table) -> None:
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom ray_triton_shm._private.shm.slot_table import SlotTable\n"
+            f"t = SlotTable.attach({table.name!r})\nt.set_waiting(True)\nprint('waiting', flush=True)\n"
+            "sys.stdin.readline()\nt.set_waiting(False)\nprint('stopped', flush=True)\n"
+            "sys.stdin.readline()\nt.set_waiting(True)\nprint('waiting', flush=True)\nsys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert not table.others_waiting()
+        assert child.stdout.readline().strip() == "waiting"
+        assert table.others_waiting()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "stopped"
+        assert not table.others_waiting()
+        table.set_waiting(True)  # this process's own wait is not another's
+        assert not table.others_waiting()
+        table.set_waiting(False)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "waiting"
+        assert table.others_waiting()
+    finally:
+        child.stdin.close()
+        child.wait()
+    assert not table.others_waiting()  # it died waiting: the kernel dropped its lock
+
+
+def test_a_pool_counts_its_own_waiters_and_shows_them_to_the_other_processes() -> None:
+    pool, owner, data = _shared_pool(1)
+    try:
+        held = pool.acquire(1.0)
+        assert pool.waiting == 0
+        waiter = threading.Thread(target=lambda: pool.acquire(5.0).release())
+        waiter.start()
+        assert wait_for(lambda: pool.waiting == 1)
+        assert owner.others_waiting()  # the owner's table is another description: another process's view
+        owner.set_waiting(True)  # callers of "another process" wait too
+        assert pool.waiting == 2
+        owner.set_waiting(False)
+        held.release()
+        waiter.join(5)
+        assert pool.waiting == 0 and not owner.others_waiting()
     finally:
         pool.close()
         owner.close()

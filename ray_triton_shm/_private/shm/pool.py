@@ -15,6 +15,7 @@ memoryview has no exports and its ``release()`` always succeeds.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -40,6 +41,7 @@ from ray_triton_shm.errors import (
     LeaseReleasedError,
     PoolClosedError,
     PoolTimeoutError,
+    SharedMemoryError,
 )
 
 logger = logging.getLogger(__name__)
@@ -161,9 +163,28 @@ class SlotPool:
 
     @property
     def waiting(self) -> int:
-        """Callers of this process waiting for a slot now."""
+        """Callers waiting for a slot now: this process's, and 1 more if another process's
+        callers wait for the slots this pool shares with it."""
         with self._cond:
-            return len(self._waiters)
+            others = 0
+            if self._table is not None:
+                with contextlib.suppress(SharedMemoryError):
+                    others = int(self._table.others_waiting())
+            return len(self._waiters) + others
+
+    def _wait_locked(self, me: object) -> None:
+        """Queue ``me`` for a slot (with the pool's lock held); the first waiter shows it to the
+        processes this pool's slots are shared with."""
+        self._waiters.append(me)
+        if len(self._waiters) == 1 and self._table is not None:
+            with contextlib.suppress(SharedMemoryError):
+                self._table.set_waiting(True)
+
+    def _stop_waiting_locked(self, me: object) -> None:
+        self._waiters.remove(me)
+        if not self._waiters and self._table is not None:
+            with contextlib.suppress(SharedMemoryError):
+                self._table.set_waiting(False)
 
     # -- leasing -----------------------------------------------------------
     def _to_free_locked(self, index: int) -> None:
@@ -281,7 +302,7 @@ class SlotPool:
             if lease is not None:
                 return lease
             me = object()
-            self._waiters.append(me)
+            self._wait_locked(me)
             try:
                 while True:
                     if self._waiters[0] is me:
@@ -300,7 +321,7 @@ class SlotPool:
                         poll = min(poll, _SHARED_POLL_S)
                     self._cond.wait(min(remaining, poll))
             finally:
-                self._waiters.remove(me)
+                self._stop_waiting_locked(me)
                 if self._waiters:
                     self._cond.notify_all()  # someone else may be first in line now
 
@@ -315,7 +336,7 @@ class SlotPool:
             return lease
         me = object()
         with self._cond:
-            self._waiters.append(me)
+            self._wait_locked(me)
         try:
             delay = 0.0005
             while True:
@@ -334,7 +355,7 @@ class SlotPool:
                 delay = min(delay * 2, 0.01)
         finally:
             with self._cond:
-                self._waiters.remove(me)
+                self._stop_waiting_locked(me)
                 self._cond.notify_all()
 
     def _where_locked(self) -> str:

@@ -28,6 +28,11 @@ process that dies while leasing leaves its token (< 0) behind: the next process 
 that slot sees it and starts the quarantine itself. CLOCK_MONOTONIC is one
 clock for the whole machine, containers included.
 
+A process waiting for a slot holds a shared lock (``F_RDLCK``) on byte ``n`` of the
+table's file, past the slots' bytes: another process asks the kernel whether anyone
+else holds one there to know that callers elsewhere wait (and a process that dies
+drops its lock), so a slot held for a slow client is let go sooner for them too.
+
 The quarantine is a margin past the deadline of the last request that ran on
 the slot: a slot is never handed out again before that deadline plus the
 quarantine. A user that timed out is past its deadline already; one that died
@@ -268,6 +273,24 @@ class SlotTable:
 
     def _unlock(self, index: int) -> None:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, index))
+
+    def set_waiting(self, waiting: bool) -> None:
+        """Show the other processes that this one waits for a slot, or stop showing it.
+
+        Raises:
+            SharedMemoryError: The table is closed in this process.
+        """
+        self._check_pid()
+        kind = fcntl.F_RDLCK if waiting else fcntl.F_UNLCK
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(kind, self.slots))
+
+    def others_waiting(self) -> bool:
+        """Whether another process waits for a slot now (see :meth:`set_waiting`).
+
+        Raises:
+            SharedMemoryError: The table is closed in this process.
+        """
+        return self._locked_elsewhere(self.slots)
 
     def try_claim(self, index: int) -> bool:
         """Take slot ``index`` for this process if nobody uses it and it is not protected.
