@@ -273,8 +273,17 @@ def hung_replica(directory: Path, path: str, stopped_s: float = 30.0) -> dict[st
     }
 
 
-def autoscaling(directory: Path, path: str, load_s: float = 45.0) -> dict[str, Any]:
-    """The autoscaling config under the callers for ``load_s``, then idle: replicas over time."""
+AUTOSCALING_CALLERS = 16
+"""Callers of the autoscaling scenario: enough to keep one replica's calls above the config's
+``target_ongoing_requests`` (2). A call counts as ongoing only while the replica works on it,
+not while its client sends or reads: 8 Python callers in one process keep about 1.2 calls at
+work (their own pace is the rest), 16 about 5."""
+
+
+def autoscaling(
+    directory: Path, path: str, load_s: float = 45.0, callers: int = AUTOSCALING_CALLERS
+) -> dict[str, Any]:
+    """The autoscaling config under ``callers`` callers for ``load_s``, then idle: replicas over time."""
     spec = app_spec(AUTOSCALING)
     deploy(spec, directory, "autoscaling.yaml")
     start = time.monotonic()
@@ -286,12 +295,12 @@ def autoscaling(directory: Path, path: str, load_s: float = 45.0) -> dict[str, A
             timeline.append((round(time.monotonic() - start, 1), count))
         return count
 
-    with Callers(target_of(spec, path)) as callers:
+    with Callers(target_of(spec, path), count=callers) as load:
         deadline = time.monotonic() + load_s
         while time.monotonic() < deadline:
             sample()
             time.sleep(1)
-        tally = callers.stop()
+        tally = load.stop()
     peak = max(n for _, n in timeline)
     unloaded_at = round(time.monotonic() - start, 1)
     down = wait_until(lambda: sample() == 1, 120, 1.0)
