@@ -73,12 +73,12 @@ class AnswerWriter:
         self._send([frame_header(4, RST_STREAM, 0, stream_id), code.to_bytes(4, "big")])
 
     def _send_locked(
-        self, parts: Sequence[Any], on_stall: Unsent | None = None, stall_s: float = 0.0
+        self, parts: Sequence[Any], on_stall: Unsent | None = None, stall_s: float | None = None
     ) -> None:
         """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``),
         as does an answer not taken that ``on_stall`` has no room to hold."""
         try:
-            send_parts(self._sock, parts, stall_s or self._slot_stall_s, on_stall)
+            send_parts(self._sock, parts, self._slot_stall_s if stall_s is None else stall_s, on_stall)
         except OverBudget as e:
             self._end_unsent(e)
         except OSError as e:
