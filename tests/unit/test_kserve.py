@@ -54,6 +54,12 @@ def test_json_tensors_are_decoded_with_their_datatype_and_shape() -> None:
     np.testing.assert_array_equal(decoded.inputs["B"], np.array([True, False]))
 
 
+def test_json_data_nested_unevenly_is_read_in_row_major_order() -> None:
+    data, length = body({"inputs": [int32_input(data=[[1, [2]], [], 3, [[4]]])]})
+    decoded = kserve.decode_request(data, length)
+    np.testing.assert_array_equal(decoded.inputs["INPUT0"], np.array([[1, 2, 3, 4]], np.int32))
+
+
 def test_binary_tensors_are_read_from_after_the_header() -> None:
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     b = np.array([[7, -8]], dtype=np.int64)
@@ -139,6 +145,13 @@ BAD_REQUESTS = [
         "FP32 value",
     ),
     ("data-out-of-range", *body({"inputs": [int32_input(data=[2**40, 2, 3, 4])]}), "out of range"),
+    ("data-nested-string", *body({"inputs": [int32_input(data=[[1, 2], [3, "4"]])]}), "'4' is not a INT32"),
+    (
+        "data-nested-bool-for-fp32",
+        *body({"inputs": [int32_input(datatype="FP32", data=[[1.5], [True, 2, 3]])]}),
+        "True",
+    ),
+    ("data-object-in-array", *body({"inputs": [int32_input(data=[[1, 2], {}, 3])]}), "{} is not a INT32"),
     (
         "data-negative-unsigned",
         *body({"inputs": [{"name": "U", "datatype": "UINT8", "shape": [1], "data": [-1]}]}),

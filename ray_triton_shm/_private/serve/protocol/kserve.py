@@ -13,6 +13,7 @@ say in ``kserve_errors``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -128,25 +129,39 @@ def _flatten(data: Any, name: str) -> list[Any]:
     """The scalars of ``data`` (a JSON array, possibly nested) in row-major order."""
     if not isinstance(data, list):
         raise InputError(f"input {name!r}: 'data' must be a JSON array")
-    flat: list[Any] = []
-    stack = [iter(data)]
+    flat = data
+    while True:  # whole levels of arrays at once (as ``[[...], [...]]``), in C
+        kinds = set(map(type, flat))
+        if list not in kinds:
+            return flat
+        if kinds != {list}:
+            break
+        flat = list(itertools.chain.from_iterable(flat))
+    scalars: list[Any] = []  # arrays and scalars side by side: one element at a time
+    stack = [iter(flat)]
     while stack:
         for item in stack[-1]:
             if isinstance(item, list):
                 stack.append(iter(item))
                 break
-            flat.append(item)
+            scalars.append(item)
         else:
             stack.pop()
-    return flat
+    return scalars
+
+
+_ACCEPTED_TYPES = {"b": frozenset({bool}), "i": frozenset({int}), "u": frozenset({int})}
+_NUMBER_TYPES = frozenset({int, float})
 
 
 def _json_tensor(data: Any, name: str, datatype: str, dtype: np.dtype) -> np.ndarray:
     """The array of a JSON ``data`` field, each element checked against ``datatype``."""
     flat = _flatten(data, name)
-    for value in flat:
-        if not _accepts(dtype, value):
-            raise InputError(f"input {name!r}: {value!r} is not a {datatype} value")
+    # The element types JSON gives, checked as a set; any other (or a subclass) one by one.
+    if not set(map(type, flat)) <= _ACCEPTED_TYPES.get(dtype.kind, _NUMBER_TYPES):
+        for value in flat:
+            if not _accepts(dtype, value):
+                raise InputError(f"input {name!r}: {value!r} is not a {datatype} value")
     try:
         return np.asarray(flat, dtype=dtype)
     except (OverflowError, ValueError) as e:
