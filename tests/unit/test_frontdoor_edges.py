@@ -140,6 +140,85 @@ def test_grpc_answers_not_taken_are_held_up_to_the_listeners_budget_then_their_c
     assert wait_for(lambda: door._server.unsent.used == 0)
 
 
+def _answers(s: socket.socket, streams: set[int], timeout_s: float = 20.0) -> dict[int, bytes]:
+    """Read frames until each of ``streams`` has ended: its DATA bytes; a stream whose trailers are
+    not ``grpc-status: 0`` or that is reset fails the test."""
+    import hpack
+
+    decoder = hpack.Decoder()
+    data = {sid: b"" for sid in streams}
+    ended: set[int] = set()
+    pending = b""
+    s.settimeout(timeout_s)
+    while ended != streams:
+        while len(pending) < 9 or len(pending) < 9 + int.from_bytes(pending[:3], "big"):
+            got = s.recv(1 << 16)
+            assert got, f"the server closed the connection; ended {sorted(ended)}"
+            pending += got
+        length = int.from_bytes(pending[:3], "big")
+        kind, flags, sid = pending[3], pending[4], int.from_bytes(pending[5:9], "big") & 0x7FFFFFFF
+        payload, pending = pending[9 : 9 + length], pending[9 + length :]
+        if kind == wire.DATA:
+            data[sid] += payload
+        elif kind == wire.HEADERS:
+            headers = dict(decoder.decode(payload))
+            if flags & wire.END_STREAM:
+                assert headers.get("grpc-status") == "0", headers
+                ended.add(sid)
+        elif kind == wire.RST_STREAM and sid in streams and sid not in ended:
+            raise AssertionError(f"stream {sid} reset: {payload.hex()}")
+    return data
+
+
+def test_grpc_answers_not_taken_on_a_connection_of_many_calls_free_their_workers() -> None:
+    """A connection of four calls whose client opens no window for the answers, against a door of two
+    workers: each answer waits on its client parked, not in a worker, so another client's calls at once
+    on one channel run meanwhile; when the client opens its windows, every parked answer comes whole."""
+    door = _grpc_door(_Echo(), slot_stall_s=0.2, send_timeout_s=30.0)
+    x = np.arange(1024, dtype=np.float32).reshape(1, -1)
+    framed = wire.grpc_framed(wire.identity_message(x))
+    streams = {1, 3, 5, 7}
+    s = wire.connect("127.0.0.1", door.port, rcvbuf=4096)
+    try:
+        wire.send_quietly(s, wire.H2_PREFACE + wire.settings(initial_window_size=0))
+        wire.server_settings(s)
+        calls = b""
+        for sid in sorted(streams):
+            calls += wire.frame(wire.HEADERS, wire.END_HEADERS, sid, wire.request_block(wire.INFER_PATH))
+            calls += wire.frame(wire.DATA, wire.END_STREAM, sid, framed)
+        wire.send_quietly(s, calls)
+        assert wait_for(lambda: door._server.unsent.used >= 4 * x.nbytes)  # all four parked, held
+
+        done = threading.Semaphore(0)
+        errors = []
+
+        def finished(result, error) -> None:
+            errors.append(error)
+            done.release()
+
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{door.port}") as client:
+            for _ in range(2):  # two streams of one connection at once: they run on the workers
+                tensor = grpcclient.InferInput("X", [1], "FP32")
+                tensor.set_data_from_numpy(np.ones(1, np.float32))
+                client.async_infer("m", [tensor], finished, client_timeout=10)
+            assert done.acquire(timeout=15) and done.acquire(timeout=15)
+        assert errors == [None, None]
+
+        opening = b"".join(
+            wire.frame(wire.WINDOW_UPDATE, 0, sid, (1 << 20).to_bytes(4, "big")) for sid in sorted(streams)
+        )
+        wire.send_quietly(s, opening)
+        answers = _answers(s, streams)
+        for sid in streams:  # the gRPC prefix, then a message of that length
+            assert answers[sid][0] == 0 and int.from_bytes(answers[sid][1:5], "big") == len(answers[sid]) - 5
+            assert x.tobytes() in answers[sid]
+        assert wait_for(lambda: door._server.unsent.used == 0)
+    finally:
+        s.close()
+        door.close()
+    assert door._server.unsent.used == 0
+
+
 class _Stuck:
     """A node client whose calls wait for :attr:`release` (a call Triton takes long to answer)."""
 

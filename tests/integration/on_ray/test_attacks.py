@@ -2,8 +2,9 @@
 
 The shipped config (deployments/triton_shm.yaml: two replicas, the front door
 on, its settings as shipped; every port moved to a free one), a local Ray and
-the node's real Triton. One tritonclient HTTP and one gRPC caller process call
-``identity`` throughout, checking every output. Each attack
+the node's real Triton. Legitimate tritonclient caller processes call ``identity``
+throughout, checking every output: one HTTP, one gRPC, and one gRPC making two calls at
+once on its channel. Each attack
 (:mod:`ray_triton_shm._private.bench.attacks`, at half the table's counts) is
 judged by :func:`~ray_triton_shm._private.bench.attacks.judge.judge`: no legitimate
 call failed or got a wrong answer, no gap without a right answer longer than
@@ -115,6 +116,13 @@ def test_more_slow_clients_than_slots_stop_no_caller(attacked, name: str) -> Non
     """72 slow clients of ``identity``'s slot path, nine times its 8 slots: while other calls wait
     for a slot, a slow client keeps one no longer than ``slot_busy_stall_s`` (0.1 s)."""
     _attack(attacked, name, dataclasses.replace(STALL_BOUNDS, scale=4.5))
+
+
+def test_connections_of_many_unread_calls_hold_no_callers_workers(attacked) -> None:
+    """16 connections of 8 calls each (128 in all, four times the two replicas' 16 gRPC workers
+    each) whose answers the client never takes: an answer that waits on its client is parked on
+    its connection and its worker freed, so another client's calls on a shared channel still run."""
+    _attack(attacked, "grpc-streams-unread", dataclasses.replace(STALL_BOUNDS, scale=1.0))
 
 
 def test_answers_never_read_hold_no_callers_slots(attacked) -> None:

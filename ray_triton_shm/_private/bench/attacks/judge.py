@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_triton_shm._private.bench.attacks.catalog import Attack
-from ray_triton_shm._private.bench.attacks.legit import LegitCallers, longest_gap
+from ray_triton_shm._private.bench.attacks.legit import PROTOCOLS, LegitCallers, longest_gap
 from ray_triton_shm._private.bench.attacks.wire import Target
 
 MiB = 1 << 20
@@ -177,13 +177,13 @@ def judge(attack: Attack, target: Target, callers: LegitCallers, pids: list[int]
     """
     settle_until = time.time() + bounds.settle_s  # what an attack before left behind must be over
     settled = time.time()
-    while time.time() < settle_until and not all(callers.served_since(settled, p) for p in ("http", "grpc")):
+    while time.time() < settle_until and not all(callers.served_since(settled, p) for p in PROTOCOLS):
         time.sleep(0.05)
     quiet_start = time.time()
     time.sleep(bounds.quiet_s)
     start = time.time()
     calls = callers.snapshot()
-    baseline = max(longest_gap(calls, p, quiet_start, start) for p in ("http", "grpc"))
+    baseline = max(longest_gap(calls, p, quiet_start, start) for p in PROTOCOLS)
     watch = _RssWatch(pids)
     try:
         notes = attack.run(target, time.monotonic() + bounds.hold_s, bounds.scale)
@@ -191,13 +191,13 @@ def judge(attack: Attack, target: Target, callers: LegitCallers, pids: list[int]
         notes = {"attack error": f"{type(e).__name__}: {e}"}
     end = time.time()
     deadline = end + bounds.recover_s
-    while time.time() < deadline and not all(callers.served_since(end, p) for p in ("http", "grpc")):
+    while time.time() < deadline and not all(callers.served_since(end, p) for p in PROTOCOLS):
         time.sleep(0.05)
     recovered_s = None
     calls = callers.snapshot()
     served = [
         min((c.end for c in calls if c.ok and c.protocol == p and c.start >= end), default=None)
-        for p in ("http", "grpc")
+        for p in PROTOCOLS
     ]
     if all(s is not None for s in served):
         recovered_s = max(served) - end
@@ -205,7 +205,7 @@ def judge(attack: Attack, target: Target, callers: LegitCallers, pids: list[int]
     window = [c for c in calls if start <= c.end <= (end + (recovered_s or bounds.recover_s))]
     failed = [c for c in window if not c.ok and c.error != "wrong answer"]
     wrong = [c for c in window if c.error == "wrong answer"]
-    gaps = {p: round(longest_gap(calls, p, start, end), 2) for p in ("http", "grpc")}
+    gaps = {p: round(longest_gap(calls, p, start, end), 2) for p in PROTOCOLS}
     gap = max(gaps.values())
     reasons = []
     allowed = max(bounds.gap_floor_s, bounds.gap_factor * baseline)

@@ -1,5 +1,10 @@
 """Legitimate callers: processes of their own calling ``identity`` with unmodified tritonclient, checking
-every output, and reporting each call (when it started and ended, and how) to the process that judges."""
+every output, and reporting each call (when it started and ended, and how) to the process that judges.
+
+Three kinds (each a ``protocol`` of :class:`Call`): ``http`` and ``grpc`` make one call at a time;
+``grpc-streams`` makes :data:`STREAMS` calls at once on one channel (several HTTP/2 streams of one
+connection, as ``perf_analyzer`` and an asyncio client do).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ import tritonclient.http
 N = 65536
 """Elements of each caller's FP32 ``[1, N]`` tensor (256 KB: through a slot)."""
 CALL_TIMEOUT_S = 30.0
+STREAMS = 2
+"""Calls a ``grpc-streams`` caller makes at once on its channel."""
+PROTOCOLS = ("http", "grpc", "grpc-streams")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +33,7 @@ class Call:
     """One legitimate call.
 
     Attributes:
-        protocol: ``http`` or ``grpc``.
+        protocol: One of :data:`PROTOCOLS`.
         start: When it began (``time.time()``).
         end: When it ended.
         ok: Answered and right.
@@ -41,6 +49,7 @@ class Call:
 
 def _caller(protocol: str, url: str, pause_s: float, events, stop, go, in_flight) -> None:
     client_module = tritonclient.http if protocol == "http" else tritonclient.grpc
+    call = _calls_at_once if protocol == "grpc-streams" else _call
     rng = np.random.default_rng()
     client = None
     while not stop.is_set():
@@ -51,7 +60,7 @@ def _caller(protocol: str, url: str, pause_s: float, events, stop, go, in_flight
                 continue
             in_flight.value += 1
         try:
-            client = _call(client_module, protocol, url, rng, events, client)
+            client = call(client_module, protocol, url, rng, events, client)
         finally:
             with in_flight.get_lock():
                 in_flight.value -= 1
@@ -92,8 +101,50 @@ def _call(client_module, protocol: str, url: str, rng: np.random.Generator, even
     return client
 
 
+def _calls_at_once(client_module, protocol: str, url: str, rng: np.random.Generator, events, client):
+    """:data:`STREAMS` calls at once on one gRPC client, each reported on ``events``; returns the
+    client to use next (``None`` after an error)."""
+    if client is None:
+        client = client_module.InferenceServerClient(url)
+    done = threading.Semaphore(0)
+    results: list[tuple[float, float, str]] = []
+
+    def call(x: np.ndarray, start: float) -> None:
+        def finished(result, error) -> None:
+            if error is not None:
+                outcome = f"{type(error).__name__}: {str(error)[:200]}"
+            elif not np.array_equal(result.as_numpy("OUTPUT0"), x):
+                outcome = "wrong answer"
+            else:
+                outcome = ""
+            results.append((start, time.time(), outcome))
+            done.release()
+
+        tensor = client_module.InferInput("INPUT0", [1, N], "FP32")
+        tensor.set_data_from_numpy(x)
+        client.async_infer("identity", [tensor], finished, client_timeout=CALL_TIMEOUT_S)
+
+    started = 0
+    try:
+        for _ in range(STREAMS):
+            call(rng.random((1, N), dtype=np.float32), time.time())
+            started += 1
+    except Exception as e:
+        results.append((time.time(), time.time(), f"{type(e).__name__}: {str(e)[:200]}"))
+    for _ in range(started):
+        done.acquire(timeout=CALL_TIMEOUT_S + 5)
+    for start, end, error in list(results):
+        events.put((protocol, start, end, not error, error))
+    if any(error for _, _, error in results) or len(results) < STREAMS:
+        with contextlib.suppress(Exception):
+            client.close()
+        client = None
+    return client
+
+
 class LegitCallers:
-    """An HTTP and a gRPC caller process (``per_protocol`` of each) on one server, calling until stopped.
+    """A caller process of each of :data:`PROTOCOLS` (``per_protocol`` of each) on one server, calling until
+    stopped.
 
     Args:
         http_url: The server's HTTP ``host:port``.
@@ -115,7 +166,8 @@ class LegitCallers:
                 args=(protocol, url, pause_s, self._events, self._stop, self._go, self._in_flight),
                 daemon=True,
             )
-            for protocol, url in (("http", http_url), ("grpc", grpc_url))
+            for protocol in PROTOCOLS
+            for url in [http_url if protocol == "http" else grpc_url]
             for _ in range(per_protocol)
         ]
         self.calls: list[Call] = []
@@ -134,7 +186,7 @@ class LegitCallers:
             p.start()
         self._collector.start()
         deadline = time.monotonic() + ready_timeout_s
-        while not all(self.served_since(0.0, p) for p in ("http", "grpc")):
+        while not all(self.served_since(0.0, p) for p in PROTOCOLS):
             if time.monotonic() > deadline:
                 errors = {c.error for c in self.snapshot() if c.error}
                 raise TimeoutError(f"the legitimate callers got no right answer: {sorted(errors)[:3]}")

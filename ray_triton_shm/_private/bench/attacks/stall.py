@@ -69,6 +69,38 @@ def _no_answer_window(target: Target, until: float, clients: int, version: str =
         wire.close_all(sockets)
 
 
+STREAMS_PER_CONNECTION = 8
+
+
+def grpc_streams_unread(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """Connections of several ``identity`` calls each (256 KB, through a slot), none opening a window
+    for its answers: each answer waits on its client, and the calls of a connection of many streams
+    run on the server's shared workers, not in the connection's own thread."""
+    x = np.arange(1 << 16, dtype=np.float32).reshape(1, 1 << 16)
+    framed = wire.grpc_framed(wire.identity_message(x))
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count(CLIENTS, scale)):
+            s = wire.connect(target.host, target.grpc_port, rcvbuf=4096)
+            sockets.append(s)
+            wire.send_quietly(s, wire.H2_PREFACE + wire.settings(initial_window_size=0))
+            wire.server_settings(s)  # its windows: the messages need more than the first 65,535 bytes
+        # A call on each connection at a time, a round every 0.2 s: each message finds a slot free
+        # (the ones before gave theirs back when their answers stalled), so each runs as a placed call.
+        for stream in range(1, 2 * STREAMS_PER_CONNECTION, 2):
+            call = wire.frame(wire.HEADERS, wire.END_HEADERS, stream, wire.request_block(wire.INFER_PATH))
+            call += wire.frame(wire.DATA, wire.END_STREAM, stream, framed)
+            for s in sockets:
+                wire.send_quietly(s, call)
+            hold(min(until, time.monotonic() + 0.2))
+        hold(until)
+        closed = sum(wire.closed_by_peer(s) for s in sockets)
+        calls_sent = len(sockets) * STREAMS_PER_CONNECTION
+        return {"connections": len(sockets), "calls": calls_sent, "closed by server": closed}
+    finally:
+        wire.close_all(sockets)
+
+
 def grpc_trickled_message(target: Target, until: float, scale: float) -> dict[str, Any]:
     """``identity`` calls whose message stops half-way, then goes on at a byte a second."""
     framed = wire.grpc_framed(wire.identity_message(_x()))
@@ -151,6 +183,13 @@ ATTACKS = (
         protocol="grpc",
         run=grpc_trickled_message,
         summary="16 gRPC calls stopping half-way, then 1 byte/s",
+    ),
+    Attack(
+        name="grpc-streams-unread",
+        kind="stalled",
+        protocol="grpc",
+        run=grpc_streams_unread,
+        summary="16 gRPC connections of 8 calls each (256 KB) that open no window for their answers",
     ),
     Attack(
         name="http-trickled-body",

@@ -156,7 +156,7 @@ def cell(v: Verdict) -> str:
         if v.notes.get("refused"):  # refused, but the legitimate callers suffered
             return f"refused {answer}, **broke**: " + "; ".join(v.reasons)
         return f"**accepted** {answer}"
-    gaps = f"http {v.gaps_s['http']:.1f} s, gRPC {v.gaps_s['grpc']:.1f} s"
+    gaps = ", ".join(f"{p.replace('grpc', 'gRPC')} {gap:.1f} s" for p, gap in v.gaps_s.items())
     numbers = f"longest gap {gaps} (quiet {v.baseline_gap_s:.1f} s), {v.calls} calls"
     numbers += f", RSS +{v.rss_growth_mib:.0f} MiB"
     if "ran" in v.notes:

@@ -197,6 +197,30 @@ def raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(needed, hard), hard))
 
 
+def server_settings(s: socket.socket, timeout: float = 5.0) -> None:
+    """Read the server's first frames up to its SETTINGS (its windows and frame size), and acknowledge
+    them; a server that closes or says nothing within ``timeout`` is left as it is."""
+    s.settimeout(timeout)
+    pending = b""
+    try:
+        while True:
+            got = s.recv(65536)
+            if not got:
+                return
+            pending += got
+            while len(pending) >= 9:
+                length = int.from_bytes(pending[:3], "big")
+                if len(pending) < 9 + length:
+                    break
+                kind, flags = pending[3], pending[4]
+                pending = pending[9 + length :]
+                if kind == SETTINGS and not flags & 1:
+                    send_quietly(s, frame(SETTINGS, 1, 0))
+                    return
+    except OSError:
+        return
+
+
 def send_data(s: socket.socket, stream: int, data: bytes, until: float, *, end_stream: bool = True) -> int:
     """Send ``data`` on ``stream`` in 16 KB DATA frames within the server's flow-control windows
     (reading its SETTINGS and WINDOW_UPDATE frames while blocked), until done or the monotonic time

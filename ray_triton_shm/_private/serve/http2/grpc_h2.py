@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ray_triton_shm._private.serve.http2.grpc_message import Placer
 from ray_triton_shm._private.serve.http2.h2_control import ConnectionControl, set_kernel_timeout
 from ray_triton_shm._private.serve.http2.h2_headers import HeaderDecoder
+from ray_triton_shm._private.serve.http2.h2_send import ParkedAnswer
 from ray_triton_shm._private.serve.http2.h2_wire import (
     ACK,
     COMPRESSION_ERROR,
@@ -149,6 +150,10 @@ class H2Connection(ConnectionControl):
         self._decoder = HeaderDecoder(limits.max_header_block)
         self._size_update = b""  # sent before the next header block, after the client sets a table size
         self._write = threading.Lock()  # frames are written whole, and header blocks encoded, one at a time
+        self._tail: list[memoryview] = []  # frame bytes the socket has not taken yet (written first)
+        self._tail_since = 0.0
+        self._tail_held = 0
+        self._parked: list[ParkedAnswer] = []  # answers waiting on their client, written by the reader
         self._flow = threading.Condition()  # guards the send windows and the streams
         self._streams: dict[int, Stream] = {}
         self._last_stream = 0
@@ -194,15 +199,27 @@ class H2Connection(ConnectionControl):
                             continue
                         return self._limits.idle_timeout_s
                     # A call still runs: look again now and then (it may end with nothing more to
-                    # read); a slot waiting for a message's bytes waits no longer than its stall time.
-                    wait = self._limits.slot_stall_s if self._read_timeout else _IDLE_CHECK_S
-                    if not select.select([self._sock], [], [], wait)[0]:
-                        if self._read_timeout:
+                    # read); a slot waiting for a message's bytes waits no longer than its stall time;
+                    # output waiting on the client is written as the socket takes it.
+                    full = self._limits.slot_stall_s if self._read_timeout else _IDLE_CHECK_S
+                    wait = full
+                    deadline = self.output_deadline()
+                    if deadline is not None:
+                        wait = max(0.0, min(wait, deadline - time.monotonic()))
+                    readable, writable, _ = select.select(
+                        [self._sock], [self._sock] if self._tail else [], [], wait
+                    )
+                    if writable or (self._parked and not readable):
+                        self.flush_output()
+                    if not readable:
+                        if self._read_timeout and not writable and wait >= full:
                             self._stalled()
                         continue
                 if self._read_timeout:
                     self._expire_placements()
                 self._frame()
+                if self._parked or self._tail:  # a window may have opened
+                    self.flush_output()
             raise self._fatal
         except H2ProtocolError as e:
             logger.warning("front door gRPC: a connection ended with GOAWAY %d: %s", e.code, e.message)
@@ -220,12 +237,12 @@ class H2Connection(ConnectionControl):
         """
         frame = self._goaway_frame(NO_ERROR, "idle")
         with self._write, contextlib.suppress(OSError):
-            self._sock.send(frame, socket.MSG_DONTWAIT)
+            self._queue_locked([frame])
         self._close()
 
     def _idle(self) -> bool:
         with self._flow:
-            return not self._streams
+            return not self._streams and not self._tail
 
     def _header_block_too_long(self) -> H2ProtocolError:
         limit = self._limits.max_header_block
@@ -482,9 +499,10 @@ class H2Connection(ConnectionControl):
                 call.abort("INTERNAL", "the server did not answer the call")
             stream.release()  # a placement the handler did not take
             with self._flow:
-                stream.done = True
-                if stream.ended:
-                    self._streams.pop(stream.id, None)
+                if not stream.parked:  # else the reader ends it once its answer is written
+                    stream.done = True
+                    if stream.ended:
+                        self._streams.pop(stream.id, None)
 
     def _read_one_frame(self, timeout: float, give_up: bool = True) -> None:
         """Read one frame in the reader's thread while its call waits (the connection's end ends the call).
@@ -512,6 +530,7 @@ class H2Connection(ConnectionControl):
                 if not stream.dispatched:
                     stream.release()
             self._flow.notify_all()
+        self.drop_output()
 
     def busy(self) -> bool:
         """Whether a call is still running."""

@@ -14,10 +14,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ray_triton_shm._private.serve.http2.h2_headers import encode_block
 from ray_triton_shm._private.serve.http2.h2_wire import (
+    CANCEL,
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -32,7 +34,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     status_number,
 )
 from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget
-from ray_triton_shm._private.serve.net.listener import Unsent, send_parts
+from ray_triton_shm._private.serve.net.listener import Unsent, send_parts, send_within
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,30 @@ _RESPONSE_HEADERS = [
 ]
 _RESPONSE_BLOCK = encode_block(_RESPONSE_HEADERS)
 _OK_BLOCK = encode_block([("grpc-status", "0")])
+
+
+@dataclass(eq=False)
+class ParkedAnswer:
+    """The rest of an answer its client did not take in time, written by the connection's reader as the
+    client's windows and socket take it (its worker has gone back to the pool).
+
+    Attributes:
+        stream: The call's stream.
+        views: The answer's bytes not framed yet (memory of its own, not a slot's).
+        remaining: How many (the 5-byte message prefix included, if not sent).
+        first: Its headers are not sent yet.
+        trailers: Its status block.
+        held: Bytes held against the listener's ``max_unsent_bytes`` for it.
+        deadline: When it ends unsent (``time.monotonic()``) unless the client takes some of it.
+    """
+
+    stream: Stream
+    views: list[memoryview]
+    remaining: int
+    first: bool
+    trailers: bytes
+    held: int
+    deadline: float
 
 
 class AnswerWriter:
@@ -60,6 +86,11 @@ class AnswerWriter:
     _slot_stall_s: float
     _send_timeout_s: float
     _unsent: ByteBudget
+    _tail: list[memoryview]  # frame bytes the socket did not take yet: written before anything else
+    _tail_since: float  # when the client last took some of the tail
+    _tail_held: int  # bytes of the tail held against _unsent (copies of answers)
+    _parked: list[ParkedAnswer]
+    _streams: dict[int, Stream]
 
     def _read_one_frame(self, timeout: float, give_up: bool = True) -> None:
         raise NotImplementedError
@@ -73,11 +104,28 @@ class AnswerWriter:
         self._send([frame_header(4, RST_STREAM, 0, stream_id), code.to_bytes(4, "big")])
 
     def _send_locked(
-        self, parts: Sequence[Any], on_stall: Unsent | None = None, stall_s: float | None = None
+        self,
+        parts: Sequence[Any],
+        on_stall: Unsent | None = None,
+        stall_s: float | None = None,
+        wait: bool = False,
     ) -> None:
-        """Write ``parts``; a failed or timed-out write ends the connection (and raises ``StreamGone``),
-        as does an answer not taken that ``on_stall`` has no room to hold."""
+        """Write ``parts`` (whole frames; called with the write lock held); a failed write ends the connection
+        (and raises ``StreamGone``).
+
+        Unless ``wait``, nothing waits on the client here: what the socket does not take now waits in
+        the connection's tail, which the reader writes as the client reads (and the connection ends if it
+        takes none of it within the send timeout). With ``wait`` (an answer written by the reader's own
+        call), the write waits, as :func:`send_parts` with ``on_stall``; an answer not taken that
+        ``on_stall`` has no room to hold ends the connection too.
+        """
         try:
+            if not wait:
+                self._queue_locked(parts)
+                return
+            if self._tail:
+                parts, self._tail = [*self._tail, *parts], []
+                self._give_tail_locked()
             send_parts(self._sock, parts, self._slot_stall_s if stall_s is None else stall_s, on_stall)
         except OverBudget as e:
             self._end_unsent(e)
@@ -85,6 +133,31 @@ class AnswerWriter:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             raise StreamGone() from e
+
+    def _queue_locked(self, parts: Sequence[Any], held: int = 0) -> None:
+        """Write the tail and ``parts`` as far as the socket takes them now; the rest is the new tail.
+
+        ``parts`` must be memory of their own (not a slot's); ``held``: bytes of them held against
+        the listener's ``max_unsent_bytes``, given back once the tail is written.
+
+        Raises:
+            OSError: The send failed.
+        """
+        self._tail_held += held
+        if not self._tail:
+            self._tail_since = time.monotonic()
+        before = sum(v.nbytes for v in self._tail)
+        self._tail = send_within(self._sock, [*self._tail, *parts], 0.0)
+        left = sum(v.nbytes for v in self._tail)
+        if left < before + sum(memoryview(p).nbytes for p in parts):
+            self._tail_since = time.monotonic()
+        if not self._tail:
+            self._give_tail_locked()
+
+    def _give_tail_locked(self) -> None:
+        held, self._tail_held = self._tail_held, 0
+        if held:
+            self._unsent.give(held)
 
     def _end_unsent(self, error: OverBudget) -> NoReturn:
         """End the connection of an answer not taken that has no room to be held.
@@ -133,7 +206,9 @@ class AnswerWriter:
                 copied, ``parts`` is emptied, ``release`` is called, and the rest is sent
                 from the copy. Any answer not taken within the stall time is held against
                 the listener's ``max_unsent_bytes`` until it is sent; with no room left,
-                its connection ends.
+                its connection ends. In a worker thread such an answer is parked: its
+                rest is written by the connection's reader as the client takes it, and
+                the worker goes back to the pool at once.
             stall_s: The stall time (``None``: the connection's ``slot_stall_s``).
 
         Raises:
@@ -155,6 +230,9 @@ class AnswerWriter:
             self._check(stream)
             with self._write:
                 self._send_locked(self._header_frames(sid, _RESPONSE_BLOCK + trailers, True))
+        elif threading.current_thread() is not self._reader_thread:
+            self._answer_or_park(stream, parts, trailers, release, stall_s)
+            return
         else:
             length = sum(memoryview(p).nbytes for p in parts)
             views = [memoryview(b"\x00" + length.to_bytes(4, "big"))] + [
@@ -207,7 +285,7 @@ class AnswerWriter:
                             frames += self._data_frames(sid, views, take)
                             if not remaining:
                                 frames += self._header_frames(sid, trailers, True)
-                            self._send_locked(frames, stalled if watching else None, stall)
+                            self._send_locked(frames, stalled if watching else None, stall, wait=True)
                     if stale:  # the windows are taken again under the settings in force
                         self._unreserve(stream, take)
                     frames = []
@@ -215,6 +293,202 @@ class AnswerWriter:
                 self._unsent.give(held)
         if not stream.ended:  # answered before the client finished sending: stop it
             self._send_reset(sid, NO_ERROR)
+
+    def _answer_or_park(
+        self,
+        stream: Stream,
+        parts: list[bytes | memoryview],
+        trailers: bytes,
+        release: Callable[[], None] | None,
+        stall_s: float | None,
+    ) -> None:
+        """:meth:`answer` in a worker: written while the client takes it; what it does not take within the
+        stall time (or all of it, when the connection's output already waits on the client) is copied out
+        of its slot, held against ``max_unsent_bytes`` and parked for the reader to write."""
+        sid = stream.id
+        length = sum(memoryview(p).nbytes for p in parts)
+        views = [memoryview(b"\x00" + length.to_bytes(4, "big"))] + [memoryview(p).cast("B") for p in parts]
+        stall = self._slot_stall_s if stall_s is None else stall_s
+        remaining = length + 5
+        first = True
+        rest: list[memoryview] = []
+        while remaining:
+            take, epoch = self._reserve(stream, remaining, time.monotonic() + stall)
+            if not take:
+                break  # the client opens no window
+            with self._write:
+                if epoch != self._settings_epoch or self._tail:  # stale windows, or output waits already
+                    self._unreserve(stream, take)
+                    break
+                frames = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
+                first = False
+                remaining -= take
+                frames += self._data_frames(sid, views, take)
+                if not remaining:
+                    frames += self._header_frames(sid, trailers, True)
+                try:
+                    rest = send_within(self._sock, frames, stall)
+                except OSError as e:
+                    with contextlib.suppress(OSError):
+                        self._sock.shutdown(socket.SHUT_RDWR)
+                    raise StreamGone() from e
+                del frames
+                if rest:
+                    break
+        if not remaining and not rest:
+            if not stream.ended:  # answered before the client finished sending: stop it
+                self._send_reset(sid, NO_ERROR)
+            return
+        self._park(stream, rest, views, remaining, first, trailers, parts, release)
+
+    def _park(
+        self,
+        stream: Stream,
+        rest: list[memoryview],
+        views: list[memoryview],
+        remaining: int,
+        first: bool,
+        trailers: bytes,
+        parts: list[bytes | memoryview],
+        release: Callable[[], None] | None,
+    ) -> None:
+        """Hand the rest of an answer to the reader: ``rest`` (frame bytes begun on the socket) goes first
+        as the tail, then ``remaining`` bytes of ``views``; copied out of the slot if ``release``."""
+        tail_bytes = sum(v.nbytes for v in rest)
+        want = tail_bytes + sum(v.nbytes for v in views)
+        try:
+            self._unsent.take(want)
+        except OverBudget as e:
+            if release is not None:
+                views.clear()
+                rest.clear()
+                parts.clear()
+                release()
+            self._end_unsent(e)
+        if release is not None:
+            rest = [memoryview(b"".join(rest))] if rest else []
+            views[:] = [memoryview(b"".join(views))] if views else []
+            parts.clear()
+            release()
+        parked = ParkedAnswer(
+            stream=stream,
+            views=views,
+            remaining=remaining,
+            first=first,
+            trailers=trailers,
+            held=want - tail_bytes,
+            deadline=time.monotonic() + self._send_timeout_s,
+        )
+        with self._write:
+            if self._closed:  # the connection ended meanwhile: nothing more is written
+                self._unsent.give(want)
+                raise StreamGone()
+            try:
+                if rest:
+                    self._queue_locked(rest, tail_bytes)
+            except OSError as e:
+                self._unsent.give(want - tail_bytes)
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                raise StreamGone() from e
+            if remaining:
+                stream.parked = True
+                self._parked.append(parked)
+            else:
+                self._unsent.give(parked.held)
+                if not stream.ended:  # answered before the client finished sending: stop it
+                    self._queue_locked(
+                        [frame_header(4, RST_STREAM, 0, stream.id), NO_ERROR.to_bytes(4, "big")]
+                    )
+
+    def output_deadline(self) -> float | None:
+        """The earliest time (``time.monotonic()``) the waiting output must move by, or ``None``."""
+        times = [p.deadline for p in self._parked]
+        if self._tail:
+            times.append(self._tail_since + self._send_timeout_s)
+        return min(times, default=None)
+
+    def flush_output(self) -> None:
+        """Write the tail and parked answers as far as the socket and the client's windows take them now
+        (in the reader's thread; nothing waits here). A parked answer whose client took none of it
+        within the send timeout is reset (``CANCEL``).
+
+        Raises:
+            StreamGone: The connection ended (a failed write, or a tail the client did not take
+                within the send timeout).
+        """
+        now = time.monotonic()
+        with self._write:
+            try:
+                if self._tail:
+                    self._queue_locked([])
+                    if self._tail:
+                        if now - self._tail_since > self._send_timeout_s:
+                            raise OSError("the client took none of the output within the send timeout")
+                        return
+                for parked in list(self._parked):
+                    if self._flush_parked_locked(parked, now):
+                        self._finish_parked_locked(parked)
+                    if self._tail:
+                        return
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                raise StreamGone() from e
+
+    def _flush_parked_locked(self, parked: ParkedAnswer, now: float) -> bool:
+        """Write what the windows and the socket take of ``parked`` now; whether it is over."""
+        stream = parked.stream
+        if stream.reset or self._closed:
+            return True
+        while parked.remaining:
+            with self._flow:
+                take = min(parked.remaining, stream.send_window, self._send_window)
+                if take <= 0:
+                    break
+                stream.send_window -= take
+                self._send_window -= take
+            frames = self._header_frames(stream.id, _RESPONSE_BLOCK, False) if parked.first else []
+            parked.first = False
+            parked.remaining -= take
+            parked.deadline = now + self._send_timeout_s
+            frames += self._data_frames(stream.id, parked.views, take)
+            if not parked.remaining:
+                frames += self._header_frames(stream.id, parked.trailers, True)
+                if not stream.ended:  # answered before the client finished sending: stop it
+                    frames += [frame_header(4, RST_STREAM, 0, stream.id), NO_ERROR.to_bytes(4, "big")]
+            self._queue_locked(frames)
+            if self._tail:
+                break
+        if not parked.remaining:
+            return True
+        if now > parked.deadline:  # the client opened no window for it in time
+            self._queue_locked([frame_header(4, RST_STREAM, 0, stream.id), CANCEL.to_bytes(4, "big")])
+            return True
+        return False
+
+    def _finish_parked_locked(self, parked: ParkedAnswer) -> None:
+        """``parked`` is written (or given up): its memory and its stream go."""
+        self._parked.remove(parked)
+        held, parked.held = parked.held, 0
+        parked.views.clear()
+        if held:
+            self._unsent.give(held)
+        stream = parked.stream
+        with self._flow:
+            stream.parked = False
+            stream.done = True
+            if stream.ended or stream.reset:
+                self._streams.pop(stream.id, None)
+            self._flow.notify_all()
+
+    def drop_output(self) -> None:
+        """The connection is over: what waits on the client goes, its memory given back."""
+        with self._write:
+            self._tail = []
+            self._give_tail_locked()
+            for parked in list(self._parked):
+                self._finish_parked_locked(parked)
 
     def _check(self, stream: Stream) -> None:
         if stream.reset or self._closed:

@@ -40,7 +40,7 @@ PADDED = 0x8
 PRIORITY_FLAG = 0x20
 # Error codes (RFC 9113, section 7).
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
-FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 6, 7, 9, 11
+FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 6, 7, 8, 9, 11
 # Settings.
 HEADER_TABLE_SIZE, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 1, 3, 4, 5
 MAX_HEADER_LIST_SIZE = 6
@@ -358,6 +358,7 @@ class Stream:
         self.dispatched = False  # handed to a worker
         self.answered = False  # its answer has begun
         self.done = False  # its worker has finished
+        self.parked = False  # its answer waits on the client, written by the connection's reader
         self.place_deadline = 0.0  # when a message being read into a slot must be complete
 
     def receive(self, reader: FrameReader, count: int) -> None:

@@ -91,6 +91,28 @@ def send_parts(
         first = consumed(views, first, sent)
 
 
+def send_within(sock: socket.socket, parts: Sequence[bytes | memoryview], stall_s: float) -> list[memoryview]:
+    """Write ``parts`` to ``sock`` in order until they are sent or a send waits ``stall_s`` for the
+    client to take bytes (``0``: no wait at all); the views not sent (views of ``parts``).
+
+    Raises:
+        OSError: The send failed.
+    """
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    first = 0
+    while first < len(views):
+        try:
+            sent = sock.sendmsg(views[first : first + IOV_BATCH], [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        if not sent:
+            if stall_s <= 0 or not select.select([], [sock], [], stall_s)[1]:
+                return views[first:]
+            continue
+        first = consumed(views, first, sent)
+    return []
+
+
 IDLE_LINGER_S = 0.1
 """How long a connection with nothing to do keeps its thread for its next request before it is
 parked (a client calling back to back is served without a hand-over between threads)."""
