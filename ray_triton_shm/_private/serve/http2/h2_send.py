@@ -328,23 +328,42 @@ class AnswerWriter:
                     frames += self._header_frames(sid, trailers, True)
                 try:
                     rest = send_within(self._sock, frames, stall)
+                    del frames
+                    if rest:  # a frame begun: its rest is the tail now, before any other write
+                        self._tail_rest_locked(rest, release is not None)
+                        break
+                except OverBudget as e:
+                    self._end_unsent(e)
                 except OSError as e:
                     with contextlib.suppress(OSError):
                         self._sock.shutdown(socket.SHUT_RDWR)
                     raise StreamGone() from e
-                del frames
-                if rest:
-                    break
         if not remaining and not rest:
             if not stream.ended:  # answered before the client finished sending: stop it
                 self._send_reset(sid, NO_ERROR)
             return
-        self._park(stream, rest, views, remaining, first, trailers, parts, release)
+        if remaining:
+            self._park(stream, views, remaining, first, trailers, parts, release)
+        elif not stream.ended:  # all of it is in the tail: stop the client's side too
+            self._send_reset(sid, NO_ERROR)
+
+    def _tail_rest_locked(self, rest: list[memoryview], copy: bool) -> None:
+        """``rest`` (frame bytes the socket did not take, the tail empty) becomes the tail, held
+        against ``max_unsent_bytes`` (copied first if ``copy``: views of a slot).
+
+        Raises:
+            OverBudget: No room to hold it (the caller ends the connection).
+        """
+        size = sum(v.nbytes for v in rest)
+        self._unsent.take(size)
+        self._tail = [memoryview(b"".join(rest))] if copy else list(rest)
+        rest.clear()
+        self._tail_held += size
+        self._tail_since = time.monotonic()
 
     def _park(
         self,
         stream: Stream,
-        rest: list[memoryview],
         views: list[memoryview],
         remaining: int,
         first: bool,
@@ -352,21 +371,15 @@ class AnswerWriter:
         parts: list[bytes | memoryview],
         release: Callable[[], None] | None,
     ) -> None:
-        """Hand the rest of an answer to the reader: ``rest`` (frame bytes begun on the socket) goes first
-        as the tail, then ``remaining`` bytes of ``views``; copied out of the slot if ``release``."""
-        tail_bytes = sum(v.nbytes for v in rest)
-        want = tail_bytes + sum(v.nbytes for v in views)
+        """Hand the rest of an answer, ``remaining`` bytes of ``views``, to the reader: copied out of
+        the slot (and the slot given back) if ``release``, held against ``max_unsent_bytes``."""
+        want = sum(v.nbytes for v in views)
         try:
             self._unsent.take(want)
         except OverBudget as e:
-            if release is not None:
-                views.clear()
-                rest.clear()
-                parts.clear()
-                release()
+            views.clear()
             self._end_unsent(e)
         if release is not None:
-            rest = [memoryview(b"".join(rest))] if rest else []
             views[:] = [memoryview(b"".join(views))] if views else []
             parts.clear()
             release()
@@ -376,30 +389,15 @@ class AnswerWriter:
             remaining=remaining,
             first=first,
             trailers=trailers,
-            held=want - tail_bytes,
+            held=want,
             deadline=time.monotonic() + self._send_timeout_s,
         )
         with self._write:
             if self._closed:  # the connection ended meanwhile: nothing more is written
                 self._unsent.give(want)
                 raise StreamGone()
-            try:
-                if rest:
-                    self._queue_locked(rest, tail_bytes)
-            except OSError as e:
-                self._unsent.give(want - tail_bytes)
-                with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)
-                raise StreamGone() from e
-            if remaining:
-                stream.parked = True
-                self._parked.append(parked)
-            else:
-                self._unsent.give(parked.held)
-                if not stream.ended:  # answered before the client finished sending: stop it
-                    self._queue_locked(
-                        [frame_header(4, RST_STREAM, 0, stream.id), NO_ERROR.to_bytes(4, "big")]
-                    )
+            stream.parked = True
+            self._parked.append(parked)
 
     def output_deadline(self) -> float | None:
         """The earliest time (``time.monotonic()``) the waiting output must move by, or ``None``."""
