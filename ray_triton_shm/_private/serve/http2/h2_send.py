@@ -130,9 +130,7 @@ class AnswerWriter:
         except OverBudget as e:
             self._end_unsent(e)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-            raise StreamGone() from e
+            self._end_broken(e)
 
     def _queue_locked(self, parts: Sequence[Any], held: int = 0) -> None:
         """Write the tail and ``parts`` as far as the socket takes them now; the rest is the new tail.
@@ -158,6 +156,16 @@ class AnswerWriter:
         held, self._tail_held = self._tail_held, 0
         if held:
             self._unsent.give(held)
+
+    def _end_broken(self, error: OSError) -> NoReturn:
+        """A write failed: the connection ends (its socket shut down).
+
+        Raises:
+            StreamGone: Always.
+        """
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        raise StreamGone() from error
 
     def _end_unsent(self, error: OverBudget) -> NoReturn:
         """End the connection of an answer not taken that has no room to be held.
@@ -335,9 +343,7 @@ class AnswerWriter:
                 except OverBudget as e:
                     self._end_unsent(e)
                 except OSError as e:
-                    with contextlib.suppress(OSError):
-                        self._sock.shutdown(socket.SHUT_RDWR)
-                    raise StreamGone() from e
+                    self._end_broken(e)
         if not remaining and not rest:
             if not stream.ended:  # answered before the client finished sending: stop it
                 self._send_reset(sid, NO_ERROR)
@@ -430,9 +436,7 @@ class AnswerWriter:
                     if self._tail:
                         return
             except OSError as e:
-                with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)
-                raise StreamGone() from e
+                self._end_broken(e)
 
     def _flush_parked_locked(self, parked: ParkedAnswer, now: float) -> bool:
         """Write what the windows and the socket take of ``parked`` now; whether it is over."""
