@@ -219,6 +219,43 @@ def test_grpc_answers_not_taken_on_a_connection_of_many_calls_free_their_workers
     assert door._server.unsent.used == 0
 
 
+def test_grpc_parked_answers_stay_held_until_the_socket_takes_them() -> None:
+    """A parked 16 MiB answer (and a small one beside it) whose client then opens its windows but reads
+    nothing yet: what the socket does not take stays held against the budget until the client reads."""
+    door = _grpc_door(_Echo(), slot_stall_s=0.2, send_timeout_s=30.0)
+    tensors = {1: np.arange(1 << 22, dtype=np.float32).reshape(1, -1), 3: np.ones((1, 1024), np.float32)}
+    s = wire.connect("127.0.0.1", door.port, rcvbuf=4096)
+    try:
+        wire.send_quietly(s, wire.H2_PREFACE + wire.settings(initial_window_size=0))
+        wire.server_settings(s)
+        # Both streams open before either message ends: neither call runs in the connection's own
+        # thread, so both answers are written by workers and parked.
+        calls = b"".join(
+            wire.frame(wire.HEADERS, wire.END_HEADERS, sid, wire.request_block(wire.INFER_PATH))
+            for sid in (1, 3)
+        )
+        for sid in (3, 1):
+            framed = wire.grpc_framed(wire.identity_message(tensors[sid]))
+            pieces = [framed[i : i + (1 << 20)] for i in range(0, len(framed), 1 << 20)]
+            for k, piece in enumerate(pieces):  # the server's windows are 2 GiB (read above)
+                calls += wire.frame(wire.DATA, wire.END_STREAM if k == len(pieces) - 1 else 0, sid, piece)
+        wire.send_quietly(s, calls)
+        assert wait_for(lambda: door._server.unsent.used >= sum(x.nbytes for x in tensors.values()))
+        grant = (32 << 20).to_bytes(4, "big")
+        wire.send_quietly(s, b"".join(wire.frame(wire.WINDOW_UPDATE, 0, sid, grant) for sid in (0, 1, 3)))
+        time.sleep(1.0)  # the answers go to the socket as far as it takes them; the rest waits
+        assert door._server.unsent.used >= 8 << 20, door._server.unsent.used
+        answers = _answers(s, set(tensors))
+        for sid, x in tensors.items():
+            assert int.from_bytes(answers[sid][1:5], "big") == len(answers[sid]) - 5
+            assert x.tobytes() in answers[sid]
+        assert wait_for(lambda: door._server.unsent.used == 0)
+    finally:
+        s.close()
+        door.close()
+    assert door._server.unsent.used == 0
+
+
 class _Stuck:
     """A node client whose calls wait for :attr:`release` (a call Triton takes long to answer)."""
 

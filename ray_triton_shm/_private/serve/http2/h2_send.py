@@ -459,7 +459,10 @@ class AnswerWriter:
                 frames += self._header_frames(stream.id, parked.trailers, True)
                 if not stream.ended:  # answered before the client finished sending: stop it
                     frames += [frame_header(4, RST_STREAM, 0, stream.id), NO_ERROR.to_bytes(4, "big")]
-            self._queue_locked(frames)
+            # What the socket does not take now stays held, as the tail's.
+            moved = min(take, parked.held)
+            parked.held -= moved
+            self._queue_locked(frames, moved)
             if self._tail:
                 break
         if not parked.remaining:
