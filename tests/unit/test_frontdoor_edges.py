@@ -25,7 +25,7 @@ from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor
 from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
 from ray_triton_shm._private.serve.replica_context import CLOSE_S, drain_budget
 from ray_triton_shm.errors import UnavailableError
-from tests.helpers import free_port, replica_process, wait_for
+from tests.helpers import free_port, replica_process, stop_process, wait_for
 
 _JSON = json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}]})
 
@@ -356,7 +356,7 @@ def test_a_holder_that_does_not_answer_is_passed_over_after_the_handover_time() 
     claim = None
     sock = None
     try:
-        os.kill(holder.pid, signal.SIGSTOP)
+        stop_process(holder.pid)  # every thread stopped: none can still answer the claim
         claim = PortClaim(port, "app")
         start = time.monotonic()
         sock = claim.listening_socket("127.0.0.1", "HTTP")

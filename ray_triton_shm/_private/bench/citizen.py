@@ -61,6 +61,13 @@ class Target:
     grpc_headers: dict[str, str] | None = None
 
 
+_OWN_CONNECTION = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.max_send_message_length", 2**31 - 1),  # tritonclient's own, which channel_args replace
+    ("grpc.max_receive_message_length", 2**31 - 1),
+]
+
+
 class Callers:
     """``count`` threads calling the identity model (half HTTP, half gRPC) until :meth:`stop`.
 
@@ -100,7 +107,10 @@ class Callers:
             return httpclient.InferenceServerClient(
                 self._target.http_url, connection_timeout=self._timeout_s, network_timeout=self._timeout_s
             )
-        return grpcclient.InferenceServerClient(self._target.grpc_url)
+        # A caller that gives up on its client opens a new connection: a subchannel of its own. With
+        # grpc's process-wide pool, a new client could share the closed one's connection (a hung
+        # replica's, say) while that one is still closing.
+        return grpcclient.InferenceServerClient(self._target.grpc_url, channel_args=_OWN_CONNECTION)
 
     def _call(self, kind: str, client: Any, x: np.ndarray) -> np.ndarray:
         if kind == "http":
