@@ -170,6 +170,16 @@ def _answers(s: socket.socket, streams: set[int], timeout_s: float = 20.0) -> di
     return data
 
 
+def _answers_of(s: socket.socket, tensors: dict[int, np.ndarray]) -> dict[int, bytes]:
+    """The answers of the streams of ``tensors`` (see :func:`_answers`), each checked to be a whole
+    gRPC message (its 5-byte prefix, then that many bytes) echoing its stream's tensor."""
+    answers = _answers(s, set(tensors))
+    for sid, x in tensors.items():
+        assert int.from_bytes(answers[sid][1:5], "big") == len(answers[sid]) - 5
+        assert x.tobytes() in answers[sid]
+    return answers
+
+
 def test_grpc_answers_not_taken_on_a_connection_of_many_calls_free_their_workers() -> None:
     """A connection of four calls whose client opens no window for the answers, against a door of two
     workers: each answer waits on its client parked, not in a worker, so another client's calls at once
@@ -208,10 +218,8 @@ def test_grpc_answers_not_taken_on_a_connection_of_many_calls_free_their_workers
             wire.frame(wire.WINDOW_UPDATE, 0, sid, (1 << 20).to_bytes(4, "big")) for sid in sorted(streams)
         )
         wire.send_quietly(s, opening)
-        answers = _answers(s, streams)
-        for sid in streams:  # the gRPC prefix, then a message of that length
-            assert answers[sid][0] == 0 and int.from_bytes(answers[sid][1:5], "big") == len(answers[sid]) - 5
-            assert x.tobytes() in answers[sid]
+        answers = _answers_of(s, dict.fromkeys(streams, x))
+        assert all(answers[sid][0] == 0 for sid in streams)  # uncompressed
         assert wait_for(lambda: door._server.unsent.used == 0)
     finally:
         s.close()
@@ -245,10 +253,7 @@ def test_grpc_parked_answers_stay_held_until_the_socket_takes_them() -> None:
         wire.send_quietly(s, b"".join(wire.frame(wire.WINDOW_UPDATE, 0, sid, grant) for sid in (0, 1, 3)))
         time.sleep(1.0)  # the answers go to the socket as far as it takes them; the rest waits
         assert door._server.unsent.used >= 8 << 20, door._server.unsent.used
-        answers = _answers(s, set(tensors))
-        for sid, x in tensors.items():
-            assert int.from_bytes(answers[sid][1:5], "big") == len(answers[sid]) - 5
-            assert x.tobytes() in answers[sid]
+        _answers_of(s, tensors)
         assert wait_for(lambda: door._server.unsent.used == 0)
     finally:
         s.close()
