@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -279,6 +280,9 @@ def test_binds_only_the_host_it_is_given() -> None:
 
 class _RefusingClient:
     """A client whose every call is refused: the handler must answer Triton's error shape."""
+
+    _recheck = False
+    client = SimpleNamespace(_layout_or_none=lambda model: None)  # no slot layout: the general path
 
     def infer(self, model, inputs, **kwargs):
         raise InputError(f"model {model!r}: unexpected input")

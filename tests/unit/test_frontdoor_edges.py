@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,9 +20,12 @@ from tritonclient.utils import InferenceServerException
 
 from ray_triton_shm._private.bench.attacks import wire
 from ray_triton_shm._private.node.port_claim import HANDOVER_TIMEOUT_S, PortClaim, app_claim_names
+from ray_triton_shm._private.serve.door import frontdoor_grpc, frontdoor_http
 from ray_triton_shm._private.serve.door.calls import CallGate
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor
+from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler, error_answer
+from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
 from ray_triton_shm._private.serve.replica_context import CLOSE_S, drain_budget
 from ray_triton_shm.errors import UnavailableError
@@ -58,7 +62,7 @@ class _Echo:
         return {"OUTPUT0": np.array(next(iter(inputs.values())))}
 
 
-def _grpc_door(client, gate: CallGate | None = None, **limits) -> GrpcDoor:
+def _grpc_door(client, gate: CallGate | None = None, threads: int = 2, **limits) -> GrpcDoor:
     """A gRPC front door on a free port, over ``client`` (a node client's stand-in), with ``limits``."""
     return GrpcDoor(
         "127.0.0.1",
@@ -68,7 +72,7 @@ def _grpc_door(client, gate: CallGate | None = None, **limits) -> GrpcDoor:
         served_version=lambda model: "1",
         run=None,
         app_name="app",
-        threads=2,
+        threads=threads,
         gate=gate,
         limits=H2Limits(**limits),
     )
@@ -259,6 +263,142 @@ def test_grpc_parked_answers_stay_held_until_the_socket_takes_them() -> None:
         s.close()
         door.close()
     assert door._server.unsent.used == 0
+
+
+class _SlotLease:
+    """A stand-in slot: inputs written into it, given back once."""
+
+    pool = SimpleNamespace(waiting=0)
+
+    def __init__(self, owner: _HeldSlot) -> None:
+        self._owner = owner
+        self.inputs: dict[str, np.ndarray] = {}
+        self._released = False
+
+    def input(self, name: str, shape) -> np.ndarray:
+        self.inputs[name] = np.empty(shape, np.float32)
+        return self.inputs[name]
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._owner.released += 1
+
+    def __enter__(self) -> _SlotLease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class _HeldSlot:
+    """A node client of model ``slotted`` whose one slot another call holds until :attr:`free` is set;
+    any other model is answered from memory, its first input echoed."""
+
+    _recheck = False
+    client = SimpleNamespace(
+        _layout_or_none=lambda model: None, pool=lambda model: SimpleNamespace(try_acquire=lambda: None)
+    )
+
+    def __init__(self) -> None:
+        self.free = threading.Event()
+        self.waiting = 0
+        self.released = 0
+        self._lock = threading.Lock()
+
+    def lease(self, model: str) -> _SlotLease:
+        with self._lock:
+            self.waiting += 1
+        assert self.free.wait(30)
+        return _SlotLease(self)
+
+    def run(self, lease: _SlotLease, outputs) -> dict[str, np.ndarray]:
+        return {"OUTPUT0": next(iter(lease.inputs.values()))}
+
+    def infer(self, model, inputs, **kwargs):
+        return {"OUTPUT0": np.array(next(iter(inputs.values())))}
+
+
+def _slotted(monkeypatch: pytest.MonkeyPatch, module) -> None:
+    """Requests of model ``slotted`` run in a slot of ``module``'s door; any other model's from memory."""
+    monkeypatch.setattr(module, "shm_plan", lambda client, model, inputs, outputs: model == "slotted")
+
+
+def test_grpc_calls_waiting_for_a_slot_do_not_hold_the_call_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two calls wait for the only slot, held elsewhere, against a bound of two: they count only once
+    they have it, so another caller is answered meanwhile, and both are answered once it is free."""
+    _slotted(monkeypatch, frontdoor_grpc)
+    client, gate = _HeldSlot(), CallGate(2)
+    door = _grpc_door(client, gate, threads=3)  # a worker for each call
+    try:
+        with ThreadPoolExecutor(2) as callers:
+            waiting = [callers.submit(_grpc_infer, door.port, "slotted") for _ in range(2)]
+            assert wait_for(lambda: client.waiting == 2)
+            assert gate.ongoing == 0
+            _grpc_infer(door.port)
+            client.free.set()
+            for call in waiting:
+                call.result(timeout=30)
+        assert (gate.total, gate.refused, gate.ongoing, client.released) == (3, 0, 0, 2)
+    finally:
+        client.free.set()
+        door.close()
+
+
+def test_a_grpc_call_whose_slot_comes_when_the_bound_is_full_is_refused_and_gives_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _slotted(monkeypatch, frontdoor_grpc)
+    client, gate = _HeldSlot(), CallGate(1)
+    door = _grpc_door(client, gate)
+    try:
+        with ThreadPoolExecutor(1) as callers:
+            waiting = callers.submit(_grpc_infer, door.port, "slotted")
+            assert wait_for(lambda: client.waiting == 1)
+            with gate.running():  # the bound, reached while the call waits
+                client.free.set()
+                with pytest.raises(InferenceServerException) as refused:
+                    waiting.result(timeout=30)
+        assert refused.value.status() == "StatusCode.UNAVAILABLE"
+        assert "max_ongoing_requests (1)" in refused.value.message()
+        assert (gate.refused, gate.ongoing, client.released) == (1, 0, 1)
+    finally:
+        client.free.set()
+        door.close()
+
+
+def _http_infer_of(port: int, model: str) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("POST", f"/v2/models/{model}/infer", body=_JSON)
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 200, answer
+        return answer
+    finally:
+        conn.close()
+
+
+def test_http_calls_waiting_for_a_slot_do_not_hold_the_call_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HTTP door's JSON requests, as the gRPC test above: not counted while they wait for a slot."""
+    _slotted(monkeypatch, frontdoor_http)
+    client, gate = _HeldSlot(), CallGate(2)
+    door = HttpListener(
+        "127.0.0.1", 0, KServeHttpHandler(client, lambda m: "1", None, error_answer, 1 << 20, gate=gate)
+    )
+    try:
+        with ThreadPoolExecutor(2) as callers:
+            waiting = [callers.submit(_http_infer_of, door.port, "slotted") for _ in range(2)]
+            assert wait_for(lambda: client.waiting == 2)
+            assert gate.ongoing == 0
+            _http_infer_of(door.port, "m")
+            client.free.set()
+            answers = [call.result(timeout=30) for call in waiting]
+        assert all(answer["outputs"][0]["data"] == [1.0] for answer in answers), answers
+        assert (gate.total, gate.refused, gate.ongoing, client.released) == (3, 0, 0, 2)
+    finally:
+        client.free.set()
+        door.close()
 
 
 class _Stuck:

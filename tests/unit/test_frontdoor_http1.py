@@ -399,11 +399,13 @@ class _Client:
         self.lock = threading.Lock()
         self.held = 0
         self.waiting = 0
+        self.leases = 0
         self.calls: list[str] = []
 
     def lease(self, model: str) -> _Lease:
         with self.lock:
             self.held += 1
+            self.leases += 1
         return _Lease(self)
 
     def run(self, lease: _Lease, outputs: Any) -> dict[str, np.ndarray]:
@@ -504,7 +506,9 @@ def test_a_stalled_body_gives_its_slot_back_and_is_finished_in_memory(
         assert wait_for(lambda: client.held == 0)  # given back while the client dawdles
         s.sendall(data[1000:])
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
-        assert client.calls == ["infer"]  # the general path, from memory
+        # Read whole into memory, then run in a slot leased again (a slot of the first does not wait).
+        assert (client.calls, client.leases) == (["run"], 2)
+        assert wait_for(lambda: client.held == 0)
 
 
 def test_a_trickled_body_gives_its_slot_back_though_no_read_waits_the_stall_time(
@@ -524,7 +528,7 @@ def test_a_trickled_body_gives_its_slot_back_though_no_read_waits_the_stall_time
         assert client.held == 0 and time.monotonic() - started < 2, "the slot kept at the trickler's pace"
         s.sendall(data[sent:])
         np.testing.assert_array_equal(_answer_values(s, values.size), values)
-        assert client.calls == ["infer"]
+        assert (client.calls, client.leases) == (["run"], 2)
 
 
 def test_a_body_too_slow_while_in_a_slot_gets_408_and_its_slot_back(monkeypatch: pytest.MonkeyPatch) -> None:

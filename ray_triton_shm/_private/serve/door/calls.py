@@ -8,7 +8,11 @@ and hands each finished call to an observer (Serve's metrics and access log).
 As Serve's proxy reads a request whole before a replica counts it, and writes
 the answer after the replica is done with it, a call counts only from its
 complete request to its computed answer: clients that send or read slowly
-never hold the bound.
+never hold the bound. Nor does a call that runs in one slot count while it
+waits for the slot (:meth:`GatedCall.wait_for`): the calls holding the slots
+may be waiting on their own clients, and calls queued behind them would
+otherwise fill the bound. (A request the node client spreads over several
+slots, or of BYTES tensors, still counts while ``infer`` waits for its slots.)
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ray_triton_shm.errors import OverloadedError
 
@@ -43,6 +48,7 @@ class CallRecord:
 
 
 Observer = Callable[[CallRecord], None]
+_T = TypeVar("_T")
 
 
 class GatedCall:
@@ -75,6 +81,27 @@ class GatedCall:
             yield self
         finally:
             self.leave()
+
+    def wait_for(self, take: Callable[[], _T], give_back: Callable[[_T], object]) -> _T:
+        """``take()`` (a slot), the call not counted while it waits: it waits on other calls, not works.
+
+        A call counted before counts again once ``take`` returns.
+
+        Raises:
+            OverloadedError: The bound was reached while it waited (what ``take`` returned has
+                gone to ``give_back``).
+            Exception: Whatever ``take`` raises.
+        """
+        counted = self._counted
+        self.leave()
+        taken = take()
+        if counted:
+            try:
+                self._gate._enter(self)
+            except BaseException:
+                give_back(taken)
+                raise
+        return taken
 
     def leave(self) -> None:
         """Stop counting the call (its answer is computed); idempotent."""

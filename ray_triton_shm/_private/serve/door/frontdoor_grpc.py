@@ -424,8 +424,10 @@ class GrpcDoor:
         outputs: Sequence[str] | None,
         gated: GatedCall,
     ) -> None:
-        """Lease a slot, copy the inputs in, run, answer from the slot (no copy of the outputs)."""
-        with self._client.lease(request.model_name) as lease:
+        """Lease a slot (not counted while it waits for one), copy the inputs in, run, answer from
+        the slot (no copy of the outputs)."""
+        lease = gated.wait_for(lambda: self._client.lease(request.model_name), lambda lease: lease.release())
+        with lease:
             for name, array in inputs.items():
                 lease.input(name, array.shape)[...] = array
             self._run_and_answer(call, request, lease, outputs, gated)

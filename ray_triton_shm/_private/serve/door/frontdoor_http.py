@@ -132,10 +132,7 @@ class KServeHttpHandler:
         against ``max_unsent_bytes`` while it waits (none: the connection ends), ``parts`` emptied."""
         rest = conn.respond(status, headers, parts, self._stall_s, self._unsent)
         parts.clear()
-        try:
-            conn.send_rest(rest)
-        finally:
-            self._unsent.give(len(rest))
+        self._send_rest(conn, rest)
 
     def _infer(self, conn: Connection, model: str, head: RequestHead, body: Body, call: GatedCall) -> None:
         client = self._client
@@ -161,26 +158,62 @@ class KServeHttpHandler:
                 data += prefix
         body.read_rest_into(data, self._max_bytes)
         with call.running():
-            headers, parts = self._infer_general(model, head, bytes(data))
+            decoded = self._decode(head, bytes(data))
         del data
+        if shm_plan(client, model, decoded.inputs, decoded.outputs):
+            version = self._served_version(model)
+            with client.lease(model) as lease:  # not counted while it waits: others' calls hold the slots
+                for name, array in decoded.inputs.items():
+                    lease.input(name, array.shape)[...] = array
+                rest = self._run_and_answer(conn, model, decoded, lease, call, version)
+            self._send_rest(conn, rest)
+            return
+        with call.running():
+            headers, parts = self._infer_general(model, decoded)
         self._respond(conn, 200, headers, parts)
 
-    def _infer_general(
-        self, model: str, head: RequestHead, data: bytes
-    ) -> tuple[list[tuple[str, str]], list[Any]]:
-        """Decode the whole body ``data`` and run it with ``client.infer``: the answer's headers and parts."""
-        client = self._client
+    def _decode(self, head: RequestHead, data: bytes) -> kserve.DecodedRequest:
+        """The request of the whole body ``data`` (inflated first, if it is compressed)."""
         encoding = (head.headers.get("content-encoding") or "identity").strip().lower()
         if encoding != "identity":
             data = bounded.inflate(data, encoding, self._max_bytes)
-        decoded = kserve.decode_request(
-            data, kserve.parse_header_length(head.headers.get(kserve.HEADER_LENGTH))
-        )
+        return kserve.decode_request(data, kserve.parse_header_length(head.headers.get(kserve.HEADER_LENGTH)))
+
+    def _infer_general(
+        self, model: str, decoded: kserve.DecodedRequest
+    ) -> tuple[list[tuple[str, str]], list[Any]]:
+        """Run ``decoded`` with ``client.infer``: the answer's headers and parts."""
         version = self._served_version(model)
-        outputs = client.infer(model, decoded.inputs, outputs=decoded.outputs, copy=False)
+        outputs = self._client.infer(model, decoded.inputs, outputs=decoded.outputs, copy=False)
         host = {name: to_host(value) for name, value in outputs.items()}
         parts, headers = kserve.encode_response_parts(model, decoded, host, version)
         return list(headers.items()), parts
+
+    def _run_and_answer(
+        self,
+        conn: Connection,
+        model: str,
+        decoded: kserve.DecodedRequest,
+        lease: Any,
+        call: GatedCall,
+        version: str,
+    ) -> Any:
+        """Run the inputs in ``lease``'s slot (counted while it runs) and answer from the slot; what
+        the client did not take in time comes back, copied out, to send once the slot is back."""
+        with call.running():
+            outputs = run_leased(self._client, model, lease, decoded.outputs)
+            parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
+            del outputs
+        rest = conn.respond(200, list(headers.items()), parts, self._stall(lease), self._unsent)
+        # No view of the slot outlives the lease: it goes straight back, not pinned.
+        del parts
+        return rest
+
+    def _send_rest(self, conn: Connection, rest: Any) -> None:
+        try:
+            conn.send_rest(rest)
+        finally:
+            self._unsent.give(len(rest))
 
     def _stall(self, lease: Any) -> float:
         """How long ``lease``'s slot may wait on the client now (shorter while others wait for one)."""
@@ -249,19 +282,8 @@ class KServeHttpHandler:
             del filled
             if body.remaining:
                 raise InputError("the request body is longer than its tensors")
-            with call.running():
-                outputs = run_leased(client, model, lease, decoded.outputs)
-                parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
-                del outputs
-            # Written from the slot while the client takes it; what it does not take in
-            # time is copied out (rest), sent once the slot is back.
-            rest = conn.respond(200, list(headers.items()), parts, self._stall(lease), self._unsent)
-            # No view of the slot outlives the lease: it goes straight back, not pinned.
-            del parts
-        try:
-            conn.send_rest(rest)
-        finally:
-            self._unsent.give(len(rest))
+            rest = self._run_and_answer(conn, model, decoded, lease, call, version)
+        self._send_rest(conn, rest)
         return None
 
 
