@@ -26,6 +26,7 @@ from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
+from ray_triton_shm._private.serve.net.bounded import ByteTurns
 from ray_triton_shm.errors import ConfigError
 from tests.helpers import wait_for
 
@@ -463,6 +464,7 @@ def _door(
     max_unsent_bytes: int = frontdoor_http.MAX_UNSENT_BYTES,
     gate: CallGate | None = None,
     busy_stall_s: float = 0.1,
+    max_json_bytes: int = frontdoor_http.MAX_JSON_BYTES,
     **timeouts: float,
 ) -> Iterator[tuple[int, _Client]]:
     monkeypatch.setattr(frontdoor_http, "shm_plan", lambda *args: True)
@@ -481,6 +483,7 @@ def _door(
         max_unsent_bytes=max_unsent_bytes,
         gate=gate,
         busy_stall_s=busy_stall_s,
+        max_json_bytes=max_json_bytes,
     )
     with _listening(handler, **timeouts) as door:
         yield door.port, client
@@ -645,3 +648,81 @@ def test_while_others_wait_for_a_slot_a_slow_client_keeps_it_only_the_busy_stall
             assert wait_for(lambda: client.held == 0)
             assert time.monotonic() - started < 5, "the answer kept its slot though others wait"
             np.testing.assert_array_equal(_answer_values(s, values.size), values)  # whole, from the copy
+
+
+def _json_request(values: np.ndarray) -> bytes:
+    body = json.dumps(
+        {"inputs": [{"name": "X", "shape": [values.size], "datatype": "FP32", "data": values.tolist()}]}
+    )
+    head = f"POST /v2/models/m/infer HTTP/1.1\r\nHost: a\r\nContent-Length: {len(body)}\r\n\r\n"
+    return (head + body).encode()
+
+
+def _json_answer(s: socket.socket) -> dict:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), data[:300]
+    length = int(head.lower().split(b"\r\ncontent-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += s.recv(1 << 16)
+    return json.loads(body)
+
+
+@pytest.mark.parametrize("room_for", [1, 3])
+def test_json_bodies_are_decoded_within_max_json_bytes_in_turn(
+    monkeypatch: pytest.MonkeyPatch, room_for: int
+) -> None:
+    """Three JSON bodies at once: as many decode together as ``max_json_bytes`` has room for, the rest
+    wait their turn, not counted against the call bound meanwhile; every answer is right."""
+    values = np.arange(1000, dtype=np.float32)
+    request = _json_request(values)
+    decode, inside, most, counted = frontdoor_http.kserve.decode_request, [0], [0], []
+    lock = threading.Lock()
+    gate = CallGate()
+
+    def slow_decode(data, header_length):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        counted.append(gate.ongoing)
+        time.sleep(0.3)
+        with lock:
+            inside[0] -= 1
+        return decode(data, header_length)
+
+    monkeypatch.setattr(frontdoor_http.kserve, "decode_request", slow_decode)
+    body_bytes = len(request) - request.index(b"\r\n\r\n") - 4
+    with _door(monkeypatch, stall_s=5.0, gate=gate, max_json_bytes=room_for * body_bytes) as (port, client):
+        with ExitStack() as stack:
+            sockets = [stack.enter_context(_connect(port)) for _ in range(3)]
+            for s in sockets:
+                s.sendall(request)
+            for s in sockets:
+                assert _json_answer(s)["outputs"][0]["data"] == values.tolist()
+    assert most[0] == room_for
+    assert max(counted) <= room_for  # the ones waiting for their turn do not count
+    assert gate.total == 3 and gate.ongoing == 0 and client.held == 0
+
+
+def test_byte_turns_go_in_order_and_a_turn_larger_than_the_room_waits_for_all_of_it() -> None:
+    turns = ByteTurns(10)
+    order: list[str] = []
+
+    def take(name: str, n: int) -> None:
+        with turns.turn(n):
+            order.append(name)
+
+    with turns.turn(6):
+        large = threading.Thread(target=take, args=("large", 50))  # more than the room: all of it
+        large.start()
+        assert wait_for(lambda: turns.waiting == 1)
+        small = threading.Thread(target=take, args=("small", 1))  # fits now, but comes after
+        small.start()
+        assert wait_for(lambda: turns.waiting == 2)
+        time.sleep(0.1)
+        assert order == [] and turns.used == 6
+    large.join(10)
+    small.join(10)
+    assert order == ["large", "small"] and turns.used == 0 and turns.waiting == 0

@@ -41,6 +41,7 @@ from ray_triton_shm._private.node.port_claim import PortClaim
 from ray_triton_shm._private.serve.door.calls import CallGate, Observer
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor, run_on
 from ray_triton_shm._private.serve.door.frontdoor_http import (
+    MAX_JSON_BYTES,
     MAX_UNSENT_BYTES,
     SLOT_STALL_S,
     KServeHttpHandler,
@@ -78,6 +79,7 @@ _COUNTS = (
     "grpc_glitch_burst",
     "grpc_max_unsent_bytes",
     "http_max_unsent_bytes",
+    "http_max_json_bytes",
 )
 _GRPC_NUMBERS = (
     "grpc_idle_timeout_s",
@@ -161,6 +163,12 @@ class FrontDoorConfig:
             such answer).
         grpc_max_unsent_bytes: The same for gRPC answers (``grpc_slot_stall_s``),
             128 MiB.
+        http_max_json_bytes: Bytes of HTTP request JSON (tensors as JSON arrays) the replica
+            decodes at once (64 MiB, as ``max_request_bytes``): their Python objects take
+            about 3x the text, so many large JSON bodies at once would take the replica's
+            memory. A body past the room waits for its turn (not counted against
+            ``max_ongoing_requests`` meanwhile); turns go in order of arrival, and one larger
+            than the room decodes alone.
         slot_busy_stall_s: ``http_slot_stall_s`` and ``grpc_slot_stall_s`` while other
             calls of the replica wait for a slot of the same pool (0.1): many slow
             clients, more than the slots, then cannot keep the slots a second each
@@ -204,6 +212,7 @@ class FrontDoorConfig:
     http_send_timeout_s: float = env_field("FRONTDOOR_HTTP_SEND_TIMEOUT_S", _HTTP_DEFAULTS.send_s)
     http_slot_stall_s: float = env_field("FRONTDOOR_HTTP_SLOT_STALL_S", SLOT_STALL_S)
     http_max_unsent_bytes: int = env_field("FRONTDOOR_HTTP_MAX_UNSENT_BYTES", MAX_UNSENT_BYTES)
+    http_max_json_bytes: int = env_field("FRONTDOOR_HTTP_MAX_JSON_BYTES", MAX_JSON_BYTES)
     slot_busy_stall_s: float = env_field("FRONTDOOR_SLOT_BUSY_STALL_S", BUSY_STALL_S)
     drain_timeout_s: float = env_field("FRONTDOOR_DRAIN_TIMEOUT_S", 10.0)
     port_linger_s: float = env_field("FRONTDOOR_PORT_LINGER_S", 30.0)
@@ -341,6 +350,7 @@ class FrontDoor:
                     gate=self.calls,
                     max_unsent_bytes=config.http_max_unsent_bytes,
                     busy_stall_s=config.slot_busy_stall_s,
+                    max_json_bytes=config.http_max_json_bytes,
                 )
                 self.http = HttpListener(
                     config.host,

@@ -28,7 +28,7 @@ from ray_triton_shm._private.serve.http1.head import HttpParseError, RequestHead
 from ray_triton_shm._private.serve.http1.server import Connection
 from ray_triton_shm._private.serve.http1.timing import ConnectionGone
 from ray_triton_shm._private.serve.net import bounded
-from ray_triton_shm._private.serve.net.bounded import ByteBudget
+from ray_triton_shm._private.serve.net.bounded import ByteBudget, ByteTurns
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
 from ray_triton_shm._private.serve.protocol.slot_plan import (
     BUSY_STALL_S,
@@ -45,6 +45,8 @@ SLOT_STALL_S = 1.0
 """Longest a leased slot waits on an HTTP client (a body read, an answer write) before it goes back."""
 MAX_UNSENT_BYTES = 128 << 20
 """Answers copied out of slots for clients that did not take them, held at once (bytes)."""
+MAX_JSON_BYTES = 64 << 20
+"""Request JSON decoded at once (bytes): its Python objects take about 3x the text."""
 SLOT_PACE_BYTES = 4 << 20
 """A tensor's bytes in a slot get ``SLOT_STALL_S`` more for each this many of them."""
 
@@ -65,6 +67,8 @@ class KServeHttpHandler:
             not take them, held at once; past it, such a client's connection ends.
         busy_stall_s: ``slot_stall_s`` while other calls wait for a slot of the pool (see
             :attr:`FrontDoorConfig.slot_busy_stall_s`).
+        max_json_bytes: Bytes of request JSON decoded at once (see
+            :attr:`FrontDoorConfig.http_max_json_bytes`).
     """
 
     def __init__(
@@ -79,8 +83,10 @@ class KServeHttpHandler:
         gate: CallGate | None = None,
         max_unsent_bytes: int = MAX_UNSENT_BYTES,
         busy_stall_s: float = BUSY_STALL_S,
+        max_json_bytes: int = MAX_JSON_BYTES,
     ) -> None:
         self._gate = gate or CallGate()
+        self._json = ByteTurns(max_json_bytes)
         self._unsent = ByteBudget(max_unsent_bytes, "the front door's http_max_unsent_bytes")
         self._max_bytes = max_bytes
         self._client = client
@@ -157,8 +163,7 @@ class KServeHttpHandler:
             if not data:
                 data += prefix
         body.read_rest_into(data, self._max_bytes)
-        with call.running():
-            decoded = self._decode(head, bytes(data))
+        decoded = self._decode(head, data, call)
         del data
         if shm_plan(client, model, decoded.inputs, decoded.outputs):
             version = self._served_version(model)
@@ -172,12 +177,20 @@ class KServeHttpHandler:
             headers, parts = self._infer_general(model, decoded)
         self._respond(conn, 200, headers, parts)
 
-    def _decode(self, head: RequestHead, data: bytes) -> kserve.DecodedRequest:
-        """The request of the whole body ``data`` (inflated first, if it is compressed)."""
+    def _decode(self, head: RequestHead, data: bytes | bytearray, call: GatedCall) -> kserve.DecodedRequest:
+        """The request of the whole body ``data`` (inflated first, if it is compressed).
+
+        Its JSON is decoded in its turn of ``max_json_bytes``, not counted against the
+        call bound while it waits; the decoding counts.
+        """
         encoding = (head.headers.get("content-encoding") or "identity").strip().lower()
         if encoding != "identity":
-            data = bounded.inflate(data, encoding, self._max_bytes)
-        return kserve.decode_request(data, kserve.parse_header_length(head.headers.get(kserve.HEADER_LENGTH)))
+            with call.running():
+                data = bounded.inflate(data, encoding, self._max_bytes)
+        header_length = kserve.parse_header_length(head.headers.get(kserve.HEADER_LENGTH))
+        json_bytes = len(data) if header_length is None else min(header_length, len(data))
+        with self._json.turn(json_bytes), call.running():
+            return kserve.decode_request(data, header_length)
 
     def _infer_general(
         self, model: str, decoded: kserve.DecodedRequest

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import zlib
+from collections import deque
+from collections.abc import Iterator
 
 from ray_triton_shm.errors import InputError, RequestTooLargeError
 
@@ -96,3 +99,52 @@ class ByteBudget:
             self._used -= n
         if self._parent is not None:
             self._parent.give(n)
+
+
+class ByteTurns:
+    """Bytes of work that may be in hand at once, shared by threads: :meth:`turn` waits for room.
+
+    Turns are taken in the order they were asked for, so a large piece of work is
+    not passed over by small ones; one larger than ``limit`` waits for all the room.
+
+    Args:
+        limit: Bytes in hand at most.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._line: deque[object] = deque()
+        self._cond = threading.Condition()
+
+    @property
+    def used(self) -> int:
+        with self._cond:
+            return self._used
+
+    @property
+    def waiting(self) -> int:
+        """Turns asked for and not yet given."""
+        with self._cond:
+            return len(self._line)
+
+    @contextlib.contextmanager
+    def turn(self, n: int) -> Iterator[None]:
+        """Hold ``n`` bytes (at most ``limit``) while the block runs, waiting first for room."""
+        n = min(n, self.limit)
+        me = object()
+        with self._cond:
+            self._line.append(me)
+            try:
+                while self._line[0] is not me or self._used + n > self.limit:
+                    self._cond.wait()
+            finally:
+                self._line.remove(me)
+                self._cond.notify_all()  # the next in line may fit too (or be first now)
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()

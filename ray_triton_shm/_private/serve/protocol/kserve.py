@@ -288,7 +288,7 @@ def plan_request(
         return None
 
 
-def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
+def decode_request(body: bytes | bytearray, header_length: int | None) -> DecodedRequest:
     """Parse a v2 inference request body.
 
     Args:
@@ -308,13 +308,16 @@ def decode_request(body: bytes, header_length: int | None) -> DecodedRequest:
 
 
 def _decode(
-    body: bytes | memoryview, length: int, header_length: int | None, spans: list[BinarySpan] | None
+    body: bytes | bytearray | memoryview,
+    length: int,
+    header_length: int | None,
+    spans: list[BinarySpan] | None,
 ) -> DecodedRequest:
     """:func:`decode_request` of a body of ``length`` bytes; with ``spans``, ``body`` is its header only."""
     split = length if header_length is None else header_length
     if split < 0 or split > length:
         raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {length} bytes")
-    header = load_json(body[:split])
+    header = load_json(body if split == length else body[:split])  # the whole body: not copied
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise InputError("request must be a JSON object with an 'inputs' list")
     _refuse_shm(header)

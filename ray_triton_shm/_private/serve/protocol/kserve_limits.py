@@ -85,7 +85,7 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def load_json(data: bytes | memoryview) -> Any:
+def load_json(data: bytes | bytearray | memoryview) -> Any:
     """The JSON document of a request header, parsed as strictly as Triton parses it.
 
     Raises:
@@ -94,7 +94,7 @@ def load_json(data: bytes | memoryview) -> Any:
             with too many digits.
     """
     try:
-        text = bytes(data) or b"{}"
+        text = (data if isinstance(data, (bytes, bytearray)) else bytes(data)) or b"{}"
         # Only a literal with an exponent or of 309+ digits can pass a double; checking every
         # float costs a Python call each, so it is done only when the text has one of those.
         checked = _finite_float if _maybe_past_double(text) else float
