@@ -1,10 +1,15 @@
-"""Memory sized by the client: lengths announced and never sent, a compression bomb, huge header blocks."""
+"""Memory sized by the client: lengths announced and never sent, a compression bomb, huge header blocks,
+large JSON bodies at once."""
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
 import time
 from typing import Any
+
+import numpy as np
 
 from ray_triton_shm._private.bench.attacks import wire
 from ray_triton_shm._private.bench.attacks.catalog import Attack, count, hold
@@ -50,6 +55,72 @@ def http_announced_lengths(target: Target, until: float, scale: float) -> dict[s
         return {"announced MiB": 64 * len(sockets), "closed by server": closed}
     finally:
         wire.close_all(sockets)
+
+
+JSON_NUMBERS = 1_000_000
+"""Numbers in each ``http-json-bodies`` body (about 20 MB of JSON text)."""
+
+
+def _json_identity(numbers: int) -> bytes:
+    """A KServe v2 ``identity`` request of ``numbers`` FP32 values as a JSON array (its answer binary)."""
+    values = np.random.default_rng(0).random(numbers, dtype=np.float32).tolist()
+    body = json.dumps(
+        {
+            "inputs": [{"name": "INPUT0", "shape": [1, numbers], "datatype": "FP32", "data": values}],
+            "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    head = (
+        b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    return head + body
+
+
+def _read_answer(s: socket.socket) -> bool:
+    """Read one HTTP answer whole; whether it was a 200."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            return False
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"\r\ncontent-length: ")[1].split(b"\r\n")[0])
+    while len(rest) < length:
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            return False
+        rest += chunk
+    return head.startswith(b"HTTP/1.1 200 ")
+
+
+def http_json_bodies(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """8 HTTP clients posting ``identity`` bodies of 1,000,000 numbers as JSON (20 MB), over and over."""
+    request = _json_identity(JSON_NUMBERS)
+    answered, not_answered = [0], [0]
+    lock = threading.Lock()
+
+    def post_until() -> None:
+        while time.monotonic() < until:
+            try:
+                with wire.connect(target.host, target.http_port, timeout=60) as s:
+                    s.sendall(request)
+                    ok = _read_answer(s)
+            except OSError:
+                ok = False
+            with lock:
+                if ok:
+                    answered[0] += 1
+                else:
+                    not_answered[0] += 1
+
+    clients = [threading.Thread(target=post_until, daemon=True) for _ in range(count(8, scale))]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(until - time.monotonic() + 120)
+    return {"JSON MB": round(len(request) / 1e6, 1), "answered": answered[0], "not answered": not_answered[0]}
 
 
 def grpc_gzip_bomb(target: Target, until: float, scale: float) -> dict[str, Any]:
@@ -168,6 +239,13 @@ ATTACKS = (
         protocol="grpc",
         run=grpc_gzip_bomb,
         summary="2 gzip gRPC messages of 1 MB inflating to 1 GiB",
+    ),
+    Attack(
+        name="http-json-bodies",
+        kind="memory",
+        protocol="http",
+        run=http_json_bodies,
+        summary="8 HTTP clients posting 20 MB JSON bodies (10^6 numbers) over and over",
     ),
     Attack(
         name="h2-huge-headers",
