@@ -441,6 +441,12 @@ def _infer_request(values: np.ndarray) -> bytes:
 
 
 def _answer_values(s: socket.socket, count: int) -> np.ndarray:
+    whole = _answer_body(s)
+    return np.frombuffer(whole, np.float32, offset=len(whole) - 4 * count)
+
+
+def _answer_body(s: socket.socket) -> bytearray:
+    """The body of the next answer on ``s``, a 200."""
     data = b""
     while b"\r\n\r\n" not in data:
         data += s.recv(1 << 16)
@@ -454,7 +460,7 @@ def _answer_values(s: socket.socket, count: int) -> np.ndarray:
         got = s.recv_into(view[have:])
         assert got, "closed mid-answer"
         have += got
-    return np.frombuffer(whole, np.float32, offset=length - 4 * count)
+    return whole
 
 
 @contextmanager
@@ -658,18 +664,6 @@ def _json_request(values: np.ndarray) -> bytes:
     return (head + body).encode()
 
 
-def _json_answer(s: socket.socket) -> dict:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += s.recv(1 << 16)
-    head, _, body = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200 "), data[:300]
-    length = int(head.lower().split(b"\r\ncontent-length: ")[1].split(b"\r\n")[0])
-    while len(body) < length:
-        body += s.recv(1 << 16)
-    return json.loads(body)
-
-
 @pytest.mark.parametrize("room_for", [1, 3])
 def test_json_bodies_are_decoded_within_max_json_bytes_in_turn(
     monkeypatch: pytest.MonkeyPatch, room_for: int
@@ -700,7 +694,7 @@ def test_json_bodies_are_decoded_within_max_json_bytes_in_turn(
             for s in sockets:
                 s.sendall(request)
             for s in sockets:
-                assert _json_answer(s)["outputs"][0]["data"] == values.tolist()
+                assert json.loads(_answer_body(s))["outputs"][0]["data"] == values.tolist()
     assert most[0] == room_for
     assert max(counted) <= room_for  # the ones waiting for their turn do not count
     assert gate.total == 3 and gate.ongoing == 0 and client.held == 0
