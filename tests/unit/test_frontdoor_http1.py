@@ -720,3 +720,55 @@ def test_byte_turns_go_in_order_and_a_turn_larger_than_the_room_waits_for_all_of
     large.join(10)
     small.join(10)
     assert order == ["large", "small"] and turns.used == 0 and turns.waiting == 0
+
+
+def _post(s: socket.socket, path: str, body: bytes) -> None:
+    s.sendall(
+        b"POST %s HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % (path.encode(), len(body)) + body
+    )
+
+
+def _status(s: socket.socket) -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(1 << 16)
+        assert chunk, "closed before an answer"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"\r\ncontent-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += s.recv(1 << 16)
+    return int(head.split()[1]), body
+
+
+def test_bodies_read_into_memory_are_held_within_the_listeners_budget() -> None:
+    """A body read into memory takes from ``max_buffered_bytes`` as it grows: while one holds most of it,
+    another that does not fit is answered 503 (its connection kept), and all of it is back after."""
+    delegated: list[int] = []
+
+    def delegate(head, data):
+        delegated.append(len(data))
+        return 200, [("content-type", "application/json")], b"{}"
+
+    handler = KServeHttpHandler(_Client(), lambda m: "1", delegate, frontdoor_http.error_answer, MAX_BYTES)
+    door = HttpListener("127.0.0.1", 0, handler, max_buffered_bytes=1 << 20)
+    try:
+        with _connect(door.port) as holder, _connect(door.port) as other:
+            whole = b"x" * (700 << 10)
+            holder.sendall(
+                b"POST /v2/repository/index HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(whole)
+                + whole[: 600 << 10]
+            )
+            assert wait_for(lambda: door.buffered.used >= 512 << 10)  # held while the rest is awaited
+            _post(other, "/v2/repository/index", whole)
+            status, answer = _status(other)
+            assert status == 503 and b"http_max_buffered_bytes" in answer, answer
+            holder.sendall(whole[600 << 10 :])
+            assert _status(holder)[0] == 200
+            assert wait_for(lambda: door.buffered.used == 0)
+            _post(other, "/v2/repository/index", whole)  # the same connection: room now
+            assert _status(other)[0] == 200
+        assert delegated == [len(whole), len(whole)]
+        assert wait_for(lambda: door.buffered.used == 0)
+    finally:
+        door.close()

@@ -80,6 +80,7 @@ _COUNTS = (
     "grpc_max_unsent_bytes",
     "http_max_unsent_bytes",
     "http_max_json_bytes",
+    "http_max_buffered_bytes",
 )
 _GRPC_NUMBERS = (
     "grpc_idle_timeout_s",
@@ -163,6 +164,10 @@ class FrontDoorConfig:
             such answer).
         grpc_max_unsent_bytes: The same for gRPC answers (``grpc_slot_stall_s``),
             128 MiB.
+        http_max_buffered_bytes: Bytes of HTTP request bodies all of a replica's connections
+            may hold in memory at once (1 GiB, as ``grpc_max_buffered_bytes``); a body read into
+            memory takes from it as it grows, and one that does not fit is answered 503 (try
+            again). A binary tensor while it is read into a slot does not count.
         http_max_json_bytes: Bytes of HTTP request JSON (tensors as JSON arrays) the replica
             decodes at once (64 MiB, as ``max_request_bytes``): their Python objects take
             about 3x the text, so many large JSON bodies at once would take the replica's
@@ -213,6 +218,7 @@ class FrontDoorConfig:
     http_slot_stall_s: float = env_field("FRONTDOOR_HTTP_SLOT_STALL_S", SLOT_STALL_S)
     http_max_unsent_bytes: int = env_field("FRONTDOOR_HTTP_MAX_UNSENT_BYTES", MAX_UNSENT_BYTES)
     http_max_json_bytes: int = env_field("FRONTDOOR_HTTP_MAX_JSON_BYTES", MAX_JSON_BYTES)
+    http_max_buffered_bytes: int = env_field("FRONTDOOR_HTTP_MAX_BUFFERED_BYTES", h2_wire.MAX_BUFFERED_BYTES)
     slot_busy_stall_s: float = env_field("FRONTDOOR_SLOT_BUSY_STALL_S", BUSY_STALL_S)
     drain_timeout_s: float = env_field("FRONTDOOR_DRAIN_TIMEOUT_S", 10.0)
     port_linger_s: float = env_field("FRONTDOOR_PORT_LINGER_S", 30.0)
@@ -359,6 +365,7 @@ class FrontDoor:
                     max_connections=config.max_connections,
                     max_open=config.max_open_connections,
                     timeouts=config.http_timeouts,
+                    max_buffered_bytes=config.http_max_buffered_bytes,
                     listening=listening.pop("HTTP", None),
                 )
                 if not config.http_port:

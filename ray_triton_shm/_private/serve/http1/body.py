@@ -15,8 +15,8 @@ from ray_triton_shm._private.serve.http1.head import (
     chunk_size,
 )
 from ray_triton_shm._private.serve.http1.timing import BodyClock, Deadline, HttpTimeouts
-from ray_triton_shm._private.serve.net.bounded import too_large
-from ray_triton_shm.errors import InputError
+from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget, too_large
+from ray_triton_shm.errors import InputError, RefusedError
 
 
 class Reader(Protocol):
@@ -51,16 +51,42 @@ class Body:
     Args:
         conn: The connection.
         head: The request's head (its length or chunked encoding).
+        budget: What the bytes read into memory are taken from as they grow (the
+            listener's), given back by :meth:`release`; ``None``: no budget.
     """
 
-    def __init__(self, conn: Reader, head: RequestHead) -> None:
+    def __init__(self, conn: Reader, head: RequestHead, budget: ByteBudget | None = None) -> None:
         self._conn = conn
+        self._budget = budget
+        self.charged = 0
         self._clock: BodyClock | None = None
         self._chunked = head.chunked
         self.remaining = 0 if self._chunked else head.content_length
         self._continue = (
             head.headers.get("expect", "").lower() == "100-continue" and head.version == "HTTP/1.1"
         )
+
+    def _charge(self, n: int) -> None:
+        """Take ``n`` more bytes of memory from the budget.
+
+        Raises:
+            RefusedError: The budget has too little (``UNAVAILABLE``: HTTP 503).
+        """
+        if self._budget is None or n <= 0:
+            return
+        try:
+            self._budget.take(n)
+        except OverBudget as e:
+            raise RefusedError(
+                f"the server holds too many request bytes at once ({e.what}); try again", "UNAVAILABLE"
+            ) from e
+        self.charged += n
+
+    def release(self) -> None:
+        """Give the bytes read into memory back to the budget (once the request is answered; idempotent)."""
+        if self._budget is not None and self.charged:
+            self._budget.give(self.charged)
+        self.charged = 0
 
     @property
     def chunked(self) -> bool:
@@ -138,6 +164,7 @@ class Body:
         Raises:
             As :meth:`read_all`.
         """
+        self._charge(len(out) - self.charged)  # bytes it holds already that were not read through here
         if not self._chunked:
             if max_bytes is not None and len(out) + self.remaining > max_bytes:
                 raise too_large("request body", max_bytes)
@@ -151,7 +178,9 @@ class Body:
         end = len(out) + n
         while len(out) < end:
             start = len(out)
-            out.extend(bytes(min(end - start, max(_GROW_BYTES, start))))
+            grow = min(end - start, max(_GROW_BYTES, start))
+            self._charge(grow)
+            out.extend(bytes(grow))
             with memoryview(out) as view:
                 got = self._conn.read_exactly(view[start:], clock)
             self.remaining -= got

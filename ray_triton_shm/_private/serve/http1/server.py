@@ -76,6 +76,7 @@ class Connection:
         draining: Whether the server is draining: each answer then ends its
             connection (``Connection: close``).
         parse: Reads each request head (:func:`~ray_triton_shm._private.serve.http1.head.parse_head`).
+        body_budget: What request bodies read into memory are taken from (the listener's).
     """
 
     def __init__(
@@ -86,8 +87,10 @@ class Connection:
         timeouts: HttpTimeouts | None = None,
         draining: Callable[[], bool] | None = None,
         parse: HeadParser = parse_head,
+        body_budget: ByteBudget | None = None,
     ) -> None:
         self.sock = sock
+        self._body_budget = body_budget
         self._draining = draining
         self._handler = handler
         self._parse = parse
@@ -344,7 +347,11 @@ class Connection:
                         return
                     self.keep_alive = head.keep_alive
                     self._head_only = head.method == "HEAD"
-                    self._handler(self, head, Body(self, head))
+                    body = Body(self, head, self._body_budget)
+                    try:
+                        self._handler(self, head, body)
+                    finally:
+                        body.release()
                 except HttpParseError as e:  # the framing is lost: answer, then close
                     self.keep_alive = False
                     self.respond(e.status, [("content-type", "application/json")], [_error_json(str(e))])
@@ -390,6 +397,8 @@ class HttpListener(TcpListener):
         listening: A listening socket to accept from instead of binding one (see
             :class:`~ray_triton_shm._private.serve.net.listener.TcpListener`).
         parse: Reads each request head (see :class:`Connection`).
+        max_buffered_bytes: Bytes of request bodies all connections may hold in memory at
+            once (a body that does not fit is answered 503); ``None``: no bound but theirs.
 
     Raises:
         FrontDoorError: The address cannot be bound.
@@ -406,8 +415,14 @@ class HttpListener(TcpListener):
         listening: socket.socket | None = None,
         parse: HeadParser = parse_head,
         max_open: int = MAX_OPEN,
+        max_buffered_bytes: int | None = None,
     ) -> None:
         chosen = timeouts or HttpTimeouts()
+        self.buffered = (
+            None
+            if max_buffered_bytes is None
+            else ByteBudget(max_buffered_bytes, "the front door's http_max_buffered_bytes")
+        )
         connections: dict[socket.socket, Connection] = {}
         lock = threading.Lock()
 
@@ -416,7 +431,12 @@ class HttpListener(TcpListener):
                 connection = connections.get(sock)
                 if connection is None:
                     connection = connections[sock] = Connection(
-                        sock, handler, timeouts=chosen, draining=lambda: self.draining, parse=parse
+                        sock,
+                        handler,
+                        timeouts=chosen,
+                        draining=lambda: self.draining,
+                        parse=parse,
+                        body_budget=self.buffered,
                     )
             wait = None
             try:
