@@ -264,7 +264,8 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         return self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()}, hold)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """The front door's calls running, which Serve's autoscaler counts with its own requests.
+        """The front door's calls running or waiting for a slot (on average since the previous
+        report), which Serve's autoscaler counts with its own requests.
 
         See :func:`frontdoor_autoscaling_policy`. Every few seconds the door's
         state also goes to the node actor, for ``ray-triton-shm status``.
@@ -273,7 +274,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         if door is None:
             return {FRONTDOOR_ONGOING: 0.0}
         await self._report()
-        return {FRONTDOOR_ONGOING: float(door.calls.ongoing)}
+        return {FRONTDOOR_ONGOING: door.calls.mean_demand()}
 
     async def frontdoor_stats(self) -> dict[str, Any]:
         """This replica's front door: ports, connections, calls and their bound (``{}``: none)."""

@@ -323,6 +323,45 @@ def test_the_call_bound_refuses_past_max_ongoing_requests() -> None:
     assert (gate.ongoing, gate.total, gate.refused) == (0, 2, 1)
 
 
+def test_calls_waiting_for_a_slot_are_demand_for_the_autoscaler_not_the_bound() -> None:
+    gate = CallGate(1)
+    slot = threading.Event()
+    with gate.call("grpc") as holder, holder.running():
+        waiters = []
+        for _ in range(2):
+            call = gate.call("grpc")
+            gated = call.__enter__()
+            thread = threading.Thread(target=gated.wait_for, args=(slot.wait, lambda taken: None))
+            thread.start()
+            waiters.append((call, thread))
+        assert wait_for(lambda: gate.waiting == 2)
+        assert gate.ongoing == 1  # the waiters hold no place in the bound of 1
+        with pytest.raises(OverloadedError), gate.running():
+            pass
+        slot.set()
+        for call, thread in waiters:
+            thread.join(10)
+            call.__exit__(None, None, None)
+    assert (gate.ongoing, gate.waiting, gate.total, gate.refused) == (0, 0, 1, 1)
+
+
+def test_the_demand_reported_is_averaged_over_the_time_since_the_previous_report() -> None:
+    now = [100.0]
+    gate = CallGate(4, clock=lambda: now[0])
+    with gate.running():
+        now[0] += 2.0  # one call for 2 s
+        with gate.call() as waiting:
+            # and a call waiting for a slot for 1 s
+            waiting.wait_for(lambda: now.__setitem__(0, now[0] + 1.0), lambda taken: None)
+        now[0] += 1.0
+    now[0] += 4.0  # nothing for 4 s
+    assert gate.mean_demand() == pytest.approx((2 * 1 + 1 * 2 + 1 * 1) / 8)
+    with gate.running():
+        now[0] += 3.0
+        assert gate.mean_demand() == pytest.approx(1.0)  # a new window: only the call running
+    assert gate.mean_demand() == pytest.approx(0.0)  # an empty window: what runs now
+
+
 class _Client:
     def infer(self, model, inputs, **kwargs):
         raise AssertionError("a refused call never runs")

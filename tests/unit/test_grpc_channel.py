@@ -25,6 +25,7 @@ from ray_triton_shm._private.triton.grpc_channel import (
     channel_options,
     never_sent,
     split_host_port,
+    unregister_region,
 )
 from tests.helpers import free_port
 
@@ -210,3 +211,44 @@ def test_split_host_port_and_probe() -> None:
         url = f"127.0.0.1:{listener.getsockname()[1]}"
         assert accepts_connections(url)
     assert not accepts_connections(url)
+
+
+class _Regions:
+    """Answers unregister calls as Triton does for a region its last request still holds ``busy`` times."""
+
+    def __init__(self, busy: int, message: str = "it is currently in use") -> None:
+        self.busy = busy
+        self.message = message
+        self.calls: list[tuple[str, str, dict]] = []
+
+    def _unregister(self, kind: str, name: str, **kwargs) -> None:
+        self.calls.append((kind, name, kwargs))
+        if self.busy:
+            self.busy -= 1
+            raise InferenceServerException(f"Cannot unregister shared memory region '{name}', {self.message}")
+
+    def unregister_system_shared_memory(self, name: str, **kwargs) -> None:
+        self._unregister("system", name, **kwargs)
+
+    def unregister_cuda_shared_memory(self, name: str, **kwargs) -> None:
+        self._unregister("cuda", name, **kwargs)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_region_still_in_use_is_unregistered_once_triton_lets_go(cuda: bool) -> None:
+    regions = _Regions(busy=3)
+    unregister_region(regions, "r", cuda, 5.0, headers={"a": "b"})
+    kind = "cuda" if cuda else "system"
+    assert regions.calls == [(kind, "r", {"headers": {"a": "b"}})] * 4
+
+
+def test_a_region_in_use_past_the_wait_or_another_refusal_is_raised() -> None:
+    regions = _Regions(busy=1000)
+    start = time.monotonic()
+    with pytest.raises(InferenceServerException, match="in use"):
+        unregister_region(regions, "r", False, 0.3)
+    assert 0.3 <= time.monotonic() - start < 5 and len(regions.calls) > 1
+    other = _Regions(busy=1, message="it does not exist")
+    with pytest.raises(InferenceServerException, match="does not exist"):
+        unregister_region(other, "r", False, 5.0)
+    assert len(other.calls) == 1

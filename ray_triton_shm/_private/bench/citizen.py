@@ -285,9 +285,9 @@ def hung_replica(directory: Path, path: str, stopped_s: float = 30.0) -> dict[st
 
 AUTOSCALING_CALLERS = 16
 """Callers of the autoscaling scenario: enough to keep one replica's calls above the config's
-``target_ongoing_requests`` (2). A call counts as ongoing only while the replica works on it,
-not while its client sends or reads: 8 Python callers in one process keep about 1.2 calls at
-work (their own pace is the rest), 16 about 5."""
+``target_ongoing_requests`` (2). A call counts as demand while the replica works on it or it
+waits for a slot, not while its client sends or reads: 8 Python callers in one process keep
+about 2 calls so (their own pace is the rest), 16 about 11 (with 8 slots)."""
 
 
 def autoscaling(

@@ -15,7 +15,7 @@ from ray_triton_shm._private.shm.layout import ModelLayout, layout_from_config
 from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.shm.segment import check_span, redact
 from ray_triton_shm._private.triton.call_errors import status_name, translate_error
-from ray_triton_shm._private.triton.grpc_channel import GrpcClient
+from ray_triton_shm._private.triton.grpc_channel import GrpcClient, unregister_region
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import CudaError, PoolClosedError, TritonCallError
 from ray_triton_shm.server import SHM_API_GRPC_HEADER
@@ -131,22 +131,14 @@ class LocalPools:
 
     def _unregister(self, pool: SlotPool) -> None:
         # Triton refuses while a request still uses the region; such requests end soon.
-        deadline = time.monotonic() + _UNREGISTER_WAIT_S
-        while True:
-            try:
-                if pool.memory == "cuda":
-                    self._grpc.unregister_cuda_shared_memory(pool.region_name, headers=self._headers)
-                else:
-                    self._grpc.unregister_system_shared_memory(pool.region_name, headers=self._headers)
-                return
-            except InferenceServerException as e:
-                if "in use" in str(e.message()) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                # The server may be gone already; whether a CUDA region may be freed is
-                # decided by _cuda_region_gone.
-                logger.debug("unregister %s failed: %s", pool.region_name, e)
-                return
+        try:
+            unregister_region(
+                self._grpc, pool.region_name, pool.memory == "cuda", _UNREGISTER_WAIT_S, headers=self._headers
+            )
+        except InferenceServerException as e:
+            # The server may be gone already; whether a CUDA region may be freed is
+            # decided by _cuda_region_gone.
+            logger.debug("unregister %s failed: %s", pool.region_name, e)
 
     def _cuda_region_gone(self, pool: SlotPool) -> bool:
         """Whether Triton has let go of ``pool``'s CUDA region, polling its status until NOT_FOUND.

@@ -34,7 +34,7 @@ from ray_triton_shm._private.shm.cuda_devices import local_device_index
 from ray_triton_shm._private.shm.layout import config_fingerprint, layout_from_config
 from ray_triton_shm._private.shm.segment import Segment, check_span, new_segment_name, redact
 from ray_triton_shm._private.triton.call_errors import translate_error
-from ray_triton_shm._private.triton.grpc_channel import new_grpc_client
+from ray_triton_shm._private.triton.grpc_channel import new_grpc_client, unregister_region
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import (
     CudaError,
@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 # Longest a control call to Triton (model config, region registration) may take: a hung
 # Triton must not hold a caller (or the actor's lock) longer than this.
 _CONTROL_TIMEOUT_S = 5.0
+# Longest a retired region's unregister waits for Triton to let go of its last request.
+_UNREGISTER_WAIT_S = 5.0
 
 
 class _NodeActor:
@@ -134,12 +136,14 @@ class _NodeActor:
             raise translate_error(e) from e
 
     def _unregister(self, region: Any) -> None:
-        headers = self._server.shm_api_headers
-        timeout = _CONTROL_TIMEOUT_S
-        if isinstance(region, CudaRegion):
-            self._grpc.unregister_cuda_shared_memory(region.name, headers=headers, client_timeout=timeout)
-        else:
-            self._grpc.unregister_system_shared_memory(region.name, headers=headers, client_timeout=timeout)
+        unregister_region(
+            self._grpc,
+            region.name,
+            isinstance(region, CudaRegion),
+            _UNREGISTER_WAIT_S,
+            headers=self._server.shm_api_headers,
+            client_timeout=_CONTROL_TIMEOUT_S,
+        )
 
     def _ensure_pool(self, model: str, device: int | None = None, force_cuda: bool = False) -> str:
         """Create ``model``'s pool (a CUDA one on Triton's GPU ``device`` if allowed); return its key."""

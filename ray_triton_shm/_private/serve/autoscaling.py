@@ -1,7 +1,9 @@
 """Serve's autoscaling, with the front door's calls counted as the replicas' ongoing requests.
 
-Each replica reports its front door's running calls to Serve
-(``record_autoscaling_stats``, as :data:`FRONTDOOR_ONGOING`); Serve averages
+Each replica reports its front door's demand to Serve
+(``record_autoscaling_stats``, as :data:`FRONTDOOR_ONGOING`): its calls running and
+its calls waiting for a slot (as Serve counts the requests queued at its handles
+with those its replicas run), averaged over the time since its previous report. Serve averages
 them per replica over ``look_back_period_s``, as it does its own count of ongoing
 requests. :func:`frontdoor_autoscaling_policy` is Serve's default policy
 (ongoing requests per replica against ``target_ongoing_requests``) over both
@@ -14,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 FRONTDOOR_ONGOING = "frontdoor_ongoing"
-"""The custom autoscaling metric each replica reports: its front door's calls running."""
+"""The custom autoscaling metric each replica reports: its front door's calls running or waiting
+for a slot."""
 
 
 def frontdoor_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:

@@ -27,6 +27,7 @@ import functools
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 import tritonclient.grpc as grpcclient
@@ -165,3 +166,36 @@ class TritonGrpc:
 
 GrpcClient = grpcclient.InferenceServerClient | TritonGrpc
 """Either kind: what code that only calls ``InferenceServerClient``'s methods accepts."""
+
+
+_IN_USE = "in use"
+
+
+def unregister_region(grpc: GrpcClient, name: str, cuda: bool, wait_s: float, **kwargs: Any) -> None:
+    """Unregister shared-memory region ``name`` from Triton, waiting up to ``wait_s`` while it is in use.
+
+    Triton refuses to unregister a region a request still uses ("it is currently in
+    use"), and lets go of a request's region only just after its answer is sent: an
+    unregister right after the last answer may be refused, and would leave the region
+    mapped in Triton.
+
+    Args:
+        grpc: The client.
+        name: The region.
+        cuda: A CUDA region (else a system one).
+        wait_s: How long to try again while Triton says the region is in use.
+        **kwargs: For the unregister call (``headers``, ``client_timeout``).
+
+    Raises:
+        InferenceServerException: Triton's answer, when it is not "in use", or still is after ``wait_s``.
+    """
+    unregister = grpc.unregister_cuda_shared_memory if cuda else grpc.unregister_system_shared_memory
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            unregister(name, **kwargs)
+            return
+        except InferenceServerException as e:
+            if _IN_USE not in str(e.message()) or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.05)

@@ -13,6 +13,11 @@ waits for the slot (:meth:`GatedCall.wait_for`): the calls holding the slots
 may be waiting on their own clients, and calls queued behind them would
 otherwise fill the bound. (A request the node client spreads over several
 slots, or of BYTES tensors, still counts while ``infer`` waits for its slots.)
+
+Serve's autoscaler counts the requests queued at its handles as well as those
+the replicas work on; so the door's demand (:meth:`CallGate.mean_demand`,
+what a replica reports to the autoscaler) is its calls working and its calls
+waiting for a slot, averaged over time since the previous report.
 """
 
 from __future__ import annotations
@@ -85,7 +90,8 @@ class GatedCall:
     def wait_for(self, take: Callable[[], _T], give_back: Callable[[_T], object]) -> _T:
         """``take()`` (a slot), the call not counted while it waits: it waits on other calls, not works.
 
-        A call counted before counts again once ``take`` returns.
+        While it waits it is part of the gate's demand (:meth:`CallGate.mean_demand`),
+        not of its bound. A call counted before counts again once ``take`` returns.
 
         Raises:
             OverloadedError: The bound was reached while it waited (what ``take`` returned has
@@ -94,7 +100,11 @@ class GatedCall:
         """
         counted = self._counted
         self.leave()
-        taken = take()
+        self._gate._wait(1)
+        try:
+            taken = take()
+        finally:
+            self._gate._wait(-1)
         if counted:
             try:
                 self._gate._enter(self)
@@ -117,15 +127,25 @@ class CallGate:
         limit: Calls working at once (``None``: no bound).
         observer: Called with each call's record once it ends (also a refused one's),
             in the call's thread; it must be quick and must not raise.
+        clock: Seconds, for :meth:`mean_demand`.
     """
 
-    def __init__(self, limit: int | None = None, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        limit: int | None = None,
+        observer: Observer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.limit = limit
         self.observer = observer
+        self._clock = clock
         self._lock = threading.Lock()
         self._ongoing = 0
+        self._waiting = 0
         self._total = 0
         self._refused = 0
+        self._since = self._changed = clock()  # the window of mean_demand; the demand's last change
+        self._area = 0.0  # demand times seconds, since _since
 
     @contextlib.contextmanager
     def call(self, protocol: str = "", method: str = "", route: str = "") -> Iterator[GatedCall]:
@@ -156,6 +176,7 @@ class CallGate:
             if full:
                 self._refused += 1
             else:
+                self._account()
                 self._ongoing += 1
                 call._counted = True
                 if not call._admitted:
@@ -167,7 +188,31 @@ class CallGate:
 
     def _leave(self) -> None:
         with self._lock:
+            self._account()
             self._ongoing -= 1
+
+    def _wait(self, change: int) -> None:
+        with self._lock:
+            self._account()
+            self._waiting += change
+
+    def _account(self) -> None:
+        """Add the demand until now to the window's area (under the lock, before a change)."""
+        now = self._clock()
+        self._area += (self._ongoing + self._waiting) * (now - self._changed)
+        self._changed = now
+
+    def mean_demand(self) -> float:
+        """Calls working or waiting for a slot, on average since the previous call (or the start).
+
+        What a replica reports to Serve's autoscaler: one reader, as each call starts a new window.
+        """
+        with self._lock:
+            self._account()
+            elapsed = self._changed - self._since
+            mean = self._area / elapsed if elapsed > 0 else float(self._ongoing + self._waiting)
+            self._since, self._area = self._changed, 0.0
+        return mean
 
     def _observe(self, record: CallRecord, start: float) -> None:
         if self.observer is not None:
@@ -178,6 +223,11 @@ class CallGate:
     def ongoing(self) -> int:
         """Calls working now."""
         return self._ongoing
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for a slot now (not counted against ``limit``)."""
+        return self._waiting
 
     @property
     def total(self) -> int:

@@ -411,12 +411,14 @@ class FrontDoor:
                 raise FrontDoorError(f"the front door no longer accepts connections on port {listener.port}")
 
     def stats(self) -> dict[str, Any]:
-        """The door's ports, open connections and calls (running, taken, refused for the bound, the bound)."""
+        """The door's ports, open connections and calls (running, waiting for a slot, taken, refused for
+        the bound, the bound)."""
         return {
             "http_port": self.http.port if self.http is not None else None,
             "grpc_port": self.grpc.port if self.grpc is not None else None,
             "connections": sum(len(listener.open_connections()) for listener in self._listeners()),
             "ongoing": self.calls.ongoing,
+            "waiting": self.calls.waiting,
             "calls": self.calls.total,
             "refused": self.calls.refused,
             "max_ongoing": self.calls.limit,

@@ -167,7 +167,8 @@ class KServeHttpHandler:
         del data
         if shm_plan(client, model, decoded.inputs, decoded.outputs):
             version = self._served_version(model)
-            with client.lease(model) as lease:  # not counted while it waits: others' calls hold the slots
+            lease = call.wait_for(lambda: client.lease(model), _give_back)
+            with lease:
                 for name, array in decoded.inputs.items():
                     lease.input(name, array.shape)[...] = array
                 rest = self._run_and_answer(conn, model, decoded, lease, call, version)
@@ -274,7 +275,8 @@ class KServeHttpHandler:
         """
         client = self._client
         version = self._served_version(model)
-        with client.lease(model) as lease:
+        lease = call.wait_for(lambda: client.lease(model), _give_back)
+        with lease:
             for name, array in decoded.inputs.items():  # JSON inputs of the same request
                 if all(span.name != name for span in spans):
                     lease.input(name, array.shape)[...] = array
@@ -303,3 +305,7 @@ class KServeHttpHandler:
 def error_answer(error: Exception) -> tuple[int, bytes]:
     """The KServe error answer of ``error`` (as the Serve ingress answers it)."""
     return kserve_errors.error_answer(error)
+
+
+def _give_back(lease: Any) -> None:
+    lease.release()
