@@ -75,13 +75,16 @@ def test_config_environment_then_explicit(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_every_grpc_limit_is_a_setting_and_reaches_the_listener(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each field of the gRPC listener's limits but the message size (the node's
-    ``max_request_bytes``) comes from the ``grpc_``-named setting, explicit or from the environment."""
+    ``max_request_bytes``) comes from the ``grpc_``-named setting (the busy stall time from the
+    setting both protocols share), explicit or from the environment."""
     import dataclasses
 
     from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
 
-    names = {"max_header_block": "grpc_max_header_bytes"}
+    # The busy stall time is one setting for both protocols.
+    names = {"max_header_block": "grpc_max_header_bytes", "slot_busy_stall_s": "slot_busy_stall_s"}
     values = {
+        "slot_busy_stall_s": 0.05,
         "grpc_max_header_bytes": 4096,
         "grpc_idle_timeout_s": 7.5,
         "grpc_preface_timeout_s": 3.0,

@@ -46,6 +46,7 @@ class Leases:
     def __init__(self) -> None:
         self.taken = 0
         self.released = 0
+        self.busy = False  # whether other calls wait for a slot
         self.lock = threading.Lock()
 
     def lease(self) -> _Lease:
@@ -89,7 +90,7 @@ def _placed_listener(**options) -> tuple[H2Listener, Leases]:
         body = length - len(HEAD) - len(KEY)
         if head.startswith(HEAD):
             target = bytearray(body)
-            return Placement(leases.lease(), HEAD, [KEY, memoryview(target)], target)
+            return Placement(leases.lease(), HEAD, [KEY, memoryview(target)], target, lambda: leases.busy)
         first, rest = bytearray(8000), bytearray(body - 8000 - len(KEY))
         parts = [KEY, memoryview(first), KEY, memoryview(rest)]
         return Placement(leases.lease(), TWO, parts, _Joined(first, rest))
@@ -241,6 +242,35 @@ def test_a_client_that_trickles_does_not_keep_the_slot(placed) -> None:
             sock.sendall(frame_header(1, DATA, 0, 1) + b"t")
             time.sleep(0.2)
         assert leases.out() == 0 and time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("pace", ["trickled frames", "a stalled frame"])
+def test_once_others_wait_for_a_slot_a_slow_message_keeps_it_only_the_busy_stall_time(
+    placed, pace: str
+) -> None:
+    """A message arriving slowly keeps its slot the stall time (long here) while no one else waits
+    for one; once another call waits, the busy stall time: looked at as the read waits, whether
+    between frames or inside one."""
+    listener, leases = placed(limits=H2Limits(slot_stall_s=30.0, slot_busy_stall_s=0.2))
+    total = len(HEAD + KEY) + 100_000
+    with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+        _start_put(sock, HEAD + KEY + b"a" * 5000, total)
+        assert wait_for(lambda: leases.taken == 1)
+        if pace == "a stalled frame":  # a frame of 50,000 bytes, 1,000 of them sent
+            sock.sendall(frame_header(50_000, DATA, 0, 1) + b"s" * 1000)
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:
+            if pace == "trickled frames":
+                sock.sendall(frame_header(1, DATA, 0, 1) + b"t")
+            time.sleep(0.1)
+        assert leases.out() == 1  # nobody else waits: kept, the client being within its stall time
+        leases.busy = True
+        busy_at = time.monotonic()
+        while leases.out() and time.monotonic() - busy_at < 10:
+            if pace == "trickled frames":
+                sock.sendall(frame_header(1, DATA, 0, 1) + b"t")
+            time.sleep(0.05)
+        assert leases.out() == 0 and time.monotonic() - busy_at < 2
 
 
 def test_a_frame_head_reads_little_of_the_payload_behind_it() -> None:

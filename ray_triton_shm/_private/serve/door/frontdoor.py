@@ -263,6 +263,7 @@ class FrontDoorConfig:
             glitch_burst=self.grpc_glitch_burst,
             glitch_rate=float(self.grpc_glitch_rate),
             slot_stall_s=float(self.grpc_slot_stall_s),
+            slot_busy_stall_s=float(self.slot_busy_stall_s),
             max_connection_bytes=self.grpc_max_connection_bytes,
             max_buffered_bytes=self.grpc_max_buffered_bytes,
             max_streams=self.grpc_max_streams,

@@ -319,7 +319,8 @@ class GrpcDoor:
                 target = lease.input(name, placeholder.shape)
                 parts += [RAW_INPUT_KEY + encode_varint(placeholder.nbytes), memoryview(target).cast("B")]
                 del target
-            return Placement(lease, head[:start], parts, (request, outputs))
+            pool = lease.pool
+            return Placement(lease, head[:start], parts, (request, outputs), lambda: bool(pool.waiting))
         except Exception:
             lease.release()
             return None

@@ -144,6 +144,7 @@ class H2Connection(ConnectionControl):
         self._unsent = unsent or ByteBudget(limits.max_unsent_bytes, "the listener's max_unsent_bytes")
         self._reader = FrameReader(sock)
         self._reader.on_stall = self._stalled
+        self._reader.patience = self._patience
         # Sends give up after send_timeout_s (a client that stopped reading); reads wait for ever.
         self._send_timeout_s = limits.send_timeout_s
         set_kernel_timeout(sock, socket.SO_SNDTIMEO, limits.send_timeout_s)
@@ -199,10 +200,10 @@ class H2Connection(ConnectionControl):
                             continue
                         return self._limits.idle_timeout_s
                     # A call still runs: look again now and then (it may end with nothing more to
-                    # read); a slot waiting for a message's bytes waits no longer than its stall time;
-                    # output waiting on the client is written as the socket takes it.
-                    full = self._limits.slot_stall_s if self._read_timeout else _IDLE_CHECK_S
-                    wait = full
+                    # read); a slot waiting for a message's bytes waits no longer than its stall time
+                    # (looked at each tick: shorter once another call waits for a slot); output
+                    # waiting on the client is written as the socket takes it.
+                    wait = self._tick() if self._read_timeout else _IDLE_CHECK_S
                     deadline = self.output_deadline()
                     if deadline is not None:
                         wait = max(0.0, min(wait, deadline - time.monotonic()))
@@ -212,8 +213,11 @@ class H2Connection(ConnectionControl):
                     if writable or (self._parked and not readable):
                         self.flush_output()
                     if not readable:
-                        if self._read_timeout and not writable and wait >= full:
-                            self._stalled()
+                        if self._read_timeout:
+                            if time.monotonic() - self._reader.last_read >= self._patience():
+                                self._stalled()
+                            else:
+                                self._expire_placements()
                         continue
                 if self._read_timeout:
                     self._expire_placements()
@@ -324,7 +328,7 @@ class H2Connection(ConnectionControl):
             stream.receive(self._reader, count)
             if stream.placing() != placing:
                 if not placing:  # a slot now waits for the message: at the slot's pace, not the client's
-                    stream.place_deadline = time.monotonic() + self._limits.slot_time(stream.message_length())
+                    stream.place_started = time.monotonic()
                 self._update_read_timeout()
             if stream.error is not None and not stream.dispatched:
                 self._dispatch(stream)  # answered now, so that the client stops sending
@@ -441,14 +445,33 @@ class H2Connection(ConnectionControl):
         with self._flow:
             want = any(stream.placing() for stream in self._streams.values())
         if want != self._read_timeout:
-            self._set_read_timeout(self._limits.slot_stall_s if want else 0)
+            self._set_read_timeout(self._tick() if want else 0)
             self._read_timeout = want
+
+    def _tick(self) -> float:
+        """How often a read that waits for a slot's bytes looks whether it has waited too long."""
+        return min(self._limits.slot_stall_s, self._limits.slot_busy_stall_s)
+
+    def _patience(self) -> float:
+        """How long a read may wait for the client's next bytes now: no time at all (the timeout is
+        the preface's) unless a slot waits for a message; then the slot stall time, the busy one
+        while another call waits for a slot of such a pool."""
+        if not self._read_timeout:
+            return 0.0
+        with self._flow:
+            busy = any(stream.slot_busy() for stream in self._streams.values())
+        return self._limits.slot_stall(busy)
 
     def _expire_placements(self) -> None:
         """Messages still arriving for a slot past their time (too slow overall) move to memory."""
         now = time.monotonic()
+        slot_time = self._limits.slot_time
         with self._flow:
-            late = [s for s in self._streams.values() if s.placing() and s.place_deadline <= now]
+            late = [
+                s
+                for s in self._streams.values()
+                if s.placing() and now >= s.place_started + slot_time(s.message_length(), s.slot_busy())
+            ]
         for stream in late:
             stream.to_memory()
         if late:

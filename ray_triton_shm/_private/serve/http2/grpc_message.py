@@ -102,15 +102,29 @@ class Placement:
         head: The message's bytes before ``parts``.
         parts: In order: byte strings the message must go on with, and writable views it fills.
         request: What the placer made of the head (for the call).
+        busy: Whether another call waits for a slot like this one now (then a slow client's
+            bytes wait less for it); ``None``: never.
     """
 
-    def __init__(self, lease: Any, head: bytes, parts: list[bytes | memoryview], request: Any) -> None:
+    def __init__(
+        self,
+        lease: Any,
+        head: bytes,
+        parts: list[bytes | memoryview],
+        request: Any,
+        busy: Callable[[], bool] | None = None,
+    ) -> None:
         self.lease = lease
         self.head = head
         self.parts = parts
         self.request = request
+        self._busy = busy
         self._index = 0
         self._offset = 0
+
+    def busy(self) -> bool:
+        """Whether another call waits for a slot like this one now."""
+        return self._busy is not None and self._busy()
 
     def length(self) -> int:
         """The whole message's length as placed."""

@@ -80,6 +80,9 @@ MAX_UNSENT_BYTES = 128 * 1024 * 1024
 SLOT_STALL_S = 1.0
 """How long a read into a slot, or a send from one, may wait for the client: past it the
 message (or answer) is moved to memory and the slot given back at once."""
+SLOT_BUSY_STALL_S = 0.1
+""":data:`SLOT_STALL_S` while another call waits for a slot of the same pool: slow clients,
+more of them than the slots, cannot keep a pool's slots while prompt callers queue."""
 PLACED_CHUNK = 4 * 1024 * 1024
 """Bytes a read into a slot asks for at once: each must arrive within :data:`SLOT_STALL_S`
 (a client sending slower than this much per stall time does not keep a slot)."""
@@ -101,6 +104,8 @@ class H2Limits:
         glitch_rate: Call-less frames a second accepted after the burst.
         slot_stall_s: How long a read into a slot, or an answer's send from one, may wait
             for the client before the bytes move to memory and the slot goes back.
+        slot_busy_stall_s: ``slot_stall_s`` of a read into a slot while another call waits
+            for a slot of its pool (also how often a slow read looks whether one does).
         max_connection_bytes: Request bytes one connection's messages may hold in memory at once.
         max_buffered_bytes: Request bytes all of a listener's connections may hold in memory at once.
         max_streams: Streams a connection may have open at once (announced in the settings;
@@ -119,18 +124,24 @@ class H2Limits:
     glitch_burst: int = GLITCH_BURST
     glitch_rate: float = GLITCH_RATE
     slot_stall_s: float = SLOT_STALL_S
+    slot_busy_stall_s: float = SLOT_BUSY_STALL_S
     max_connection_bytes: int = MAX_CONNECTION_BYTES
     max_buffered_bytes: int = MAX_BUFFERED_BYTES
     max_streams: int = MAX_STREAMS
     send_timeout_s: float = SEND_TIMEOUT_S
     max_unsent_bytes: int = MAX_UNSENT_BYTES
 
-    def slot_time(self, length: int) -> float:
+    def slot_time(self, length: int, busy: bool = False) -> float:
         """How long a message of ``length`` bytes may take to arrive into a slot.
 
-        The stall time, plus the message at :data:`PLACED_CHUNK` bytes per stall time.
+        The stall time (the busy one while another call waits for a slot of the pool),
+        plus the message at :data:`PLACED_CHUNK` bytes per stall time.
         """
-        return self.slot_stall_s * (1 + length / PLACED_CHUNK)
+        return self.slot_stall(busy) * (1 + length / PLACED_CHUNK)
+
+    def slot_stall(self, busy: bool) -> float:
+        """How long a read into a slot may wait for the client's next bytes now."""
+        return min(self.slot_stall_s, self.slot_busy_stall_s) if busy else self.slot_stall_s
 
     def __post_init__(self) -> None:
         sizes = (
@@ -144,7 +155,8 @@ class H2Limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("idle_timeout_s", "preface_timeout_s", "glitch_rate", "slot_stall_s", "send_timeout_s"):
+        timeouts = ("idle_timeout_s", "preface_timeout_s", "slot_stall_s", "slot_busy_stall_s")
+        for name in (*timeouts, "send_timeout_s", "glitch_rate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
@@ -231,9 +243,12 @@ class FrameReader:
     """Buffered reads from a blocking socket; large reads go straight into their target.
 
     While the socket has a receive timeout (``SO_RCVTIMEO``, set while a slot
-    waits for bytes), a read that times out raises :class:`Stalled` if it was
-    for a slot (``placed``), and otherwise calls :attr:`on_stall` (which moves
-    the slots' messages to memory and clears the timeout) and goes on waiting.
+    waits for bytes), a read that times out asks :attr:`patience` how long it may
+    wait now; past that it raises :class:`Stalled` if it was for a slot
+    (``placed``), and otherwise calls :attr:`on_stall` (which moves the slots'
+    messages to memory and clears the timeout) and goes on waiting. The receive
+    timeout is thus the tick at which a slow read looks again, and the patience
+    may change meanwhile (shorter once another call waits for a slot).
     """
 
     def __init__(self, sock: socket.socket) -> None:
@@ -243,8 +258,13 @@ class FrameReader:
         self._start = 0
         self._end = 0
         self.on_stall: Callable[[], None] | None = None
+        self.patience: Callable[[], float] | None = None
+        self.last_read = time.monotonic()  # when bytes last came from the socket
 
-    def _stalled(self, placed: bool, taken: int) -> None:
+    def _stalled(self, placed: bool, taken: int, since: float) -> None:
+        """A read timed out, waiting since ``since``: returns if it may wait on, else stalls."""
+        if self.patience is not None and time.monotonic() - since < self.patience():
+            return
         if placed:
             raise Stalled(taken)
         if self.on_stall is None:
@@ -260,11 +280,12 @@ class FrameReader:
             try:
                 got = self._sock.recv_into(self._view[self._end : max(want, self._end + READ_AHEAD)])
             except BlockingIOError:  # the receive timeout
-                self._stalled(placed, 0)
+                self._stalled(placed, 0, self.last_read)
                 continue
             if not got:
                 raise EOFError
             self._end += got
+            self.last_read = time.monotonic()
 
     def exactly(self, n: int, placed: bool = False) -> bytes:
         """The next ``n`` bytes (``n`` at most the buffer's size).
@@ -294,19 +315,23 @@ class FrameReader:
             target[:have] = self._view[self._start : self._start + have]
             self._start += have
         step = PLACED_CHUNK if placed else len(target)
+        since = time.monotonic()  # when the part being read was asked for
+        end = min(have + step, len(target))
         while have < len(target):
-            want = min(step, len(target) - have)
             try:
                 # MSG_WAITALL: one wake-up (and one return to Python) for the whole rest, not one per packet.
-                got = self._sock.recv_into(target[have : have + want], 0, socket.MSG_WAITALL)
+                got = self._sock.recv_into(target[have:end], 0, socket.MSG_WAITALL)
             except BlockingIOError:  # the receive timeout, nothing read
-                self._stalled(placed, have)
-                continue
+                got = -1
             if not got:
                 raise EOFError
-            have += got
-            if got < want:  # the receive timeout with part read
-                self._stalled(placed, have)
+            if got > 0:
+                have += got
+                self.last_read = time.monotonic()
+            if have == end:
+                since, end = self.last_read, min(have + step, len(target))
+            else:  # the receive timeout with the part not all read
+                self._stalled(placed, have, since if placed else self.last_read)
 
     def buffered(self) -> int:
         """Bytes read from the socket and not yet taken."""
@@ -359,7 +384,7 @@ class Stream:
         self.answered = False  # its answer has begun
         self.done = False  # its worker has finished
         self.parked = False  # its answer waits on the client, written by the connection's reader
-        self.place_deadline = 0.0  # when a message being read into a slot must be complete
+        self.place_started = 0.0  # when a slot began to wait for the message's bytes
 
     def receive(self, reader: FrameReader, count: int) -> None:
         """``count`` bytes of the stream's DATA, read from ``reader`` into the message."""
@@ -408,6 +433,10 @@ class Stream:
     def placing(self) -> bool:
         """Whether a slot is held for the message while its bytes still arrive."""
         return isinstance(self.message, PlacedMessage) and self.message.placing()
+
+    def slot_busy(self) -> bool:
+        """Whether another call waits for a slot of the pool this stream's message is read into."""
+        return self.placing() and self.message.placement.busy()  # type: ignore[union-attr]
 
     def holds_slot(self) -> bool:
         """Whether the complete message is in a slot (taken by :meth:`placement`)."""
