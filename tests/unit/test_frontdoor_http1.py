@@ -656,6 +656,27 @@ def test_while_others_wait_for_a_slot_a_slow_client_keeps_it_only_the_busy_stall
             np.testing.assert_array_equal(_answer_values(s, values.size), values)  # whole, from the copy
 
 
+def test_a_body_read_into_its_slot_before_others_waited_keeps_it_only_the_busy_stall_time_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trickled body whose slot was leased while no one waited: once callers wait for the pool,
+    the read (looking again each busy-stall tick) gives the slot back within the busy stall time."""
+    values = np.arange(1 << 16, dtype=np.float32)
+    data = values.tobytes()
+    with _door(monkeypatch, stall_s=30.0, busy_stall_s=0.2) as (port, client), _connect(port) as s:
+        s.sendall(_infer_request(values) + data[:1000])
+        assert wait_for(lambda: client.held == 1)
+        started = time.monotonic()
+        while time.monotonic() - started < 1.0:  # a byte now and then: within the (long) stall time
+            s.sendall(data[1000:1001])
+            time.sleep(0.1)
+        assert client.held == 1
+        client.waiting = 1
+        busy_at = time.monotonic()
+        assert wait_for(lambda: client.held == 0, 10)
+        assert time.monotonic() - busy_at < 2, "the slot kept for slot_stall_s though others wait"
+
+
 def _json_request(values: np.ndarray) -> bytes:
     body = json.dumps(
         {"inputs": [{"name": "X", "shape": [values.size], "datatype": "FP32", "data": values.tolist()}]}

@@ -17,6 +17,7 @@ Serve ingress's own handler (the deployment's ``__call__``), so both answer alik
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -285,7 +286,9 @@ class KServeHttpHandler:
                 target = lease.input(span.name, decoded.inputs[span.name].shape)
                 view = memoryview(target.reshape(-1).view(np.uint8))
                 del target
-                got = body.readinto(view, self._slot_time(len(view), lease))
+                # Asked again each busy-stall tick: shorter once other calls wait for a slot.
+                allowed = functools.partial(self._slot_time, len(view), lease)
+                got = body.readinto(view, allowed, self._busy_stall_s)
                 filled.append(view[:got])
                 if got < len(view):  # the client stalled: what came goes to memory, the slot back
                     data = bytearray(prefix)

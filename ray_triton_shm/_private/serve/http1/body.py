@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ray_triton_shm._private.serve.http1.head import (
@@ -102,13 +102,20 @@ class Body:
             self._clock = BodyClock(timeouts.body_grace_s, timeouts.body_min_rate)
         return self._clock
 
-    def readinto(self, target: memoryview, stall_s: float | None = None) -> int:
+    def readinto(
+        self,
+        target: memoryview,
+        stall_s: float | Callable[[], float] | None = None,
+        tick_s: float | None = None,
+    ) -> int:
         """Fill ``target`` with the next ``len(target)`` bytes of the body.
 
         Args:
             target: Where the bytes go (a slot's memory, say).
-            stall_s: Stop early when a read waits this long for the client
-                (``None``: wait as long as the body's clock allows).
+            stall_s: Stop early once the read has taken this long
+                (``None``: wait as long as the body's clock allows); a callable is
+                asked again every ``tick_s`` while the read waits.
+            tick_s: How often a callable ``stall_s`` is asked.
 
         Returns:
             How many bytes were read: ``len(target)``, or fewer when the client
@@ -123,7 +130,7 @@ class Body:
             raise InputError("a chunked body is read whole")  # callers check Body.chunked first
         if len(target) > self.remaining:
             raise InputError("the request body is shorter than its Content-Length")
-        got = self._conn.read_exactly(target, self._begin(), stall_s)
+        got = self._conn.read_exactly(target, self._begin(), stall_s, tick_s)
         self.remaining -= got
         return got
 

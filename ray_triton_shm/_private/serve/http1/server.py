@@ -142,7 +142,11 @@ class Connection:
         self._end += self._recv(self._view[self._end :], clock)
 
     def read_exactly(
-        self, target: memoryview, clock: Deadline | BodyClock, stall_s: float | None = None
+        self,
+        target: memoryview,
+        clock: Deadline | BodyClock,
+        stall_s: float | Callable[[], float] | None = None,
+        tick_s: float | None = None,
     ) -> int:
         """Fill ``target``: first from the buffer, then straight from the socket.
 
@@ -151,6 +155,9 @@ class Connection:
             clock: The body's clock.
             stall_s: Stop this long after the read began, filled or not: a client
                 trickling a byte now and then runs out of it as one that sends nothing.
+                A callable is asked again every ``tick_s`` while the read waits (the
+                time allowed may shrink meanwhile).
+            tick_s: How often a callable ``stall_s`` is asked (``None``: only at the start).
 
         Returns:
             ``len(target)``, or fewer when ``stall_s`` passed first.
@@ -163,15 +170,23 @@ class Connection:
         if have:
             target[:have] = self._view[self._start : self._start + have]
             self._start += have
-        stall_at = None if stall_s is None else time.monotonic() + stall_s
+        began = time.monotonic()
+        allowed = stall_s() if callable(stall_s) else stall_s
         while have < len(target):
             wait = None
-            if stall_at is not None and (wait := stall_at - time.monotonic()) <= 0:
-                break
+            if allowed is not None:
+                wait = began + allowed - time.monotonic()
+                if wait <= 0:
+                    break
+                if callable(stall_s) and tick_s is not None:
+                    wait = min(wait, tick_s)
             got = self._recv(target[have:], clock, wait)
-            if not got:
+            if got:
+                have += got
+            elif not callable(stall_s) or tick_s is None:
                 break
-            have += got
+            if callable(stall_s) and tick_s is not None:
+                allowed = stall_s()
         return have
 
     def read_line(self, clock: Deadline | BodyClock, limit: int) -> bytes:
