@@ -39,7 +39,8 @@ from ray_triton_shm._private.core.model_pools import ModelPools, PoolSource
 from ray_triton_shm._private.core.slot_runs import SlotRunner, to_device
 from ray_triton_shm._private.shm.bulk_copy import BulkCopier, default_copy_threads
 from ray_triton_shm._private.shm.layout import ModelLayout, ModelSignature
-from ray_triton_shm._private.shm.pool import Lease, PoolStats, SlotPool
+from ray_triton_shm._private.shm.lease import Lease
+from ray_triton_shm._private.shm.pool import PoolStats, SlotPool
 from ray_triton_shm._private.shm.validate import (
     CheckedInputs,
     bytes_overflow,

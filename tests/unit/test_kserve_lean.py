@@ -22,7 +22,8 @@ from starlette.requests import Request
 
 from ray_triton_shm._private.serve.ingress import kserve_http
 from ray_triton_shm._private.serve.protocol import kserve
-from ray_triton_shm._private.shm.pool import Lease, SlotPool
+from ray_triton_shm._private.shm.lease import Lease
+from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm.errors import InputError
 from tests.unit.conftest import shm_path
 from tests.unit.test_kserve import BAD_REQUESTS

@@ -16,7 +16,8 @@ import numpy as np
 from ray_triton_shm._private.shm.bulk_copy import BulkCopier
 from ray_triton_shm._private.shm.cuda import import_cupy
 from ray_triton_shm._private.shm.layout import ModelLayout
-from ray_triton_shm._private.shm.pool import Lease, SlotPool
+from ray_triton_shm._private.shm.lease import Lease
+from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.shm.validate import CheckedInputs
 from ray_triton_shm._private.triton.observe import Observer, safely
 from ray_triton_shm._private.triton.triton_requests import TritonRequests

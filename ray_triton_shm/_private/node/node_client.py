@@ -25,7 +25,7 @@ from ray_triton_shm._private.node.node_config import NodeConfig, NodeInfo, split
 from ray_triton_shm._private.node.node_lifecycle import attach, get_node_actor
 from ray_triton_shm._private.node.node_registry import UserLock
 from ray_triton_shm._private.shm.cuda import local_gpu_count, require_device
-from ray_triton_shm._private.shm.pool import Lease
+from ray_triton_shm._private.shm.lease import Lease
 from ray_triton_shm._private.triton.call_errors import region_unknown
 from ray_triton_shm.client import InferResult, TritonShmClient
 from ray_triton_shm.config import ClientConfig, PoolConfig

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ray_triton_shm._private.shm.pool import Lease, SlotPool
+from ray_triton_shm._private.shm.lease import Lease
+from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.shm.slot_table import LEASED, token_pid
 from ray_triton_shm._private.shm.validate import check_shape
 from ray_triton_shm.errors import InputError, SlotRefElsewhereError, SlotRefError, StaleSlotRefError

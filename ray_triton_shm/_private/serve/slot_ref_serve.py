@@ -30,7 +30,7 @@ from ray_triton_shm._private.node.node_config import actor_name, split_app_args
 from ray_triton_shm._private.node.node_lifecycle import node_actor_names
 from ray_triton_shm._private.serve.slot_ref import SlotRef, make_ref, run_ref
 from ray_triton_shm._private.shm.layout import TRITON_TO_NUMPY
-from ray_triton_shm._private.shm.pool import Lease
+from ray_triton_shm._private.shm.lease import Lease
 from ray_triton_shm._private.shm.validate import check_shape
 from ray_triton_shm._private.triton.call_errors import IN_DOUBT_STATUSES
 from ray_triton_shm.client import InferResult

@@ -38,7 +38,8 @@ from ray_triton_shm._private.shm.cuda import (
     require_device,
 )
 from ray_triton_shm._private.shm.layout import ModelLayout, TensorSpec
-from ray_triton_shm._private.shm.pool import Lease, SlotPool
+from ray_triton_shm._private.shm.lease import Lease
+from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.shm.segment import new_segment_name
 from ray_triton_shm._private.shm.validate import check_indices
 from ray_triton_shm.errors import InputError

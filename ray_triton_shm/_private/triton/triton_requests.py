@@ -13,7 +13,8 @@ from tritonclient.utils import InferenceServerException
 from ray_triton_shm._private.shm.bytes_tensor import serialized_size
 from ray_triton_shm._private.shm.cuda import import_cupy
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, ModelLayout
-from ray_triton_shm._private.shm.pool import Lease, SlotPool
+from ray_triton_shm._private.shm.lease import Lease
+from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.shm.segment import check_span
 from ray_triton_shm._private.shm.validate import CheckedInputs, bytes_nbytes
 from ray_triton_shm._private.triton.call_errors import IN_DOUBT_STATUSES, region_unknown, translate_error
