@@ -84,8 +84,9 @@ SLOT_BUSY_STALL_S = 0.1
 """:data:`SLOT_STALL_S` while another call waits for a slot of the same pool: slow clients,
 more of them than the slots, cannot keep a pool's slots while prompt callers queue."""
 PLACED_CHUNK = 4 * 1024 * 1024
-"""Bytes a read into a slot asks for at once: each must arrive within :data:`SLOT_STALL_S`
-(a client sending slower than this much per stall time does not keep a slot)."""
+"""Bytes a read into a slot asks for at once: each must arrive within the slot stall time (the
+busy one while another call waits for a slot): a client sending slower than this much per stall
+time does not keep a slot."""
 
 
 @dataclass(frozen=True, kw_only=True)
