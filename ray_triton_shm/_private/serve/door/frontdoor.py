@@ -386,7 +386,6 @@ class FrontDoor:
                     max_open=config.max_open_connections,
                     gate=self.calls,
                     listening=listening.pop("gRPC", None),
-                    busy_stall_s=config.slot_busy_stall_s,
                 )
                 if not config.grpc_port:
                     self._claims.append(PortClaim(self.grpc.port, app_name))

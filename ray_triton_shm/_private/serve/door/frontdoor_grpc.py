@@ -52,7 +52,7 @@ from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
 )
 from ray_triton_shm._private.serve.protocol.grpc_messages import decode_infer_request, status_of
 from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import SERVICE, STREAM_REFUSED, GrpcAnswerError
-from ray_triton_shm._private.serve.protocol.slot_plan import BUSY_STALL_S, run_leased, shm_plan, slot_stall
+from ray_triton_shm._private.serve.protocol.slot_plan import run_leased, shm_plan, slot_stall
 from ray_triton_shm.errors import InputError, LayoutError
 
 logger = logging.getLogger(__name__)
@@ -197,8 +197,6 @@ class GrpcDoor:
         gate: Counts the calls running and refuses one past its bound (``UNAVAILABLE``).
         max_open: Connections open at once, idle ones included.
         listening: A listening socket to accept from instead of binding one.
-        busy_stall_s: The slot stall time while other calls wait for a slot of the pool (see
-            :attr:`FrontDoorConfig.slot_busy_stall_s`).
 
     Raises:
         FrontDoorError: The address cannot be bound.
@@ -220,11 +218,9 @@ class GrpcDoor:
         gate: CallGate | None = None,
         listening: socket.socket | None = None,
         max_open: int = MAX_OPEN,
-        busy_stall_s: float = BUSY_STALL_S,
     ) -> None:
         self._gate = gate or CallGate()
         self._limits = limits or H2Limits()
-        self._busy_stall_s = busy_stall_s
         self._client = client
         self._servicer = servicer
         self._served_version = served_version
@@ -450,7 +446,8 @@ class GrpcDoor:
         del result
         gated.leave()
         # Written from the slot, then it goes back; sooner, from a copy, if the client takes it slowly.
-        call.respond(parts, lease.release, slot_stall(lease, self._limits.slot_stall_s, self._busy_stall_s))
+        limits = self._limits
+        call.respond(parts, lease.release, slot_stall(lease, limits.slot_stall_s, limits.slot_busy_stall_s))
         del parts  # no view of the slot outlives the lease
 
 

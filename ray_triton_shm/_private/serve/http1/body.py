@@ -105,17 +105,16 @@ class Body:
     def readinto(
         self,
         target: memoryview,
-        stall_s: float | Callable[[], float] | None = None,
+        stall_s: Callable[[], float] | None = None,
         tick_s: float | None = None,
     ) -> int:
         """Fill ``target`` with the next ``len(target)`` bytes of the body.
 
         Args:
             target: Where the bytes go (a slot's memory, say).
-            stall_s: Stop early once the read has taken this long
-                (``None``: wait as long as the body's clock allows); a callable is
-                asked again every ``tick_s`` while the read waits.
-            tick_s: How often a callable ``stall_s`` is asked.
+            stall_s: How long the read may take before it stops early (``None``: as long
+                as the body's clock allows); asked again every ``tick_s`` while it waits.
+            tick_s: How often ``stall_s`` is asked.
 
         Returns:
             How many bytes were read: ``len(target)``, or fewer when the client

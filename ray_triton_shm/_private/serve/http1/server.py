@@ -145,7 +145,7 @@ class Connection:
         self,
         target: memoryview,
         clock: Deadline | BodyClock,
-        stall_s: float | Callable[[], float] | None = None,
+        stall_s: Callable[[], float] | None = None,
         tick_s: float | None = None,
     ) -> int:
         """Fill ``target``: first from the buffer, then straight from the socket.
@@ -153,11 +153,11 @@ class Connection:
         Args:
             target: Where the bytes go.
             clock: The body's clock.
-            stall_s: Stop this long after the read began, filled or not: a client
-                trickling a byte now and then runs out of it as one that sends nothing.
-                A callable is asked again every ``tick_s`` while the read waits (the
-                time allowed may shrink meanwhile).
-            tick_s: How often a callable ``stall_s`` is asked (``None``: only at the start).
+            stall_s: How long after the read began it stops, filled or not (a client
+                trickling a byte now and then runs out of it as one that sends nothing);
+                asked again every ``tick_s`` while the read waits, as the time allowed
+                may shrink meanwhile.
+            tick_s: How often ``stall_s`` is asked (``None``: only when bytes come).
 
         Returns:
             ``len(target)``, or fewer when ``stall_s`` passed first.
@@ -171,22 +171,15 @@ class Connection:
             target[:have] = self._view[self._start : self._start + have]
             self._start += have
         began = time.monotonic()
-        allowed = stall_s() if callable(stall_s) else stall_s
         while have < len(target):
             wait = None
-            if allowed is not None:
-                wait = began + allowed - time.monotonic()
+            if stall_s is not None:
+                wait = began + stall_s() - time.monotonic()
                 if wait <= 0:
                     break
-                if callable(stall_s) and tick_s is not None:
+                if tick_s is not None:
                     wait = min(wait, tick_s)
-            got = self._recv(target[have:], clock, wait)
-            if got:
-                have += got
-            elif not callable(stall_s) or tick_s is None:
-                break
-            if callable(stall_s) and tick_s is not None:
-                allowed = stall_s()
+            have += self._recv(target[have:], clock, wait)  # 0: the wait passed first; look again
         return have
 
     def read_line(self, clock: Deadline | BodyClock, limit: int) -> bytes:
