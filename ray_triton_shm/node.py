@@ -14,7 +14,7 @@ goes through the actor: clients write into their slots and call Triton
 themselves.
 """
 
-from ray_triton_shm._private.node.node_actor import TritonNodeActor, runs_on_gpu
+from ray_triton_shm._private.node.node_actor import TritonNodeActor
 from ray_triton_shm._private.node.node_client import NodeClient
 from ray_triton_shm._private.node.node_config import NAMESPACE, NodeConfig, NodeInfo, actor_name
 from ray_triton_shm._private.node.node_lifecycle import (
@@ -22,6 +22,7 @@ from ray_triton_shm._private.node.node_lifecycle import (
     get_node_actor,
     shutdown_node_actors,
 )
+from ray_triton_shm._private.node.node_models import runs_on_gpu
 
 __all__ = [
     "NAMESPACE",

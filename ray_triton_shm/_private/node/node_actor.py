@@ -6,7 +6,8 @@ Example:
     >>> ray.get(actor.info.remote()).grpc_url                                            # doctest: +SKIP
 
 Data never goes through the actor: clients write into their slots and call
-Triton themselves.
+Triton themselves. The models' side (their configurations, pools and model
+control) is :class:`~ray_triton_shm._private.node.node_models.NodeModels`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -27,33 +28,26 @@ from ray_triton_shm._private.node import metrics
 from ray_triton_shm._private.node.held_doors import HeldDoors
 from ray_triton_shm._private.node.node_config import CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node.node_health import HealthMonitor
-from ray_triton_shm._private.node.node_pools import CudaRegion, Grant, NodePools, pool_key
+from ray_triton_shm._private.node.node_models import CONTROL_TIMEOUT_S, NodeModels
+from ray_triton_shm._private.node.node_pools import CudaRegion, Grant, NodePools
 from ray_triton_shm._private.node.node_registry import Reaper, Users
-from ray_triton_shm._private.shm.cuda import DeviceBuffer, local_device_uuids, local_gpu_count
-from ray_triton_shm._private.shm.cuda_devices import local_device_index
-from ray_triton_shm._private.shm.layout import config_fingerprint, layout_from_config
+from ray_triton_shm._private.shm.cuda import local_gpu_count
 from ray_triton_shm._private.shm.segment import Segment, check_span, new_segment_name, redact
 from ray_triton_shm._private.triton.call_errors import translate_error
 from ray_triton_shm._private.triton.grpc_channel import new_grpc_client, unregister_region
-from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import (
     CudaError,
-    LayoutError,
-    TritonCallError,
     UnavailableError,
 )
 from ray_triton_shm.server import TritonServer
 
 logger = logging.getLogger(__name__)
 
-# Longest a control call to Triton (model config, region registration) may take: a hung
-# Triton must not hold a caller (or the actor's lock) longer than this.
-_CONTROL_TIMEOUT_S = 5.0
 # Longest a retired region's unregister waits for Triton to let go of its last request.
 _UNREGISTER_WAIT_S = 5.0
 
 
-class _NodeActor:
+class _NodeActor(NodeModels):
     """Body of :data:`TritonNodeActor` (see the module docstring)."""
 
     def __init__(self, config: NodeConfig) -> None:
@@ -123,11 +117,11 @@ class _NodeActor:
                     region.server_device,
                     region.size,
                     headers=headers,
-                    client_timeout=_CONTROL_TIMEOUT_S,
+                    client_timeout=CONTROL_TIMEOUT_S,
                 )
             else:
                 self._grpc.register_system_shared_memory(
-                    region.name, region.key, region.size, headers=headers, client_timeout=_CONTROL_TIMEOUT_S
+                    region.name, region.key, region.size, headers=headers, client_timeout=CONTROL_TIMEOUT_S
                 )
         except InferenceServerException as e:
             if isinstance(region, CudaRegion):
@@ -142,57 +136,7 @@ class _NodeActor:
             isinstance(region, CudaRegion),
             _UNREGISTER_WAIT_S,
             headers=self._server.shm_api_headers,
-            client_timeout=_CONTROL_TIMEOUT_S,
-        )
-
-    def _ensure_pool(self, model: str, device: int | None = None, force_cuda: bool = False) -> str:
-        """Create ``model``'s pool (a CUDA one on Triton's GPU ``device`` if allowed); return its key."""
-        pool_config = self.config.pool_for(model)
-        model_config = self._configs.get(model)
-        if model_config is None:
-            model_config = self._configs[model] = self._model_config(model)
-        layout = layout_from_config(model_config, pool_config)
-        # Strings are host objects whatever the model runs on: BYTES models get system memory.
-        has_bytes = any(spec.is_bytes for spec in (*layout.inputs, *layout.outputs))
-        if device is None or has_bytes or not self._cuda_allowed(model_config, pool_config, force_cuda):
-            self._pools.ensure_pool(model, layout, pool_config)
-            return model
-        key = pool_key(model, "cuda", device)
-        local = self._local_device(device)
-
-        def make_region(size: int) -> CudaRegion:
-            return CudaRegion(DeviceBuffer.allocate(size, local), new_segment_name("ncuda"), device)
-
-        self._pools.ensure_pool(model, layout, pool_config, key=key, make_region=make_region)
-        return key
-
-    def _model_config(self, model: str) -> dict[str, Any]:
-        self._require_healthy()
-        timeout = _CONTROL_TIMEOUT_S
-        try:
-            return self._grpc.get_model_config(model, as_json=True, client_timeout=timeout)["config"]
-        except InferenceServerException as e:
-            raise translate_error(e, model) from e
-
-    def _cuda_allowed(self, model_config: Mapping[str, Any], pool: PoolConfig, force: bool) -> bool:
-        if self._gpu_count == 0 or self.config.cuda_pools == "never":
-            return False
-        return (
-            self.config.cuda_pools == "always" or force or pool.memory == "cuda" or runs_on_gpu(model_config)
-        )
-
-    def _local_device(self, server_device: int) -> int:
-        """This actor's index of the GPU Triton calls ``server_device``.
-
-        Raises:
-            DeviceMappingError: No GPU of this actor is that GPU of Triton.
-        """
-        return local_device_index(
-            server_device,
-            os.environ.get(CVD),
-            self._gpu_visible,
-            self._gpu_count,
-            local_uuids=local_device_uuids(),
+            client_timeout=CONTROL_TIMEOUT_S,
         )
 
     def _watch(self) -> None:
@@ -281,7 +225,7 @@ class _NodeActor:
     def _forget_regions(self) -> None:
         """Unregister every region on the new Triton: a grant racing the restart may have
         registered one already, and ``register_all`` registers them all again."""
-        headers, timeout = self._server.shm_api_headers, _CONTROL_TIMEOUT_S
+        headers, timeout = self._server.shm_api_headers, CONTROL_TIMEOUT_S
         for unregister in (
             self._grpc.unregister_system_shared_memory,
             self._grpc.unregister_cuda_shared_memory,
@@ -515,82 +459,11 @@ class _NodeActor:
             self._reaper.close()
             self._held_doors.close()
 
-    # == model control and server warnings ===================================
+    # -- server warnings --------------------------------------------------------
 
     def server_warnings(self) -> list[str]:
         """What ``ray-triton-shm status`` must shout about (e.g. a CPU-only fallback on a GPU node)."""
         return list(self._server.warnings)
-
-    def load_model(self, model: str, config_json: str | None = None) -> dict[str, Any]:
-        """Load or reload ``model`` on this node's Triton (explicit model control).
-
-        Args:
-            model: Model name in the repository.
-            config_json: A model configuration (JSON) to load instead of the repository's.
-
-        Returns:
-            ``{"model": ..., "fingerprint": ...}``: the fingerprint of the configuration now served;
-            clients' slot layouts of an older one are refused with ``LayoutMismatchError``.
-
-        Raises:
-            TritonCallError: Triton refused (e.g. not started with explicit model control).
-        """
-        try:
-            self._grpc.load_model(model, config=config_json)
-        except InferenceServerException as e:
-            raise translate_error(e, model) from e
-        fingerprint = self.layout_changed(model)
-        logger.info("loaded %s (config %s)", model, fingerprint)
-        return {"model": model, "fingerprint": fingerprint}
-
-    def unload_model(self, model: str) -> dict[str, Any]:
-        """Unload ``model`` from this node's Triton (explicit model control).
-
-        Raises:
-            TritonCallError: Triton refused.
-        """
-        try:
-            self._grpc.unload_model(model)
-        except InferenceServerException as e:
-            raise translate_error(e, model) from e
-        with self._lock:
-            self._configs.pop(model, None)
-            self._pools.retire(model)
-        self._pools.reap()
-        logger.info("unloaded %s", model)
-        return {"model": model, "fingerprint": None}
-
-    def layout_changed(self, model: str) -> str | None:
-        """Fetch ``model``'s config again; retire its pools of another layout (a client found it changed).
-
-        The retired pools' users see it in their slot tables and take a grant of the
-        new layout; the old regions are unregistered and unlinked once no process
-        holds a slot of them.
-
-        Returns:
-            The fingerprint of the config now served, or ``None`` if Triton does not serve the model.
-
-        Raises:
-            UnavailableError: Triton is restarting or does not answer.
-        """
-        with self._lock:
-            self._configs.pop(model, None)
-            try:
-                model_config = self._configs[model] = self._model_config(model)
-            except UnavailableError:
-                raise  # Triton restarting: nothing is known about the model's config
-            except TritonCallError:  # not served (unloaded, or failed to load)
-                self._pools.retire(model)
-                fingerprint = None
-            else:
-                try:
-                    layout = layout_from_config(model_config, self.config.pool_for(model))
-                except LayoutError:
-                    layout = None  # no slots any more: clients go over gRPC
-                self._pools.retire(model, layout)
-                fingerprint = config_fingerprint(model_config)
-        self._pools.reap()
-        return fingerprint
 
 
 def _new_health(config: NodeConfig) -> HealthMonitor:
@@ -604,12 +477,6 @@ def _new_health(config: NodeConfig) -> HealthMonitor:
 def _probe_timeout(config: NodeConfig) -> float:
     """Per-probe timeout: short, so that several probes fit in ``unhealthy_after_s``."""
     return min(2.0, max(0.2, config.unhealthy_after_s / 3))
-
-
-def runs_on_gpu(model_config: Mapping[str, Any]) -> bool:
-    """Whether Triton runs some instance of the model on a GPU (instance_group kind GPU)."""
-    groups = model_config.get("instance_group") or []
-    return any(str(group.get("kind", "")).endswith("GPU") for group in groups)
 
 
 TritonNodeActor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=32)(_NodeActor)
