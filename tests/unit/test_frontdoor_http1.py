@@ -685,6 +685,20 @@ def _json_request(values: np.ndarray) -> bytes:
     return (head + body).encode()
 
 
+def test_an_answer_of_json_outputs_gives_its_slot_back_before_it_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A JSON answer is not sent from the slot: its outputs are copied out and the slot goes back
+    before the answer is encoded and written, however long the client takes to read it."""
+    values = np.arange(1 << 19, dtype=np.float32)  # a JSON answer of about 5 MB
+    with _door(monkeypatch, stall_s=60.0) as (port, client), _connect(port, rcvbuf=4096) as s:
+        s.sendall(_json_request(values))
+        assert wait_for(lambda: client.calls == ["run"])
+        assert wait_for(lambda: client.held == 0)  # while the client has read nothing
+        # The slot was scribbled over when it went back: the answer still holds the outputs.
+        assert json.loads(_answer_body(s))["outputs"][0]["data"] == values.tolist()
+
+
 @pytest.mark.parametrize("room_for", [1, 3])
 def test_json_bodies_are_decoded_within_max_json_bytes_in_turn(
     monkeypatch: pytest.MonkeyPatch, room_for: int

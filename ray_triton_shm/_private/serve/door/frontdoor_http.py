@@ -214,12 +214,21 @@ class KServeHttpHandler:
         version: str,
     ) -> Any:
         """Run the inputs in ``lease``'s slot (counted while it runs) and answer from the slot; what
-        the client did not take in time comes back, copied out, to send once the slot is back."""
+        the client did not take in time comes back, copied out, to send once the slot is back.
+
+        An answer of JSON outputs only is not sent from the slot: the outputs are copied
+        out and the slot given back before they are encoded (the Python work of a large
+        JSON document) and written at the client's pace.
+        """
         with call.running():
             outputs = run_leased(self._client, model, lease, decoded.outputs)
+            if not any(decoded.binary_outputs.get(name, decoded.default_binary) for name in outputs):
+                outputs = {name: np.array(value) for name, value in outputs.items()}
+                lease.release()
             parts, headers = kserve.encode_response_parts(model, decoded, dict(outputs), version)
             del outputs
-        rest = conn.respond(200, list(headers.items()), parts, self._stall(lease), self._unsent)
+        stall_s = self._stall_s if lease.released else self._stall(lease)
+        rest = conn.respond(200, list(headers.items()), parts, stall_s, self._unsent)
         # No view of the slot outlives the lease: it goes straight back, not pinned.
         del parts
         return rest
