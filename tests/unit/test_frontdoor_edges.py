@@ -279,6 +279,10 @@ class _SlotLease:
         self.inputs[name] = np.empty(shape, np.float32)
         return self.inputs[name]
 
+    @property
+    def released(self) -> bool:
+        return self._released
+
     def release(self) -> None:
         if not self._released:
             self._released = True

@@ -347,6 +347,60 @@ def test_an_answer_the_client_does_not_take_leaves_the_slot_and_still_arrives_wh
         listener.close()
 
 
+@pytest.mark.parametrize("thread", ["reader", "worker"])
+def test_a_slots_answer_gives_the_slot_back_before_its_status_is_sent(thread: str) -> None:
+    """The client, once it has the status, may call again at once: the slot is free by then.
+
+    ``reader``: the connection's only call runs in its reader thread; ``worker``: another
+    stream is open, so the call runs in a worker thread.
+    """
+    leases = Leases()
+    answer = bytes(range(256)) * 16
+    out_at_status: list[int] = []
+
+    def handler(call: Call) -> None:
+        lease = leases.lease()
+        try:
+            call.respond([memoryview(answer)], lease.release)
+            time.sleep(0.5)  # the call's own way back (the client has its status by now)
+        finally:
+            lease.release()
+
+    listener = H2Listener("127.0.0.1", 0, handler)
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+            block = h2_request_block("/pkg.Svc/Any")
+            message = b"\x00" + (1).to_bytes(4, "big") + b"q"
+            other = frame_header(len(block), HEADERS, END_HEADERS, 1) + block if thread == "worker" else b""
+            sid = 3 if thread == "worker" else 1
+            sock.sendall(
+                PREFACE
+                + frame_header(0, SETTINGS, 0, 0)
+                + other
+                + frame_header(len(block), HEADERS, END_HEADERS, sid)
+                + block
+                + frame_header(len(message), DATA, END_STREAM, sid)
+                + message
+            )
+            sock.settimeout(10)
+            data, payload = b"", b""
+            while not out_at_status:
+                got = sock.recv(1 << 16)
+                assert got, "the server closed the connection"
+                data += got
+                for kind, stream_id, body in h2_whole_frames(data):
+                    if kind == DATA and stream_id == sid:
+                        payload += body
+                    if kind == HEADERS and stream_id == sid and payload:  # the status, after the message
+                        out_at_status.append(leases.out())
+                if not out_at_status:
+                    payload = b""
+            assert payload == b"\x00" + len(answer).to_bytes(4, "big") + answer
+            assert out_at_status == [0]
+    finally:
+        listener.close()
+
+
 class _Slot:
     """The one slot of a pretend pool."""
 

@@ -209,7 +209,9 @@ class AnswerWriter:
             parts: The answer message's parts (``None``: trailers only).
             code: The status's name.
             message: The status message.
-            release: Gives back the memory ``parts`` are views of (a slot). When the client
+            release: Gives back the memory ``parts`` are views of (a slot). In a worker
+                thread, once the message is written, ``parts`` is emptied and ``release``
+                called before the status is sent. When the client
                 does not take the answer within the slot stall time, the unsent bytes are
                 copied, ``parts`` is emptied, ``release`` is called, and the rest is sent
                 from the copy. Any answer not taken within the stall time is held against
@@ -291,9 +293,18 @@ class AnswerWriter:
                             frames = self._header_frames(sid, _RESPONSE_BLOCK, False) if first else []
                             first = False
                             frames += self._data_frames(sid, views, take)
-                            if not remaining:
-                                frames += self._header_frames(sid, trailers, True)
+                            status = self._header_frames(sid, trailers, True) if not remaining else []
+                            if release is None:
+                                frames, status = frames + status, []
                             self._send_locked(frames, stalled if watching else None, stall, wait=True)
+                            if status:  # the message is written: its slot goes back before the status
+                                frames, views = [], []
+                                if parts is not None:
+                                    parts.clear()
+                                if release is not None:
+                                    release()
+                                    release = None
+                                self._send_locked(status, wait=True)
                     if stale:  # the windows are taken again under the settings in force
                         self._unreserve(stream, take)
                     frames = []
@@ -332,14 +343,26 @@ class AnswerWriter:
                 first = False
                 remaining -= take
                 frames += self._data_frames(sid, views, take)
-                if not remaining:
-                    frames += self._header_frames(sid, trailers, True)
+                # A slot's message is all written before its status: the slot goes back in
+                # between, so the client, once it has the status, finds it free for its next call.
+                status = self._header_frames(sid, trailers, True) if not remaining else []
+                if release is None:
+                    frames, status = frames + status, []
                 try:
                     rest = send_within(self._sock, frames, stall)
                     del frames
                     if rest:  # a frame begun: its rest is the tail now, before any other write
-                        self._tail_rest_locked(rest, release is not None)
+                        self._tail_rest_locked([*rest, *map(memoryview, status)], release is not None)
                         break
+                    if status:
+                        views.clear()
+                        parts.clear()
+                        release()
+                        release = None
+                        rest = send_within(self._sock, status, stall)
+                        if rest:
+                            self._tail_rest_locked(rest, False)
+                            break
                 except OverBudget as e:
                     self._end_unsent(e)
                 except OSError as e:

@@ -553,7 +553,8 @@ class Call:
 
         Args:
             parts: The message's parts.
-            release: Gives back the memory ``parts`` are views of (a slot): if the client
+            release: Gives back the memory ``parts`` are views of (a slot): called (``parts``
+                emptied) once the message is written, before the status; or, if the client
                 does not take the answer within the slot stall time, the rest is copied,
                 ``parts`` emptied and ``release`` called; the answer goes on from the copy.
             stall_s: The stall time for this answer (``None``: the limits' ``slot_stall_s``).
