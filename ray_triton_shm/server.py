@@ -32,7 +32,7 @@ import urllib.request
 from collections.abc import Callable, Collection
 from typing import Any
 
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.triton.process import (
     PDEATHSIG_SHIM,
     exit_code,
@@ -256,7 +256,7 @@ class TritonServer:
         with self._lock:
             if self.is_alive():
                 return self
-            segment.sweep_stale_segments()
+            sweep.sweep_stale_segments()
             if self._plan is None:
                 self._plan = find_tritonserver(self.config)
                 logger.info("using tritonserver %s (%s)", self._plan.binary, self._plan.source)
@@ -498,7 +498,7 @@ class TritonServer:
     def _release_backend_segments(self) -> None:
         """Remove the Python backend's files (the prefix has 128 random bits), then their guard."""
         if self._backend_prefix:
-            removed = segment.unlink_with_prefix(self._backend_prefix)
+            removed = sweep.unlink_with_prefix(self._backend_prefix)
             if removed:
                 logger.debug("removed %d Python-backend segment(s)", len(removed))
             self._backend_prefix = ""

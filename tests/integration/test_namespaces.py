@@ -59,7 +59,7 @@ _NAMESPACE_A = """
 import json, os, signal, subprocess, sys
 import numpy as np
 from ray_triton_shm import PoolConfig, ServerConfig, TritonServer, TritonShmClient
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.shm.segment import Segment, new_segment_name
 
 HOLD = "import sys, time; from ray_triton_shm._private.shm.segment import Segment, new_segment_name; " \\
@@ -84,8 +84,8 @@ prefix = server._backend_prefix
 print(json.dumps({
     "pid": os.getpid(), "holder_pid": holder.pid, "dead_pid": dying.pid,
     "own": own.name, "held": held, "dead": dead, "guard": prefix[:-1],
-    "pools": segment.list_segments(segment.owner_tag() + "_pool_"),
-    "backend": segment.list_segments(prefix),
+    "pools": sweep.list_segments(segment.owner_tag() + "_pool_"),
+    "backend": sweep.list_segments(prefix),
 }), flush=True)
 
 assert sys.stdin.readline().strip() == "check"
@@ -105,18 +105,18 @@ holder.wait()
 client.close()
 server.stop()
 own.close()
-segment.sweep_stale_segments()  # the killed holder's segment
-print(json.dumps({"left": segment.list_segments(segment.owner_tag() + "_")}), flush=True)
+sweep.sweep_stale_segments()  # the killed holder's segment
+print(json.dumps({"left": sweep.list_segments(segment.owner_tag() + "_")}), flush=True)
 """
 
 _NAMESPACE_B = """
 import json, os, sys
 from ray_triton_shm import ServerConfig, TritonServer
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 
 seen = json.loads(sys.argv[2])
 view = {str(pid): segment.process_start_time(pid) is not None for pid in seen}
-removed = segment.sweep_stale_segments()
+removed = sweep.sweep_stale_segments()
 with TritonServer(ServerConfig(model_repository=sys.argv[1])):  # a server start sweeps too
     pass
 print(json.dumps({"pid": os.getpid(), "view": view, "removed": removed}), flush=True)

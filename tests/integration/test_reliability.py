@@ -36,7 +36,7 @@ from ray_triton_shm import (
     TritonShmClient,
 )
 from ray_triton_shm._private.core.local_pools import fetch_layout
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.triton.call_errors import translate_error
 from ray_triton_shm._private.triton.server_env import default_env_dir, embedded_plan
@@ -436,10 +436,10 @@ def test_pool_larger_than_dev_shm_fails_at_creation(make_client, triton_server: 
     client = make_client(
         pools={"identity": PoolConfig(slots=1, max_shapes={"INPUT0": (elements,), "OUTPUT0": (elements,)})}
     )
-    before = set(segment.list_segments())
+    before = set(sweep.list_segments())
     with pytest.raises(SharedMemoryError, match="/dev/shm has too little space"):
         client.infer("identity", {"INPUT0": np.zeros((1, 4), np.float32)})
-    assert set(segment.list_segments()) <= before
+    assert set(sweep.list_segments()) <= before
     assert not [r for r in _regions(triton_server.grpc_url) if r not in before]
 
 

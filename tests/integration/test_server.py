@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ray_triton_shm import ServerConfig, ServerNotFoundError, ServerStartError, TritonServer
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm.server import find_tritonserver
 from tests.helpers import wait_for
 
@@ -172,21 +172,21 @@ def test_stop_removes_backend_segments_and_is_idempotent() -> None:
         pid = server.pid
         prefix = _backend_prefix(pid)
         assert prefix.startswith(segment.owner_tag() + "_pyb_")
-        segments = segment.list_segments(prefix)
+        segments = sweep.list_segments(prefix)
         assert segments, f"no Python-backend segment with prefix {prefix} while running"
         assert _pids_mentioning(prefix), "no Python-backend stub running"
         # Triton never locks its files: the server holds a locked guard named by their prefix,
         # and neither Triton nor its stubs got a copy of that lock (it would outlive the owner).
         guard = prefix[:-1]
         guard_path = os.path.join(segment.SHM_DIR, guard)
-        assert os.path.exists(guard_path) and not segment._guard_free(guard)
+        assert os.path.exists(guard_path) and not sweep._guard_free(guard)
         for child in (pid, *_pids_mentioning(prefix)):
             assert guard_path not in fd_targets(child), f"pid {child} holds the guard"
     finally:
         server.stop()
     assert not server.is_alive() and server.pid is None
     assert not _running(pid)
-    assert segment.list_segments(prefix) == []
+    assert sweep.list_segments(prefix) == []
     assert not os.path.exists(guard_path), "the guard outlived the server"
     assert wait_for(lambda: not _pids_mentioning(prefix), 15), "Python-backend stubs outlived the server"
     server.stop()
@@ -202,7 +202,7 @@ def test_bad_model_repository_raises_with_log_tail(tmp_path: Path) -> None:
         'input [ { name: "X", data_type: TYPE_NOT_A_TYPE, dims: [ 4 ] } ]\n'
     )
     ours = segment.owner_tag() + "_pyb_"
-    before = set(segment.list_segments(ours))
+    before = set(sweep.list_segments(ours))
     server = TritonServer(ServerConfig(model_repository=str(tmp_path / "models"), startup_timeout_s=60))
     with pytest.raises(ServerStartError) as info:
         server.start()
@@ -211,7 +211,7 @@ def test_bad_model_repository_raises_with_log_tail(tmp_path: Path) -> None:
     assert err.log_tail in str(err)
     assert "exited" in err.message
     assert not server.is_alive() and server.pid is None
-    assert set(segment.list_segments(ours)) == before
+    assert set(sweep.list_segments(ours)) == before
 
 
 @pytest.mark.parametrize("kind", ["not executable", "missing"])
@@ -353,7 +353,7 @@ def test_server_dies_with_parent_and_leftovers_are_swept(tmp_path: Path, empty_r
         assert _running(server_pid) and _parent_pid(server_pid) == child.pid
         prefix = _backend_prefix(server_pid)
         assert prefix.startswith(f"{segment.SEGMENT_PREFIX}_{child.pid}_")
-        assert segment.list_segments(prefix), "the child's server made no Python-backend segment"
+        assert sweep.list_segments(prefix), "the child's server made no Python-backend segment"
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(10)
@@ -369,18 +369,18 @@ def test_server_dies_with_parent_and_leftovers_are_swept(tmp_path: Path, empty_r
     live = segment.Segment.create(segment.new_segment_name("live"), 4096)
     try:
         planted = plant(f"{prefix}planted-1")
-        assert planted in segment.stale_segments()
-        assert live.name not in segment.stale_segments()
+        assert planted in sweep.stale_segments()
+        assert live.name not in sweep.stale_segments()
         # A later server start sweeps them ...
         with TritonServer(ServerConfig(model_repository=empty_repository)):
-            assert segment.list_segments(prefix) == []
+            assert sweep.list_segments(prefix) == []
         # ... and so does sweep_stale_segments() on its own.
         planted = plant(f"{prefix}planted-2")
-        assert planted in segment.sweep_stale_segments(prefix)  # only ours: other runs share /dev/shm
-        assert segment.list_segments(prefix) == []
+        assert planted in sweep.sweep_stale_segments(prefix)  # only ours: other runs share /dev/shm
+        assert sweep.list_segments(prefix) == []
         assert os.path.exists(os.path.join(segment.SHM_DIR, live.name)), "a live owner's segment was swept"
     finally:
         live.close()
-        for name in segment.list_segments(prefix):
+        for name in sweep.list_segments(prefix):
             os.unlink(os.path.join(segment.SHM_DIR, name))
     assert not os.path.exists(os.path.join(segment.SHM_DIR, live.name))

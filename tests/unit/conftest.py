@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.shm.layout import ModelLayout, layout_from_config
 from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm.config import PoolConfig
@@ -59,7 +59,7 @@ UNBATCHED_CONFIG: dict[str, Any] = {
 
 def own_segments() -> set[str]:
     """Names in /dev/shm owned (by name) by this test process."""
-    return set(segment.list_segments(segment.owner_tag() + "_"))
+    return set(sweep.list_segments(segment.owner_tag() + "_"))
 
 
 def shm_path(name: str) -> str:

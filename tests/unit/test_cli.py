@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from ray_triton_shm._private.cli import cli
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 
 
 def _dead_pid() -> int:
@@ -94,8 +94,8 @@ def test_cleanup_yes_removes(stale_segment: Callable[[], str]) -> None:
 
 
 def test_cleanup_with_nothing_stale(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(segment, "stale_segments", lambda: [])
-    monkeypatch.setattr(segment, "sweep_stale_segments", lambda: pytest.fail("nothing to sweep"))
+    monkeypatch.setattr(sweep, "stale_segments", lambda: [])
+    monkeypatch.setattr(sweep, "sweep_stale_segments", lambda: pytest.fail("nothing to sweep"))
     assert cli.main(["cleanup", "--yes"]) == 0
     assert "no stale segments" in capsys.readouterr().out
 

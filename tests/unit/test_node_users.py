@@ -12,7 +12,8 @@ import time
 import pytest
 
 from ray_triton_shm._private.node.node_registry import UserLock, Users
-from ray_triton_shm._private.shm.segment import Segment, list_segments, new_segment_name
+from ray_triton_shm._private.shm.segment import Segment, new_segment_name
+from ray_triton_shm._private.shm.sweep import list_segments
 from ray_triton_shm.errors import UnavailableError
 
 # A user process: locks its byte of the users file, says its pid (as it sees it) and its

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from ray_triton_shm._private.node.node_registry import _REAPER
+from ray_triton_shm._private.node.reaper import _REAPER
 from tests.helpers import pid_alive
 
 _MARKER = f"rtshm_0_0_pyb_reapertest{os.getpid()}_"  # a server's backend region prefix
@@ -155,7 +155,7 @@ def test_reaper_spares_a_group_that_is_not_its_tritons() -> None:
 # the segment a second longer, then dies.
 _DYING_OWNER = (
     "import os, sys, time\n"
-    "from ray_triton_shm._private.node.node_registry import Reaper\n"
+    "from ray_triton_shm._private.node.reaper import Reaper\n"
     "from ray_triton_shm._private.shm.segment import Segment, new_segment_name\n"
     "reaper = Reaper()\n"
     "kept = Segment.create(new_segment_name('slots'), 64)\n"
@@ -194,7 +194,7 @@ def test_reaper_removes_segments_whose_dying_owner_held_them_when_the_pipe_close
 # worker's): the segment stays locked until that thread is gone too.
 _THREADED_OWNER = (
     "import ctypes, os, threading, time\n"
-    "from ray_triton_shm._private.node.node_registry import Reaper\n"
+    "from ray_triton_shm._private.node.reaper import Reaper\n"
     "from ray_triton_shm._private.shm.segment import Segment, new_segment_name\n"
     "reaper = Reaper()\n"
     "kept = Segment.create(new_segment_name('slots'), 64)\n"

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from ray_triton_shm._private.node.node_registry import Reaper
+from ray_triton_shm._private.node.reaper import Reaper
 from tests.helpers import wait_for
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.shm.segment import Segment, new_segment_name, validate_segment_name
 from ray_triton_shm.errors import SharedMemoryError
 
@@ -270,7 +270,7 @@ def test_owner_tag_and_start_time() -> None:
 def test_unlink_with_prefix_refuses_foreign_prefix() -> None:
     for prefix in ("", "rtshm", "triton_python_backend", "rtshmx_"):
         with pytest.raises(SharedMemoryError):
-            segment.unlink_with_prefix(prefix)
+            sweep.unlink_with_prefix(prefix)
 
 
 def test_unlink_with_prefix(stray: list[str]) -> None:
@@ -278,7 +278,7 @@ def test_unlink_with_prefix(stray: list[str]) -> None:
     names = [_touch(prefix + str(i)) for i in range(3)]
     other = _touch(f"rtshm_{_dead_pid()}_0_other_{os.urandom(4).hex()}")
     stray.extend([*names, other])
-    assert sorted(segment.unlink_with_prefix(prefix)) == sorted(names)
+    assert sorted(sweep.unlink_with_prefix(prefix)) == sorted(names)
     assert not any(os.path.exists(shm_path(n)) for n in names)
     assert os.path.exists(shm_path(other))
 
@@ -299,7 +299,7 @@ def test_sweep_removes_dead_owner_keeps_live_ones(owned: Segment, stray: list[st
     odd = _touch(f"rtshm_nopid_{token}")
     stray.extend([dead, reused, parent, foreign, odd])
 
-    stale = segment.stale_segments()
+    stale = sweep.stale_segments()
     assert dead in stale and reused in stale
     assert owned.name not in stale and parent not in stale and odd not in stale and foreign not in stale
 
@@ -308,7 +308,7 @@ def test_sweep_removes_dead_owner_keeps_live_ones(owned: Segment, stray: list[st
     removed = [
         name
         for prefix in {"_".join(name.split("_")[:3]) + "_" for name in planted}
-        for name in segment.sweep_stale_segments(prefix)
+        for name in sweep.sweep_stale_segments(prefix)
     ]
     assert dead in removed and reused in removed
     for name in (dead, reused):
@@ -322,7 +322,7 @@ def test_sweep_keeps_segment_of_exited_attacher(owned: Segment) -> None:
     """Only the owner's death makes a segment stale; an attacher exiting does not."""
     code = f"from ray_triton_shm._private.shm.segment import Segment; Segment.attach({owned.name!r})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    assert owned.name not in segment.sweep_stale_segments()
+    assert owned.name not in sweep.sweep_stale_segments()
     assert os.path.exists(shm_path(owned.name))
 
 
@@ -340,8 +340,8 @@ def test_segment_of_dead_creator_process_is_swept() -> None:
     name = out.stdout.strip()
     try:
         assert os.path.exists(shm_path(name))
-        assert name in segment.stale_segments()
-        assert name in segment.sweep_stale_segments()
+        assert name in sweep.stale_segments()
+        assert name in sweep.sweep_stale_segments()
         assert not os.path.exists(shm_path(name))
     finally:
         segment._unlink_quietly(name)
@@ -402,14 +402,14 @@ def test_sweep_keeps_locked_segment_whatever_its_pid_says(foreign_owner: Callabl
     gone = f"{segment.owner_tag(_dead_pid())}_flocktest_{token}"
     other = f"rtshm_{os.getpid()}_{start + 1}_flocktest_{token}"
     fds = [foreign_owner(gone), foreign_owner(other)]
-    assert not {gone, other} & set(segment.stale_segments())
-    assert not {gone, other} & set(segment.sweep_stale_segments())
+    assert not {gone, other} & set(sweep.stale_segments())
+    assert not {gone, other} & set(sweep.sweep_stale_segments())
     assert os.path.exists(shm_path(gone)) and os.path.exists(shm_path(other))
     # The owner dies: its lock goes with it, and now both are swept.
     for fd in fds:
         os.close(fd)
-    assert {gone, other} <= set(segment.stale_segments())
-    assert {gone, other} <= set(segment.sweep_stale_segments())
+    assert {gone, other} <= set(sweep.stale_segments())
+    assert {gone, other} <= set(sweep.sweep_stale_segments())
     assert not os.path.exists(shm_path(gone)) and not os.path.exists(shm_path(other))
 
 
@@ -418,8 +418,8 @@ def test_unlocked_segment_of_a_live_pid_is_kept(stray: list[str]) -> None:
     name = _touch(f"{segment.owner_tag(os.getppid())}_flocktest_{os.urandom(8).hex()}")
     stray.append(name)
     assert not _held(name)
-    assert name not in segment.stale_segments()
-    assert name not in segment.sweep_stale_segments()
+    assert name not in sweep.stale_segments()
+    assert name not in sweep.sweep_stale_segments()
     assert os.path.exists(shm_path(name))
 
 
@@ -433,11 +433,11 @@ def test_lock_holder_guards_the_files_under_its_prefix(
     stray.extend(members)
     unguarded = _touch(f"{segment.owner_tag(_dead_pid())}_pyb_{os.urandom(16).hex()}_y")
     stray.append(unguarded)
-    assert not {holder, *members} & set(segment.sweep_stale_segments())
+    assert not {holder, *members} & set(sweep.sweep_stale_segments())
     assert all(os.path.exists(shm_path(n)) for n in (holder, *members))
     assert not os.path.exists(shm_path(unguarded)), "a file without a live holder must be swept"
     os.close(fd)
-    assert {holder, *members} <= set(segment.sweep_stale_segments())
+    assert {holder, *members} <= set(sweep.sweep_stale_segments())
     assert not any(os.path.exists(shm_path(n)) for n in (holder, *members))
 
 
@@ -449,12 +449,12 @@ def test_create_survives_a_sweep_between_open_and_lock(monkeypatch: pytest.Monke
 
     def sweep_first(fd: int, name: str, timeout_s: float) -> None:
         if not swept:
-            real_alive = segment._owner_alive
+            real_alive = sweep._owner_alive
             with monkeypatch.context() as m:
                 # As seen from a pid namespace where our pid names no live process; other
                 # processes' segments are judged as usual (the machine is shared).
-                m.setattr(segment, "_owner_alive", lambda pid, st: pid != os.getpid() and real_alive(pid, st))
-                swept.extend(n for n in segment.sweep_stale_segments() if n == name)
+                m.setattr(sweep, "_owner_alive", lambda pid, st: pid != os.getpid() and real_alive(pid, st))
+                swept.extend(n for n in sweep.sweep_stale_segments() if n == name)
         real_lock(fd, name, timeout_s)
 
     monkeypatch.setattr(segment, "_lock_within", sweep_first)
@@ -512,7 +512,7 @@ def test_forked_child_does_not_keep_the_owner_lock() -> None:
     try:
         assert segment.process_start_time(int(child)) is not None, "the forked child should still run"
         assert not _held(name)
-        assert name in segment.sweep_stale_segments()
+        assert name in sweep.sweep_stale_segments()
     finally:
         os.kill(int(child), signal.SIGKILL)
         segment._unlink_quietly(name)

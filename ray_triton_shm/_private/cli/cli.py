@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.triton import server_env
 from ray_triton_shm.config import ServerConfig
 
@@ -92,7 +92,7 @@ def _models(args: argparse.Namespace) -> int:
 def _cleanup(args: argparse.Namespace) -> int:
     # Segments whose owner holds its lock are live, even when the owner runs in another
     # pid namespace (a container sharing /dev/shm) and its pid means nothing here.
-    stale = segment.stale_segments()
+    stale = sweep.stale_segments()
     if not stale:
         print("no stale segments under /dev/shm/" + segment.SEGMENT_PREFIX + "*")
         return 0
@@ -101,7 +101,7 @@ def _cleanup(args: argparse.Namespace) -> int:
             print("would remove " + name)
         print("dry run: pass --yes to remove them")
         return 0
-    removed = segment.sweep_stale_segments()
+    removed = sweep.sweep_stale_segments()
     for name in removed:
         print("removing " + name)
     kept = sorted(set(stale) - set(removed))

@@ -47,7 +47,7 @@ from ray_triton_shm._private.cli.soak_report import (
     front_door,
     judge,
 )
-from ray_triton_shm._private.shm import segment
+from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.triton.repository import examples_serve_config
 from ray_triton_shm.errors import ConfigError, RayTritonShmError
 
@@ -241,14 +241,14 @@ def _leftovers(report: FaultSoakReport, processes: _Processes, shm_before: set[s
         )
 
     def remaining() -> tuple[dict[int, int], list[str]]:
-        return processes.running(), [n for n in segment.list_segments() if n not in shm_before and ours(n)]
+        return processes.running(), [n for n in sweep.list_segments() if n not in shm_before and ours(n)]
 
     _wait(lambda: not any(remaining()), grace_s)
     running, segments = remaining()
     report.leftover_processes = [f"{pid} {_cmdline(pid)[:100]}" for pid in sorted(running)]
     report.leftover_segments = segments
     report.stale_segments_of_others = [
-        n for n in segment.list_segments() if n not in shm_before and n not in segments and _owner_gone(n)
+        n for n in sweep.list_segments() if n not in shm_before and n not in segments and _owner_gone(n)
     ]
 
 
@@ -297,7 +297,7 @@ def run_fault_soak(
     report = FaultSoakReport(door)
     run_id = secrets.token_hex(8)
     processes = _Processes(run_id)
-    shm_before = set(segment.list_segments())
+    shm_before = set(sweep.list_segments())
     previous_mark = os.environ.get(MARK_ENV)
     os.environ[MARK_ENV] = run_id  # inherited by Ray's processes, Triton's and the callers'
     out_dir = Path(tempfile.mkdtemp(prefix="rts-soak-faults-"))

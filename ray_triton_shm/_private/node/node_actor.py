@@ -30,7 +30,8 @@ from ray_triton_shm._private.node.node_config import CVD, NodeConfig, NodeInfo
 from ray_triton_shm._private.node.node_health import HealthMonitor
 from ray_triton_shm._private.node.node_models import CONTROL_TIMEOUT_S, NodeModels
 from ray_triton_shm._private.node.node_pools import CudaRegion, Grant, NodePools
-from ray_triton_shm._private.node.node_registry import Reaper, Users
+from ray_triton_shm._private.node.node_registry import Users
+from ray_triton_shm._private.node.reaper import Reaper
 from ray_triton_shm._private.shm.cuda import local_gpu_count
 from ray_triton_shm._private.shm.segment import Segment, check_span, new_segment_name, redact
 from ray_triton_shm._private.triton.call_errors import translate_error

@@ -147,7 +147,7 @@ def test_killed_node_actor_comes_back_and_clients_reconnect(node):
     info = ray.get(restarted.info.remote())
     assert info.instance_id != before.instance_id
     # The old segments were swept by the new incarnation.
-    from ray_triton_shm._private.shm.segment import stale_segments
+    from ray_triton_shm._private.shm.sweep import stale_segments
 
     assert not [s for s in stale_segments() if "_node_" in s]
 

@@ -51,7 +51,7 @@ def test_removed_node_stops_serving_and_the_rest_carries_on(cluster):
     import ray
     from ray import serve
 
-    from ray_triton_shm._private.shm import segment
+    from ray_triton_shm._private.shm import segment, sweep
     from ray_triton_shm.node import NodeConfig, ensure_node_actors, get_node_actor
     from ray_triton_shm.serve import TritonDeployment
 
@@ -86,7 +86,7 @@ def test_removed_node_stops_serving_and_the_rest_carries_on(cluster):
     assert {call(i)["node_id"] for i in range(30)} == {head_id, worker_id}
 
     prefix = f"{segment.SEGMENT_PREFIX}_{doomed_actor}_"
-    assert segment.list_segments(prefix), "the worker's node actor should own segments"
+    assert sweep.list_segments(prefix), "the worker's node actor should own segments"
     cluster.remove_node(worker)
     deadline = time.monotonic() + 60
     while pid_alive(doomed_triton) or pid_alive(doomed_actor):
@@ -108,6 +108,6 @@ def test_removed_node_stops_serving_and_the_rest_carries_on(cluster):
 
     # The removed node's segments went with its node actor (its reaper removed them).
     deadline = time.monotonic() + 30
-    while segment.list_segments(prefix):
-        assert time.monotonic() < deadline, f"left behind: {segment.list_segments(prefix)}"
+    while sweep.list_segments(prefix):
+        assert time.monotonic() < deadline, f"left behind: {sweep.list_segments(prefix)}"
         time.sleep(0.2)
