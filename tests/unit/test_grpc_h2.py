@@ -12,6 +12,7 @@ import hpack
 import pytest
 
 from ray_triton_shm._private.serve.door.frontdoor_grpc import H2Listener
+from ray_triton_shm._private.serve.http2.h2_stream import Call
 from ray_triton_shm._private.serve.http2.h2_wire import (
     DATA,
     END_HEADERS,
@@ -30,7 +31,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     SETTING,
     SETTINGS,
     WINDOW_UPDATE,
-    Call,
     CallError,
     H2Limits,
     frame_header,

@@ -18,6 +18,7 @@ import pytest
 
 from ray_triton_shm._private.serve.door.frontdoor_grpc import H2Listener
 from ray_triton_shm._private.serve.http2.grpc_message import FIRST_BUFFER, MessageBuffer
+from ray_triton_shm._private.serve.http2.h2_stream import Call
 from ray_triton_shm._private.serve.http2.h2_wire import (
     DATA,
     END_HEADERS,
@@ -31,7 +32,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     RST_STREAM,
     SETTINGS,
     Budget,
-    Call,
     H2Limits,
     frame_header,
 )

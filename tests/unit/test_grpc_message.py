@@ -16,6 +16,8 @@ import pytest
 
 from ray_triton_shm._private.serve.door.frontdoor_grpc import H2Listener
 from ray_triton_shm._private.serve.http2.grpc_message import HEAD_BYTES, Placement
+from ray_triton_shm._private.serve.http2.h2_reader import FrameReader
+from ray_triton_shm._private.serve.http2.h2_stream import Call
 from ray_triton_shm._private.serve.http2.h2_wire import (
     DATA,
     END_HEADERS,
@@ -28,8 +30,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     SETTING,
     SETTINGS,
     WINDOW_UPDATE,
-    Call,
-    FrameReader,
     H2Limits,
     frame_header,
 )

@@ -55,7 +55,7 @@ from ray_triton_shm._private.serve.http1.body import Body
 from ray_triton_shm._private.serve.http1.head import RequestHead, parse_head, parse_head_by_hand
 from ray_triton_shm._private.serve.http1.server import Connection, HeadParser, HttpListener
 from ray_triton_shm._private.serve.http2.grpc_message import Placement
-from ray_triton_shm._private.serve.http2.h2_wire import Call
+from ray_triton_shm._private.serve.http2.h2_stream import Call
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 HTTP_PATH = "/v2/models/identity/infer"

@@ -39,7 +39,8 @@ from tritonclient.grpc import service_pb2 as pb
 from ray_triton_shm._private.serve.door.calls import CallGate, GatedCall
 from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection, Refuse
 from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
-from ray_triton_shm._private.serve.http2.h2_wire import Call, CallError, H2Limits, StreamGone
+from ray_triton_shm._private.serve.http2.h2_stream import Call
+from ray_triton_shm._private.serve.http2.h2_wire import CallError, H2Limits, StreamGone
 from ray_triton_shm._private.serve.net.bounded import ByteBudget
 from ray_triton_shm._private.serve.net.listener import MAX_OPEN, TcpListener
 from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (

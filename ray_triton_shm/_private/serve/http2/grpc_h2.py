@@ -2,8 +2,9 @@
 
 The server (:class:`~ray_triton_shm._private.serve.door.frontdoor_grpc.H2Listener`)
 runs an :class:`H2Connection` per client connection. It speaks the part of
-HTTP/2 (RFC 9113) that gRPC clients use, unary calls only (the protocol's
-numbers and the per-stream pieces are in :mod:`~ray_triton_shm._private.serve.http2.h2_wire`):
+HTTP/2 (RFC 9113) that gRPC clients use, unary calls only (the protocol's numbers are in
+:mod:`~ray_triton_shm._private.serve.http2.h2_wire`, the socket reader and the per-stream
+pieces in its siblings ``h2_reader`` and ``h2_stream``):
 
 * Each request message is read from the socket straight into one buffer of its
   own size (no per-frame copies); the connection advertises 16 MB frames and
@@ -12,7 +13,7 @@ numbers and the per-stream pieces are in :mod:`~ray_triton_shm._private.serve.ht
 * The answer's parts (views of a shared-memory slot, say) go to the socket as
   they are (``sendmsg``), cut into frames the client accepts and within its
   flow-control windows.
-* A handler gets a :class:`~ray_triton_shm._private.serve.http2.h2_wire.Call` (its method,
+* A handler gets a :class:`~ray_triton_shm._private.serve.http2.h2_stream.Call` (its method,
   metadata and request message) and answers with ``respond`` or ``abort``. A call
   that is the connection's only one, with nothing more to read, runs in the
   connection's own thread (no hand-over to a worker and back: a client calling
@@ -43,7 +44,9 @@ from concurrent.futures import ThreadPoolExecutor
 from ray_triton_shm._private.serve.http2.grpc_message import Placer
 from ray_triton_shm._private.serve.http2.h2_control import ConnectionControl, set_kernel_timeout
 from ray_triton_shm._private.serve.http2.h2_headers import HeaderDecoder
+from ray_triton_shm._private.serve.http2.h2_reader import FrameReader
 from ray_triton_shm._private.serve.http2.h2_send import ParkedAnswer
+from ray_triton_shm._private.serve.http2.h2_stream import Call, Stream
 from ray_triton_shm._private.serve.http2.h2_wire import (
     ACK,
     COMPRESSION_ERROR,
@@ -70,12 +73,9 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     SETTINGS,
     WINDOW_UPDATE,
     Budget,
-    Call,
     CallError,
-    FrameReader,
     H2Limits,
     H2ProtocolError,
-    Stream,
     StreamGone,
     frame_header,
 )

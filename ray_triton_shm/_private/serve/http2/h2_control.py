@@ -15,7 +15,9 @@ import socket
 import struct
 
 from ray_triton_shm._private.serve.http2.h2_headers import TABLE_SIZE_ZERO
+from ray_triton_shm._private.serve.http2.h2_reader import FrameReader
 from ray_triton_shm._private.serve.http2.h2_send import AnswerWriter
+from ray_triton_shm._private.serve.http2.h2_stream import Stream
 from ray_triton_shm._private.serve.http2.h2_wire import (
     ACK,
     DEFAULT_FRAME,
@@ -38,10 +40,8 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     SETTINGS,
     WINDOW_UPDATE,
     Budget,
-    FrameReader,
     H2Limits,
     H2ProtocolError,
-    Stream,
     StreamGone,
     frame_header,
 )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ray_triton_shm._private.serve.http2.h2_headers import encode_block
+from ray_triton_shm._private.serve.http2.h2_stream import Stream
 from ray_triton_shm._private.serve.http2.h2_wire import (
     CANCEL,
     CONTINUATION,
@@ -27,7 +28,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     HEADERS,
     NO_ERROR,
     RST_STREAM,
-    Stream,
     StreamGone,
     frame_header,
     percent_encode,
