@@ -73,7 +73,7 @@ def _no_leaked_segments() -> Iterator[None]:
     yield
     leaked = own_segments() - before
     for name in leaked:
-        segment._unlink_quietly(name)
+        segment.unlink_segment(name)
     assert not leaked, f"test left shared-memory segments behind: {sorted(leaked)}"
 
 

@@ -37,7 +37,7 @@ def stale_segment() -> Iterator[Callable[[], str]]:
 
     yield plant
     for name in planted:
-        segment._unlink_quietly(name)
+        segment.unlink_segment(name)
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -125,7 +125,7 @@ def test_cleanup_leaves_segments_locked_by_an_owner_in_another_pid_namespace(
         assert os.path.exists(path) and not os.path.exists(os.path.join(segment.SHM_DIR, stale))
     finally:
         os.close(fd)
-        segment._unlink_quietly(name)
+        segment.unlink_segment(name)
 
 
 @pytest.mark.parametrize(

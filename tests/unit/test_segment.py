@@ -34,7 +34,7 @@ def stray() -> Iterator[list[str]]:
     names: list[str] = []
     yield names
     for name in names:
-        segment._unlink_quietly(name)
+        segment.unlink_segment(name)
 
 
 def _touch(name: str, size: int = 4096) -> str:
@@ -344,7 +344,7 @@ def test_segment_of_dead_creator_process_is_swept() -> None:
         assert name in sweep.sweep_stale_segments()
         assert not os.path.exists(shm_path(name))
     finally:
-        segment._unlink_quietly(name)
+        segment.unlink_segment(name)
 
 
 # -- owner locks: liveness that holds across pid namespaces --------------------------
@@ -515,7 +515,7 @@ def test_forked_child_does_not_keep_the_owner_lock() -> None:
         assert name in sweep.sweep_stale_segments()
     finally:
         os.kill(int(child), signal.SIGKILL)
-        segment._unlink_quietly(name)
+        segment.unlink_segment(name)
 
 
 def test_children_do_not_inherit_the_owner_lock(owned: Segment) -> None:

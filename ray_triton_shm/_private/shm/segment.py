@@ -162,7 +162,8 @@ def redact(text: str) -> str:
     return _KEY_RE.sub("<shm>", text)
 
 
-def _path(name: str) -> str:
+def segment_path(name: str) -> str:
+    """The file of segment ``name`` (under :data:`SHM_DIR`)."""
     return os.path.join(SHM_DIR, name)
 
 
@@ -226,7 +227,7 @@ class Segment:
                 raise SharedMemoryError(f"cannot reserve {size} bytes for {name!r}: {e}") from e
             mm = _map_apart(fd, name, size)
         except BaseException:
-            _unlink_quietly(name)  # unlink first, then let go of the lock
+            unlink_segment(name)  # unlink first, then let go of the lock
             os.close(fd)
             raise
         _lock_fds.add(fd)
@@ -249,7 +250,7 @@ class Segment:
         """
         validate_segment_name(name)
         try:
-            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(segment_path(name), os.O_RDWR | os.O_NOFOLLOW)
         except OSError as e:
             raise SharedMemoryError(f"cannot attach segment {name!r}: {e.strerror}") from e
         try:
@@ -283,7 +284,7 @@ class Segment:
                 _make_private(self.mm, offset, size)
         # A forked child's copy of an owned segment is not the owner: the name stays the parent's.
         if self.owner and self._lock_pid == os.getpid():
-            _unlink_quietly(self.name)
+            unlink_segment(self.name)
         # The lock goes only after the name: a sweeper never sees the file linked and unlocked.
         if self._lock_fd >= 0 and self._lock_pid == os.getpid():  # a forked child closed its copy already
             _lock_fds.discard(self._lock_fd)
@@ -299,7 +300,7 @@ def _create_locked(name: str) -> int:
     unlocked file and unlink it. We see that as a link count of 0 once we hold
     the lock, and create the name again.
     """
-    path = _path(name)
+    path = segment_path(name)
     for _ in range(_CREATE_ATTEMPTS):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -311,7 +312,7 @@ def _create_locked(name: str) -> int:
             _lock_within(fd, name, _LOCK_WAIT_S)
             swept = os.fstat(fd).st_nlink == 0
         except BaseException:
-            _unlink_quietly(name)
+            unlink_segment(name)
             os.close(fd)
             raise
         if not swept:
@@ -329,7 +330,7 @@ def _map_apart(lock_fd: int, name: str, size: int) -> mmap.mmap:
     forked child for as long as the child lives, beyond the owner's death.
     """
     try:
-        map_fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        map_fd = os.open(segment_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise SharedMemoryError(f"cannot map segment {name!r}: {e.strerror}") from e
     try:
@@ -402,9 +403,10 @@ def _make_private(mm: mmap.mmap, offset: int, size: int) -> None:
         libc.munmap(copy, length)
 
 
-def _unlink_quietly(name: str) -> bool:
+def unlink_segment(name: str) -> bool:
+    """Remove segment ``name``'s file; whether it was there."""
     try:
-        os.unlink(_path(name))
+        os.unlink(segment_path(name))
     except FileNotFoundError:
         return False
     return True

@@ -28,9 +28,9 @@ import re
 from ray_triton_shm._private.shm.segment import (
     SEGMENT_PREFIX,
     SHM_DIR,
-    _path,
-    _unlink_quietly,
     process_start_time,
+    segment_path,
+    unlink_segment,
 )
 from ray_triton_shm.errors import SharedMemoryError
 
@@ -51,7 +51,7 @@ def _try_lock(name: str) -> int | None:
     the file is gone or not ours to open (another user's file).
     """
     try:
-        fd = os.open(_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(segment_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -66,7 +66,7 @@ def _guard_free(name: str) -> bool:
     """Whether the lock holder ``name`` is gone or unlocked (its owner no longer guards anything)."""
     fd = _try_lock(name)
     if fd is None:
-        return not os.path.lexists(_path(name))  # removed between the two looks
+        return not os.path.lexists(segment_path(name))  # removed between the two looks
     os.close(fd)
     return True
 
@@ -146,8 +146,8 @@ def sweep_stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
             continue
         try:
             locked = os.fstat(fd)
-            current = os.stat(_path(name), follow_symlinks=False)
-            if (current.st_dev, current.st_ino) == (locked.st_dev, locked.st_ino) and _unlink_quietly(name):
+            current = os.stat(segment_path(name), follow_symlinks=False)
+            if (current.st_dev, current.st_ino) == (locked.st_dev, locked.st_ino) and unlink_segment(name):
                 removed.append(name)
         except OSError:
             pass  # gone meanwhile, or not ours to remove
@@ -169,4 +169,4 @@ def unlink_with_prefix(prefix: str) -> list[str]:
     """
     if not prefix.startswith(SEGMENT_PREFIX + "_"):
         raise SharedMemoryError(f"refusing to unlink outside our prefix: {prefix!r}")
-    return [name for name in list_segments(prefix) if _unlink_quietly(name)]
+    return [name for name in list_segments(prefix) if unlink_segment(name)]

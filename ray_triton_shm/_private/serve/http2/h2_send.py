@@ -178,8 +178,7 @@ class AnswerWriter(FrameWriter):
                             self._send_locked(frames, stalled if watching else None, stall, wait=True)
                             if status:  # the message is written: its slot goes back before the status
                                 frames, views = [], []
-                                if parts is not None:
-                                    parts.clear()
+                                parts.clear()
                                 if release is not None:
                                     release()
                                     release = None
