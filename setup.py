@@ -1,14 +1,18 @@
-"""Packaging hook: the example models (``deployments/models``) ship inside the package.
+"""Packaging hooks: the example models ship inside the package; the one C extension.
 
 All metadata lives in pyproject.toml. A wheel gets ``ray_triton_shm/examples/models``,
 copied from ``deployments/models`` at build time, so ``examples`` works in any install;
 a source checkout (editable install) uses ``deployments/models`` directly.
+
+``_kserve_json`` reads and writes KServe v2 JSON tensors (see
+``ray_triton_shm/_private/serve/protocol/kserve_json.py``). It is optional: where no C
+compiler builds it, the package falls back to the json module.
 """
 
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 DEPLOYMENTS = Path(__file__).resolve().parent / "deployments"
@@ -34,4 +38,14 @@ class BuildPyWithExamples(build_py):
             shutil.copy2(SERVE_CONFIG, target / SERVE_CONFIG.name)
 
 
-setup(cmdclass={"build_py": BuildPyWithExamples})
+setup(
+    cmdclass={"build_py": BuildPyWithExamples},
+    ext_modules=[
+        Extension(
+            "ray_triton_shm._private.serve.protocol._kserve_json",
+            sources=["ray_triton_shm/_private/serve/protocol/_kserve_json.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
+            optional=True,
+        )
+    ],
+)

@@ -86,6 +86,8 @@ def test_build_prints_no_deprecation_warnings(built: tuple[Path, Path, str]) -> 
     assert "ray_triton_shm/examples/models/strings/1/model.py" in names
     assert "ray_triton_shm/examples/triton_shm.yaml" in names
     assert not any("__pycache__" in n for n in names)
+    # The C reader and writer of JSON tensors, compiled for this interpreter.
+    assert any(n.startswith("ray_triton_shm/_private/serve/protocol/_kserve_json.") for n in names), names
 
 
 def test_wheel_in_a_new_venv_runs_the_demo_from_elsewhere(
@@ -98,7 +100,9 @@ def test_wheel_in_a_new_venv_runs_the_demo_from_elsewhere(
             str(python),
             "-c",
             "import ray_triton_shm, ray_triton_shm.serve as s; print(ray_triton_shm.__file__); "
-            "print(s.build_node_config('examples').server.model_repository)",
+            "print(s.build_node_config('examples').server.model_repository); "
+            "from ray_triton_shm._private.serve.protocol import kserve_json; "
+            "assert kserve_json.available(), 'no C extension in the wheel'",
         ],
         elsewhere,
     )

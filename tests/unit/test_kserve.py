@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.serve.protocol import kserve, kserve_errors
+from ray_triton_shm._private.serve.protocol import kserve, kserve_errors, kserve_json
 from ray_triton_shm.errors import (
     InputError,
     LayoutError,
@@ -234,6 +234,96 @@ def test_every_malformed_request_is_an_input_error(data: bytes, length: int | No
         kserve.plan_request(data[:split], split, len(data))
     except InputError as e:
         assert type(e) is type(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "length", "words"), [r[1:] for r in BAD_REQUESTS], ids=[r[0] for r in BAD_REQUESTS]
+)
+def test_every_malformed_request_is_refused_alike_by_the_json_module(
+    data: bytes, length: int | None, words: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C reader of JSON tensors (when built) changes no refusal: same type, same message."""
+    with pytest.raises(InputError) as fast:
+        kserve.decode_request(data, length)
+    monkeypatch.setattr(kserve_json, "_kserve_json", None)
+    with pytest.raises(InputError) as slow:
+        kserve.decode_request(data, length)
+    assert (type(fast.value), str(fast.value)) == (type(slow.value), str(slow.value))
+
+
+# Requests whose JSON tensors the C reader may read: (id, body). Each decodes as the json module reads it.
+GOOD_REQUESTS = [
+    ("ints", *body({"inputs": [int32_input()]})),
+    (
+        "floats-and-ints-for-fp32",
+        *body({"inputs": [int32_input(datatype="FP32", data=[0.1, 2, -3.5e-7, 4e30])]}),
+    ),
+    ("fp16", *body({"inputs": [int32_input(datatype="FP16", data=[0.1, 70000.0, -2, 1e-8])]})),
+    ("fp32-overflow", *body({"inputs": [int32_input(datatype="FP32", data=[1e39, -1e300, 0.0, -0.0])]})),
+    ("fp64", *body({"inputs": [int32_input(datatype="FP64", data=[0.1, 1 / 3, 2**53 + 1, -0.0])]})),
+    ("int64-extremes", *body({"inputs": [int32_input(datatype="INT64", data=[-(2**63), 2**63 - 1, 0, -1])]})),
+    ("uint64-past-int64", *body({"inputs": [int32_input(datatype="UINT64", data=[2**64 - 1, 2**63, 0, 1])]})),
+    ("uint8-edges", *body({"inputs": [int32_input(datatype="UINT8", data=[0, 255, 1, 254])]})),
+    ("int8-edges", *body({"inputs": [int32_input(datatype="INT8", data=[-128, 127, 0, -1])]})),
+    (
+        "ints-past-2**53-for-fp32",
+        *body({"inputs": [int32_input(datatype="FP32", data=[2**60 + 1, 3, 2**53 + 1, 1])]}),
+    ),
+    (
+        "ints-past-2**53-and-floats",
+        *body({"inputs": [int32_input(datatype="FP64", data=[2**60 + 1, 0.5, 1, 2])]}),
+    ),
+    ("19-digit-ints", *body({"inputs": [int32_input(datatype="INT64", data=[10**18 + 7, -(10**18), 1, 2])]})),
+    ("nested", *body({"inputs": [int32_input(data=[[1, 2], [3, 4]])]})),
+    ("bools", *body({"inputs": [{"name": "B", "datatype": "BOOL", "shape": [2], "data": [True, False]}]})),
+    ("bytes", *body({"inputs": [{"name": "S", "datatype": "BYTES", "shape": [2], "data": ["a", "é"]}]})),
+    ("empty", *body({"inputs": [int32_input(shape=[0], data=[])]})),
+    (
+        "escaped-names-and-exponents",
+        b'{"inputs": [{"name": "IN\u0030", "datatype": "FP32", "shape": [3], "data": [1E+2, -0.5e-3, 7E0]}],'
+        b' "id": "a\\"b", "outputs": [{"name": "O", "parameters": {"binary_data": true}}]}',
+        None,
+    ),
+    (
+        "long-digits",
+        b'{"inputs": [{"name": "F", "datatype": "FP64", "shape": [3], "data":'
+        b" [0.1000000000000000055511151231257827, 123456789012345678901234567890.5, 1e-320]}]}",
+        None,
+    ),
+    (
+        "data-in-parameters",
+        *body({"inputs": [int32_input(parameters={"data": [1, 2]})], "parameters": {"data": [3.5]}}),
+    ),
+    (
+        "whitespace",
+        b' \n{ "inputs" :[ {"name":"I","datatype":"INT32","shape":[4],"data":[ 1 ,\t2,\r3 , 4 ] } ] }\n ',
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "length"), [r[1:] for r in GOOD_REQUESTS], ids=[r[0] for r in GOOD_REQUESTS]
+)
+def test_json_tensors_decode_alike_with_and_without_the_c_reader(
+    data: bytes, length: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = kserve.decode_request(data, length)
+    monkeypatch.setattr(kserve_json, "_kserve_json", None)
+    slow = kserve.decode_request(data, length)
+    assert fast.inputs.keys() == slow.inputs.keys()
+    for name, array in slow.inputs.items():
+        assert fast.inputs[name].dtype == array.dtype and fast.inputs[name].shape == array.shape
+        if array.dtype == object:
+            assert fast.inputs[name].tolist() == array.tolist()
+        else:
+            assert fast.inputs[name].tobytes() == array.tobytes(), name
+    assert (fast.outputs, fast.binary_outputs, fast.default_binary, fast.request_id) == (
+        slow.outputs,
+        slow.binary_outputs,
+        slow.default_binary,
+        slow.request_id,
+    )
 
 
 @pytest.mark.parametrize("value", ["abc", "-5", "1.5", "", " ", "0x10", "١٢"])

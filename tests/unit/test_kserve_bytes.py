@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from ray_triton_shm._private.serve.protocol.kserve import decode_request, deserialize_bytes, serialize_bytes
+from ray_triton_shm._private.serve.protocol.kserve import decode_request
+from ray_triton_shm._private.serve.protocol.kserve_tensors import deserialize_bytes, serialize_bytes
 from ray_triton_shm.errors import InputError
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.protocol.grpc_messages import add_outputs, input_spec, output_names
-from ray_triton_shm._private.serve.protocol.kserve import placeholder
+from ray_triton_shm._private.serve.protocol.kserve_tensors import placeholder
 from ray_triton_shm.errors import InputError, RefusedError
 
 _RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents

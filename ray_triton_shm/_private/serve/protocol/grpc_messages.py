@@ -21,12 +21,11 @@ from ray_triton_shm._private.serve.protocol.kserve import (
     CLASSIFICATION,
     SHM_PARAMETERS,
     classification_refused,
-    deserialize_bytes,
-    serialize_bytes,
 )
 from ray_triton_shm._private.serve.protocol.kserve_errors import error_message, names_internals
 from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import GrpcAnswerError
 from ray_triton_shm._private.serve.protocol.kserve_limits import check_shape
+from ray_triton_shm._private.serve.protocol.kserve_tensors import deserialize_bytes, serialize_bytes
 from ray_triton_shm._private.shm.cuda import to_host
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
 from ray_triton_shm._private.shm.segment import redact

@@ -4,6 +4,9 @@ Supports JSON tensors and the binary-tensor extension (a JSON header whose
 length is given by ``Inference-Header-Content-Length``, followed by raw
 tensor bytes), which is what ``tritonclient.http`` sends by default.
 
+JSON tensors are read and written by :mod:`kserve_json` (in C where the extension is
+built), with the json module's meaning and text.
+
 Every malformed request raises :class:`InputError` (HTTP 400, as Triton
 answers it); :func:`kserve_errors.http_status` maps our other errors to the status codes
 Triton's own HTTP endpoint uses for the same failures. What a client may send
@@ -23,58 +26,24 @@ from urllib.parse import quote
 
 import numpy as np
 
+from ray_triton_shm._private.serve.protocol.kserve_json import (
+    JsonNumbers,
+    RawJson,
+    SlowPath,
+    dumps,
+    loads_numbers,
+    numbers_json,
+)
 from ray_triton_shm._private.serve.protocol.kserve_limits import MAX_RANK, check_shape, load_json
+from ray_triton_shm._private.serve.protocol.kserve_tensors import (
+    deserialize_bytes,
+    placeholder,
+    serialize_bytes,
+)
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON, TRITON_TO_NUMPY
 from ray_triton_shm.errors import InputError, RefusedError
 
 HEADER_LENGTH = "inference-header-content-length"
-
-
-def placeholder(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A read-only array of ``shape`` and ``dtype`` with one element's memory behind it (every
-    stride 0): what ``np.broadcast_to`` of a scalar gives, at a fraction of its cost."""
-    array = np.ndarray(shape, dtype, buffer=np.zeros(1, dtype), strides=(0,) * len(shape))
-    array.flags.writeable = False
-    return array
-
-
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """A BYTES tensor in Triton's serialised form: per element a 4-byte little-endian length, its bytes."""
-    parts = []
-    for item in array.flat:
-        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
-        parts.append(len(data).to_bytes(4, "little"))
-        parts.append(data)
-    return b"".join(parts)
-
-
-def deserialize_bytes(data: bytes | memoryview, count: int | None = None) -> np.ndarray:
-    """Parse Triton's serialised BYTES form into a flat object array of ``bytes``.
-
-    Args:
-        data: The serialised elements.
-        count: Elements expected; ``None`` reads to the end of ``data``.
-
-    Raises:
-        InputError: A length runs past the data, or the element count is wrong.
-    """
-    view = memoryview(data)
-    items = []
-    cursor = 0
-    while cursor < len(view) and (count is None or len(items) < count):
-        if cursor + 4 > len(view):
-            raise InputError("BYTES data ends inside an element's 4-byte length")
-        size = int.from_bytes(view[cursor : cursor + 4], "little")
-        cursor += 4
-        if cursor + size > len(view):
-            raise InputError("a BYTES element runs past the end of its data")
-        items.append(bytes(view[cursor : cursor + size]))
-        cursor += size
-    if count is not None and (len(items) != count or cursor != len(view)):
-        raise InputError(f"BYTES data does not hold exactly {count} elements")
-    out = np.empty(len(items), dtype=object)
-    out[:] = items
-    return out
 
 
 def _json_bytes(values: Any) -> np.ndarray:
@@ -317,7 +286,26 @@ def _decode(
     split = length if header_length is None else header_length
     if split < 0 or split > length:
         raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {length} bytes")
-    header = load_json(body if split == length else body[:split])  # the whole body: not copied
+    text = body if split == length else body[:split]  # the whole body: not copied
+    header = loads_numbers(text)
+    if header is not None:
+        try:
+            return _decode_header(header, body, length, split, spans)
+        except (InputError, RefusedError, SlowPath):
+            # What a request means, and what is wrong with it, is the json module's reading.
+            if spans is not None:
+                spans.clear()
+    return _decode_header(load_json(text), body, length, split, spans)
+
+
+def _decode_header(
+    header: Any,
+    body: bytes | bytearray | memoryview,
+    length: int,
+    split: int,
+    spans: list[BinarySpan] | None,
+) -> DecodedRequest:
+    """:func:`_decode` of the parsed JSON ``header`` (the first ``split`` bytes of the body)."""
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise InputError("request must be a JSON object with an 'inputs' list")
     _refuse_shm(header)
@@ -358,11 +346,13 @@ def _decode(
                     spans.append(BinarySpan(name, cursor, size))
             cursor += size
         elif "data" in entry:
-            array = (
-                _json_bytes(entry["data"])
-                if dtype is None
-                else _json_tensor(entry["data"], name, datatype, dtype)
-            )
+            data = entry["data"]
+            if isinstance(data, JsonNumbers):
+                if dtype is None:
+                    raise SlowPath()
+                array = data.tensor(dtype)
+            else:
+                array = _json_bytes(data) if dtype is None else _json_tensor(data, name, datatype, dtype)
         else:
             raise InputError(f"input {name!r} has neither 'data' nor binary_data_size")
         if array.size != count:
@@ -427,6 +417,7 @@ def encode_response_parts(
     """
     entries = []
     blobs: list[bytes | np.ndarray] = []
+    raw = False  # some output's data is JSON text already (RawJson)
     for name, array in outputs.items():
         array = np.ascontiguousarray(array)
         is_bytes = array.dtype == object
@@ -446,12 +437,14 @@ def encode_response_parts(
                 for item in array.flat
             ]
         else:
-            entry["data"] = array.ravel().tolist()
+            text = numbers_json(array)
+            entry["data"] = array.ravel().tolist() if text is None else RawJson(text)
+            raw = raw or text is not None
         entries.append(entry)
     reply: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
     if request.request_id:
         reply["id"] = request.request_id
-    head = json.dumps(reply).encode()
+    head = dumps(reply) if raw else json.dumps(reply).encode()
     if not blobs:
         return [head], {"content-type": "application/json"}
     return [head, *blobs], {
