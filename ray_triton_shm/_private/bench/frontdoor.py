@@ -53,7 +53,7 @@ from ray_triton_shm._private.bench.frontdoor_callers import CallerPool
 from ray_triton_shm._private.bench.frontdoor_perf import PerfAnalyzerCells, TritonCounter, server_cpu_ms
 from ray_triton_shm._private.bench.frontdoor_table import Row, add_ratios, label, make_row, table, targets
 from ray_triton_shm._private.bench.servers import SERVERS, build_repository, parse_servers
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm._private.serve.ingress.kserve_grpc import SERVICER_FUNCTION
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
