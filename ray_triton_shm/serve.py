@@ -37,7 +37,8 @@ from starlette.responses import Response
 
 from ray_triton_shm._private.node.node_config import split_app_args
 from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING, frontdoor_autoscaling_policy
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoor
+from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm._private.serve.frontdoor_observe import FrontDoorObserver
 from ray_triton_shm._private.serve.ingress import kserve_http
 from ray_triton_shm._private.serve.ingress.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer

@@ -40,7 +40,7 @@ from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.triton.call_errors import translate_error
 from ray_triton_shm._private.triton.server_env import default_env_dir, embedded_plan
-from ray_triton_shm.server import SHM_API_GRPC_HEADER, SHM_API_HEADER
+from ray_triton_shm._private.triton.server_launch import SHM_API_GRPC_HEADER, SHM_API_HEADER
 
 from .conftest import MODEL_REPOSITORY, close_and_check, transport_overrides
 from .footprint import assert_flat, process_footprint

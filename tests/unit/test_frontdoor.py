@@ -16,7 +16,8 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.node.port_claim import PortClaim, app_digest, port_claims
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoor
+from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler
 from ray_triton_shm._private.serve.http1.head import HttpParseError, parse_head, response_head
 from ray_triton_shm._private.serve.http1.server import HttpListener

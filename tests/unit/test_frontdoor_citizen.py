@@ -17,7 +17,8 @@ from ray_triton_shm._private.node.held_doors import HeldDoors
 from ray_triton_shm._private.node.port_claim import PortClaim, claim_names
 from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING, frontdoor_autoscaling_policy
 from ray_triton_shm._private.serve.door.calls import CallGate
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoor
+from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler, error_answer
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.net.listener import TcpListener

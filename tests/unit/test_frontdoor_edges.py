@@ -22,7 +22,8 @@ from ray_triton_shm._private.bench.attacks import wire
 from ray_triton_shm._private.node.port_claim import HANDOVER_TIMEOUT_S, PortClaim, app_claim_names
 from ray_triton_shm._private.serve.door import frontdoor_grpc, frontdoor_http
 from ray_triton_shm._private.serve.door.calls import CallGate
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoor, FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor import FrontDoor
+from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor
 from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler, error_answer
 from ray_triton_shm._private.serve.http1.server import HttpListener

@@ -22,7 +22,7 @@ import pytest
 
 from ray_triton_shm._private.serve.door import frontdoor_http
 from ray_triton_shm._private.serve.door.calls import CallGate
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler
 from ray_triton_shm._private.serve.http1.server import HttpListener
 from ray_triton_shm._private.serve.http1.timing import HttpTimeouts

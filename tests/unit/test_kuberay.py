@@ -255,7 +255,7 @@ def test_serve_config_is_served_on_all_interfaces(serve_config: dict) -> None:
 def test_the_front_door_listens_on_the_pods_and_a_service_reaches_it(
     manifest: dict, serve_config: dict
 ) -> None:
-    from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
+    from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 
     docs = list(yaml.safe_load_all(MANIFEST.read_text()))
     (service,) = [d for d in docs if d["kind"] == "Service"]

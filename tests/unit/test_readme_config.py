@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm.config import ClientConfig, PoolConfig, ServerConfig
 from ray_triton_shm.node import NodeConfig
 

@@ -119,7 +119,8 @@ _RESTRICTED = ("--grpc-restricted", "--http-restricted")
 
 def test_restricted_flags_carry_the_key_only_when_protected(tmp_path) -> None:
     from ray_triton_shm._private.triton.server_env import LaunchPlan
-    from ray_triton_shm.server import SHM_API_GRPC_HEADER, SHM_API_HEADER, TritonServer
+    from ray_triton_shm._private.triton.server_launch import SHM_API_GRPC_HEADER, SHM_API_HEADER
+    from ray_triton_shm.server import TritonServer
 
     binary = tmp_path / "tritonserver"
     binary.write_text("#!/bin/sh\necho usage\n")

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from ray_triton_shm import ServerConfig, TritonServer
-from ray_triton_shm import server as server_module
+from ray_triton_shm import ServerConfig, TritonServer, server
+from ray_triton_shm._private.triton import server_launch
 
 FIRST_PORT = 41000
 
@@ -61,7 +61,7 @@ class _Socket:
 @pytest.fixture
 def kernel(monkeypatch: pytest.MonkeyPatch) -> _Kernel:
     fake = _Kernel()
-    monkeypatch.setattr(server_module.socket, "socket", fake.socket)
+    monkeypatch.setattr(server_launch.socket, "socket", fake.socket)
     return fake
 
 
@@ -87,9 +87,14 @@ def test_a_free_port_is_never_one_the_config_names(kernel: _Kernel) -> None:
 def test_a_clash_of_endpoints_is_retried_on_fresh_ports() -> None:
     # What Triton says when two of its endpoints got the same port.
     tail = "The server cannot listen to HTTP requests and metrics requests at the same address and port"
-    assert server_module.ports_clashed(tail)
-    assert server_module.ports_clashed("failed to start HTTP service: Address already in use")
-    assert not server_module.ports_clashed("failed to load model 'x'")
+    assert server_launch.ports_clashed(tail)
+    assert server_launch.ports_clashed("failed to start HTTP service: Address already in use")
+    assert not server_launch.ports_clashed("failed to load model 'x'")
+
+
+def test_the_public_server_module_names_the_port_and_header_helpers() -> None:
+    for name in ("free_ports", "ports_clashed", "SHM_API_HEADER", "SHM_API_GRPC_HEADER"):
+        assert getattr(server, name) is getattr(server_launch, name)
 
 
 def test_the_real_kernel_gives_three_distinct_ports() -> None:

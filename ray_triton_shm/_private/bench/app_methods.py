@@ -36,8 +36,8 @@ from ray_triton_shm._private.bench.cells import run_group
 from ray_triton_shm._private.bench.core_methods import Caller, Cell, OutputMismatch
 from ray_triton_shm._private.bench.options import BenchOptions
 from ray_triton_shm._private.bench.timing import Progress
+from ray_triton_shm._private.triton.server_launch import free_ports
 from ray_triton_shm.node import NodeConfig, shutdown_node_actors
-from ray_triton_shm.server import free_ports
 
 APP_METHODS = ("app-image-shm", "app-image-grpc")
 BASE = "app-image-grpc"

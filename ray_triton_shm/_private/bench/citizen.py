@@ -31,9 +31,9 @@ import tritonclient.http as httpclient
 import yaml
 from ray import serve
 
+from ray_triton_shm._private.triton.server_launch import free_ports
 from ray_triton_shm.node import shutdown_node_actors
 from ray_triton_shm.serve import run_config_file
-from ray_triton_shm.server import free_ports
 
 REPO_DEPLOYMENTS = Path(__file__).resolve().parents[3] / "deployments"
 SHIPPED = REPO_DEPLOYMENTS / "triton_shm.yaml"

@@ -53,12 +53,12 @@ from ray_triton_shm._private.bench.frontdoor_callers import CallerPool
 from ray_triton_shm._private.bench.frontdoor_perf import PerfAnalyzerCells, TritonCounter, server_cpu_ms
 from ray_triton_shm._private.bench.frontdoor_table import Row, add_ratios, label, make_row, table, targets
 from ray_triton_shm._private.bench.servers import SERVERS, build_repository, parse_servers
-from ray_triton_shm._private.serve.door.frontdoor import FrontDoorConfig
+from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm._private.serve.ingress.kserve_grpc import SERVICER_FUNCTION
+from ray_triton_shm._private.triton.server_launch import free_ports
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
 from ray_triton_shm.serve import TritonDeployment, resolve_model_repository
-from ray_triton_shm.server import free_ports
 
 logger = logging.getLogger(__name__)
 

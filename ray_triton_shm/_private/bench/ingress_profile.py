@@ -47,10 +47,10 @@ from ray_triton_shm._private.bench.tables import size_label
 from ray_triton_shm._private.bench.timing import Progress
 from ray_triton_shm._private.serve.protocol import kserve
 from ray_triton_shm._private.triton.native import require_native_models
+from ray_triton_shm._private.triton.server_launch import free_ports
 from ray_triton_shm.config import PoolConfig, ServerConfig
 from ray_triton_shm.node import NodeConfig, ensure_node_actors, shutdown_node_actors
 from ray_triton_shm.serve import TritonDeployment
-from ray_triton_shm.server import free_ports
 
 KB = 1024
 MB = 1024 * KB

@@ -25,9 +25,9 @@ from ray_triton_shm._private.bench.core_methods import Caller, Cell, OutputMisma
 from ray_triton_shm._private.bench.slotref_methods import SlotRefTarget, slotref_cell
 from ray_triton_shm._private.serve.ingress.kserve_grpc import SERVICER_FUNCTION
 from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
+from ray_triton_shm._private.triton.server_launch import free_ports
 from ray_triton_shm.data import TritonPredictor
 from ray_triton_shm.serve import TritonDeployment
-from ray_triton_shm.server import free_ports
 
 SERVE_MODEL = "identity"
 DATA_MODEL = "multi_io"

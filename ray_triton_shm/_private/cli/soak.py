@@ -26,9 +26,10 @@ from typing import Any, TextIO
 import numpy as np
 import tritonclient.http as httpclient
 
+from ray_triton_shm._private.triton.server_launch import free_ports
 from ray_triton_shm.client import TritonShmClient
 from ray_triton_shm.config import PoolConfig, ServerConfig
-from ray_triton_shm.server import TritonServer, free_ports
+from ray_triton_shm.server import TritonServer
 
 logger = logging.getLogger(__name__)
 

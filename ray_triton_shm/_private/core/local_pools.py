@@ -16,9 +16,9 @@ from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm._private.shm.segment import check_span, redact
 from ray_triton_shm._private.triton.call_errors import status_name, translate_error
 from ray_triton_shm._private.triton.grpc_channel import GrpcClient, unregister_region
+from ray_triton_shm._private.triton.server_launch import SHM_API_GRPC_HEADER
 from ray_triton_shm.config import PoolConfig
 from ray_triton_shm.errors import CudaError, PoolClosedError, TritonCallError
-from ray_triton_shm.server import SHM_API_GRPC_HEADER
 
 # The client's messages, under the client's logger name wherever they are written.
 logger = logging.getLogger("ray_triton_shm.client")

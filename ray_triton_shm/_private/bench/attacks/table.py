@@ -38,9 +38,9 @@ from ray_triton_shm._private.bench.attacks.catalog import Attack
 from ray_triton_shm._private.bench.attacks.judge import Bounds, Verdict, judge, listening_pids
 from ray_triton_shm._private.bench.attacks.legit import LegitCallers
 from ray_triton_shm._private.bench.attacks.wire import Target
+from ray_triton_shm._private.triton.server_launch import free_ports
 from ray_triton_shm.node import shutdown_node_actors
 from ray_triton_shm.serve import run_config_file
-from ray_triton_shm.server import free_ports
 
 logger = logging.getLogger(__name__)
 SHIPPED = Path("deployments") / "triton_shm.yaml"

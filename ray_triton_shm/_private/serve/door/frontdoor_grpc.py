@@ -37,8 +37,9 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.door.calls import CallGate, GatedCall
-from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection, Refuse
+from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection
 from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
+from ray_triton_shm._private.serve.http2.h2_receive import Refuse
 from ray_triton_shm._private.serve.http2.h2_stream import Call
 from ray_triton_shm._private.serve.http2.h2_wire import CallError, H2Limits, StreamGone
 from ray_triton_shm._private.serve.net.bounded import ByteBudget
