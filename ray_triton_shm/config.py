@@ -18,109 +18,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
+from ray_triton_shm._private.base.config_checks import require, require_type, string_tuple
+from ray_triton_shm._private.base.env_fields import ENV_PREFIX as ENV_PREFIX
+from ray_triton_shm._private.base.env_fields import (
+    env_field,
+    parse_int_tuple,
+    parse_optional_bool,
+    parse_optional_str,
+    parse_str_tuple,
+)
 from ray_triton_shm.errors import ConfigError
 
 __all__ = ["ClientConfig", "PoolConfig", "ServerConfig", "env_field"]
 
-T = TypeVar("T")
-ENV_PREFIX = "RAY_TRITON_SHM_"
 MEMORY_KINDS = ("system", "cuda")
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
-def _parse_optional_str(text: str) -> str | None:
-    return text or None
-
-
-def _parse_optional_bool(text: str) -> bool | None:
-    return None if text.strip().lower() in ("", "auto") else _parse_bool(text)
-
-
-def _parse_int_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part.strip())
-
-
-def _parse_str_tuple(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-_PARSERS: dict[Any, Callable[[str], Any]] = {
-    int: int,
-    float: float,
-    str: str,
-    bool: _parse_bool,
-    "str | None": _parse_optional_str,
-    "tuple[int, ...]": _parse_int_tuple,
-    "tuple[str, ...]": _parse_str_tuple,
-}
-
-
-def env_field(
-    suffix: str,
-    default: T,
-    parse: Callable[[str], T] | Any = None,
-    *,
-    flag: str | tuple[str, ...] | None = None,
-) -> Any:
-    """A dataclass field whose default comes from ``RAY_TRITON_SHM_<suffix>`` if set.
-
-    Args:
-        suffix: Environment variable name after the ``RAY_TRITON_SHM_`` prefix.
-        default: Value used when the variable is unset.
-        parse: Turns the variable's text into a value; by default chosen from
-            the type of ``default``.
-        flag: The ``tritonserver`` command-line flag (or flags) this field sets.
-
-    Returns:
-        A ``dataclasses.field``.
-    """
-    name = ENV_PREFIX + suffix
-    parser = parse if parse is not None else _PARSERS[type(default)]
-
-    def factory() -> T:
-        raw = os.environ.get(name)
-        if raw is None:
-            return default
-        try:
-            return parser(raw)
-        except ValueError as e:
-            raise ConfigError(f"environment variable {name}={raw!r} is invalid: {e}") from e
-
-    return field(default_factory=factory, metadata={"env": name, "flag": flag})
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def _require_type(owner: object, name: str, kinds: type | tuple[type, ...]) -> None:
-    value = getattr(owner, name)
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise ConfigError(f"{type(owner).__name__}.{name} must not be a bool, got {value!r}")
-    if not isinstance(value, kinds):
-        raise ConfigError(f"{type(owner).__name__}.{name} has the wrong type: {type(value).__name__}")
-
-
-def _string_tuple(owner: object, name: str) -> tuple[str, ...]:
-    value = getattr(owner, name)
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{type(owner).__name__}.{name} must be a sequence of strings, got {value!r}")
-    return tuple(value)
-
-
 # Twice this must still fit glibc's size_t trim threshold; far above any tensor.
 _MAX_MMAP_THRESHOLD = 1 << 40
 
@@ -183,8 +97,8 @@ class ServerConfig:
     """
 
     model_repository: str | tuple[str, ...] = env_field("MODEL_REPOSITORY", "", flag="model-repository")
-    binary: str | None = env_field("TRITONSERVER", None, _parse_optional_str)
-    python_env: str | None = env_field("SERVER_PYTHON_ENV", None, _parse_optional_str)
+    binary: str | None = env_field("TRITONSERVER", None, parse_optional_str)
+    python_env: str | None = env_field("SERVER_PYTHON_ENV", None, parse_optional_str)
     cache_dir: str = env_field("CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ray-triton-shm"))
     host: str = env_field("HOST", "127.0.0.1", flag=("http-address", "grpc-address", "metrics-address"))
     http_port: int = env_field("HTTP_PORT", 0, flag="http-port")
@@ -204,25 +118,25 @@ class ServerConfig:
         flag="backend-config=python,shm-growth-byte-size",
     )
     malloc_mmap_threshold_bytes: int = env_field("MALLOC_MMAP_THRESHOLD_BYTES", 256 * 1024 * 1024)
-    python_backend: bool | None = env_field("PYTHON_BACKEND", None, _parse_optional_bool)
+    python_backend: bool | None = env_field("PYTHON_BACKEND", None, parse_optional_bool)
     model_control: str = env_field("MODEL_CONTROL", "none")
-    load_models: tuple[str, ...] = env_field("LOAD_MODELS", (), _parse_str_tuple)
-    gpus: tuple[int, ...] | None = env_field("GPUS", None, lambda s: _parse_int_tuple(s))
+    load_models: tuple[str, ...] = env_field("LOAD_MODELS", (), parse_str_tuple)
+    gpus: tuple[int, ...] | None = env_field("GPUS", None, lambda s: parse_int_tuple(s))
     startup_timeout_s: float = env_field("STARTUP_TIMEOUT_S", 120.0)
     stop_timeout_s: float = env_field("STOP_TIMEOUT_S", 10.0)
     log_tail_lines: int = env_field("LOG_TAIL_LINES", 200)
-    protect_shm_api: bool | None = env_field("PROTECT_SHM_API", None, _parse_optional_bool)
+    protect_shm_api: bool | None = env_field("PROTECT_SHM_API", None, parse_optional_bool)
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.model_repository, (list, tuple)):
-            object.__setattr__(self, "model_repository", _string_tuple(self, "model_repository"))
-            _require(
+            object.__setattr__(self, "model_repository", string_tuple(self, "model_repository"))
+            require(
                 bool(self.model_repository) and all(self.model_repository),
                 "ServerConfig.model_repository needs at least one non-empty repository",
             )
         else:
-            _require(
+            require(
                 isinstance(self.model_repository, str) and bool(self.model_repository),
                 "ServerConfig.model_repository is required (a path, a URI or a sequence of them)",
             )
@@ -234,37 +148,37 @@ class ServerConfig:
             "exit_timeout_s",
             "malloc_mmap_threshold_bytes",
         ):
-            _require_type(self, name, int)
+            require_type(self, name, int)
         for name in ("startup_timeout_s", "stop_timeout_s"):
-            _require_type(self, name, (int, float))
+            require_type(self, name, (int, float))
         for name in ("http_port", "grpc_port", "metrics_port"):
             port = getattr(self, name)
-            _require(0 <= port <= 65535, f"ServerConfig.{name} must be in 0..65535, got {port}")
-        _require(self.log_verbose >= 0, "ServerConfig.log_verbose must be >= 0")
-        _require(self.exit_timeout_s >= 0, "ServerConfig.exit_timeout_s must be >= 0")
-        _require(self.startup_timeout_s > 0, "ServerConfig.startup_timeout_s must be > 0")
-        _require(self.stop_timeout_s > 0, "ServerConfig.stop_timeout_s must be > 0")
-        _require(self.log_tail_lines > 0, "ServerConfig.log_tail_lines must be > 0")
-        _require(self.python_shm_default_bytes > 0, "python_shm_default_bytes must be > 0")
-        _require(self.python_shm_growth_bytes > 0, "python_shm_growth_bytes must be > 0")
-        _require(
+            require(0 <= port <= 65535, f"ServerConfig.{name} must be in 0..65535, got {port}")
+        require(self.log_verbose >= 0, "ServerConfig.log_verbose must be >= 0")
+        require(self.exit_timeout_s >= 0, "ServerConfig.exit_timeout_s must be >= 0")
+        require(self.startup_timeout_s > 0, "ServerConfig.startup_timeout_s must be > 0")
+        require(self.stop_timeout_s > 0, "ServerConfig.stop_timeout_s must be > 0")
+        require(self.log_tail_lines > 0, "ServerConfig.log_tail_lines must be > 0")
+        require(self.python_shm_default_bytes > 0, "python_shm_default_bytes must be > 0")
+        require(self.python_shm_growth_bytes > 0, "python_shm_growth_bytes must be > 0")
+        require(
             0 <= self.malloc_mmap_threshold_bytes <= _MAX_MMAP_THRESHOLD,
             f"ServerConfig.malloc_mmap_threshold_bytes must be in 0..{_MAX_MMAP_THRESHOLD}, "
             f"got {self.malloc_mmap_threshold_bytes}",
         )
-        _require(bool(self.host), "ServerConfig.host must not be empty")
+        require(bool(self.host), "ServerConfig.host must not be empty")
         if self.protect_shm_api is not None:
-            _require_type(self, "protect_shm_api", bool)
-        _require(
+            require_type(self, "protect_shm_api", bool)
+        require(
             self.model_control in ("none", "explicit"),
             f"ServerConfig.model_control must be none or explicit, got {self.model_control!r}",
         )
         if self.python_backend is not None:
-            _require_type(self, "python_backend", bool)
+            require_type(self, "python_backend", bool)
         if self.gpus is not None:
-            _require(all(g >= 0 for g in self.gpus), "ServerConfig.gpus must be >= 0")
-        object.__setattr__(self, "load_models", _string_tuple(self, "load_models"))
-        object.__setattr__(self, "extra_args", _string_tuple(self, "extra_args"))
+            require(all(g >= 0 for g in self.gpus), "ServerConfig.gpus must be >= 0")
+        object.__setattr__(self, "load_models", string_tuple(self, "load_models"))
+        object.__setattr__(self, "extra_args", string_tuple(self, "extra_args"))
 
     def server_flags(self) -> list[str]:
         """The ``tritonserver`` flags derived from the fields that carry one.
@@ -385,32 +299,32 @@ class PoolConfig:
     device_id: int | None = env_field("DEVICE_ID", None, lambda s: int(s) if s.strip() else None)
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.memory in MEMORY_KINDS,
             f"PoolConfig.memory must be one of {list(MEMORY_KINDS)}, got {self.memory!r}",
         )
         if self.device_id is not None:
-            _require_type(self, "device_id", int)
-            _require(self.device_id >= 0, f"PoolConfig.device_id must be >= 0, got {self.device_id}")
-        _require_type(self, "slots", int)
-        _require_type(self, "max_element_bytes", int)
-        _require(
+            require_type(self, "device_id", int)
+            require(self.device_id >= 0, f"PoolConfig.device_id must be >= 0, got {self.device_id}")
+        require_type(self, "slots", int)
+        require_type(self, "max_element_bytes", int)
+        require(
             1 <= self.max_element_bytes <= _MAX_ELEMENT_BYTES,
             f"PoolConfig.max_element_bytes must be in 1..{_MAX_ELEMENT_BYTES}, got {self.max_element_bytes}",
         )
-        _require_type(self, "lease_timeout_s", (int, float))
+        require_type(self, "lease_timeout_s", (int, float))
         if self.min_shm_bytes is not None:
-            _require_type(self, "min_shm_bytes", int)
+            require_type(self, "min_shm_bytes", int)
         if self.max_batch_size is not None:
-            _require_type(self, "max_batch_size", int)
-        _require(self.slots >= 1, f"PoolConfig.slots must be >= 1, got {self.slots}")
+            require_type(self, "max_batch_size", int)
+        require(self.slots >= 1, f"PoolConfig.slots must be >= 1, got {self.slots}")
         if self.max_batch_size is not None:
-            _require(
+            require(
                 self.max_batch_size >= 1,
                 f"PoolConfig.max_batch_size must be >= 1, got {self.max_batch_size}",
             )
-        _require(self.lease_timeout_s > 0, "PoolConfig.lease_timeout_s must be > 0")
-        _require(
+        require(self.lease_timeout_s > 0, "PoolConfig.lease_timeout_s must be > 0")
+        require(
             self.min_shm_bytes is None or self.min_shm_bytes >= 0, "PoolConfig.min_shm_bytes must be >= 0"
         )
         shapes: dict[str, tuple[int, ...]] = {}
@@ -419,7 +333,7 @@ class PoolConfig:
                 dims = tuple(int(d) for d in shape)
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"PoolConfig.max_shapes[{name!r}] must be a sequence of ints") from e
-            _require(
+            require(
                 all(d >= 1 for d in dims),
                 f"PoolConfig.max_shapes[{name!r}] must have positive dims, got {shape!r}",
             )
@@ -485,35 +399,35 @@ class ClientConfig:
     """
 
     url: str = env_field("URL", "127.0.0.1:8001")
-    http_url: str | None = env_field("HTTP_URL", None, _parse_optional_str)
+    http_url: str | None = env_field("HTTP_URL", None, parse_optional_str)
     default_pool: PoolConfig = field(default_factory=PoolConfig)
     pools: Mapping[str, PoolConfig] = field(default_factory=dict)
     request_timeout_s: float | None = env_field("REQUEST_TIMEOUT_S", 60.0, lambda s: float(s) if s else None)
     max_parallel_chunks: int = env_field("MAX_PARALLEL_CHUNKS", 8)
-    server_visible_devices: str | None = env_field("SERVER_VISIBLE_DEVICES", None, _parse_optional_str)
-    shm_api_key: str | None = env_field("SHM_API_KEY", None, _parse_optional_str)
+    server_visible_devices: str | None = env_field("SERVER_VISIBLE_DEVICES", None, parse_optional_str)
+    shm_api_key: str | None = env_field("SHM_API_KEY", None, parse_optional_str)
     grpc_fallback: bool = env_field("GRPC_FALLBACK", False)
     copy_threads: int | None = env_field("COPY_THREADS", None, lambda s: int(s) if s.strip() else None)
 
     def __post_init__(self) -> None:
         if self.copy_threads is not None:
-            _require_type(self, "copy_threads", int)
-            _require(self.copy_threads >= 1, "ClientConfig.copy_threads must be >= 1")
+            require_type(self, "copy_threads", int)
+            require(self.copy_threads >= 1, "ClientConfig.copy_threads must be >= 1")
         if self.server_visible_devices is not None:
-            _require_type(self, "server_visible_devices", str)
-        _require(":" in self.url, f"ClientConfig.url must be host:port, got {self.url!r}")
+            require_type(self, "server_visible_devices", str)
+        require(":" in self.url, f"ClientConfig.url must be host:port, got {self.url!r}")
         if self.http_url is not None:
-            _require_type(self, "http_url", str)
+            require_type(self, "http_url", str)
             host, _, port = self.http_url.rpartition(":")
-            _require(
+            require(
                 bool(host) and port.isdigit() and "/" not in self.http_url,
                 f"ClientConfig.http_url must be host:port (no scheme), got {self.http_url!r}",
             )
         if self.request_timeout_s is not None:
-            _require(self.request_timeout_s > 0, "ClientConfig.request_timeout_s must be > 0")
-        _require(self.max_parallel_chunks >= 1, "ClientConfig.max_parallel_chunks must be >= 1")
+            require(self.request_timeout_s > 0, "ClientConfig.request_timeout_s must be > 0")
+        require(self.max_parallel_chunks >= 1, "ClientConfig.max_parallel_chunks must be >= 1")
         for name, pool in dict(self.pools).items():
-            _require(
+            require(
                 isinstance(pool, PoolConfig),
                 f"ClientConfig.pools[{name!r}] must be a PoolConfig, got {type(pool).__name__}",
             )

@@ -20,7 +20,6 @@ against Serve unchanged, and Python code can call the deployment handle::
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import os
@@ -36,10 +35,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ray_triton_shm._private.node.node_config import split_app_args
-from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING, frontdoor_autoscaling_policy
+from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING as FRONTDOOR_ONGOING
+from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_POLICY as FRONTDOOR_POLICY
+from ray_triton_shm._private.serve.autoscaling import frontdoor_autoscaling_policy, with_frontdoor_policy
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor
 from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm._private.serve.frontdoor_observe import FrontDoorObserver
+from ray_triton_shm._private.serve.frontdoor_replica import STATUS_TIMEOUT_S, FrontDoorMixin
 from ray_triton_shm._private.serve.ingress import kserve_http
 from ray_triton_shm._private.serve.ingress.kserve_grpc import KServeGrpcMixin, add_kserve_grpc_servicer
 from ray_triton_shm._private.serve.protocol import kserve, kserve_errors, kserve_limits, kserve_routes
@@ -113,7 +115,7 @@ def build_node_config(
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
-class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
+class TritonDeployment(KServeGrpcMixin, SlotRefMixin, FrontDoorMixin):
     """Serve replica: KServe v2 over HTTP and gRPC, numpy over the handle, shm to its node's Triton.
 
     Handle callers on the replica's node can send slot references instead of
@@ -122,6 +124,9 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
     The gRPC methods (``ModelInfer``, ``ServerLive``, ...) come from
     :class:`~ray_triton_shm._private.serve.ingress.kserve_grpc.KServeGrpcMixin`; Serve's gRPC
     proxy calls them when ``grpc_options`` names Triton's servicer (see docs/serve.md).
+    What runs with the app's front door (Serve's health check and autoscaling
+    stats, reports to the node actor, the drain when the replica stops) comes from
+    :class:`~ray_triton_shm._private.serve.frontdoor_replica.FrontDoorMixin`.
 
     Args:
         node_config: What the node actor runs (created if the node has none).
@@ -173,7 +178,7 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
             for port in self._fixed_ports():  # kept open by the node actor between replicas
                 self._client.hold_door(port, self._app_name, frontdoor.host, frontdoor.port_linger_s)
             self._report_door()
-            drain_s = drain_budget(context, frontdoor.drain_timeout_s, _STATUS_TIMEOUT_S)
+            drain_s = drain_budget(context, frontdoor.drain_timeout_s, STATUS_TIMEOUT_S)
             if drain_s < frontdoor.drain_timeout_s:
                 logger.warning(
                     "front door: the deployment's graceful_shutdown_timeout_s leaves its drain %g s, "
@@ -191,103 +196,6 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
         logger.info(
             "replica on node %s uses Triton %s", self._client.info.node_id, self._client.info.grpc_url
         )
-
-    def __del__(self) -> None:
-        """Drain the front door, then close it (Serve calls this when the replica stops).
-
-        New connections go to the app's other replicas on this node; calls in
-        flight finish within the front door's ``drain_timeout_s``, or less where
-        the deployment's ``graceful_shutdown_timeout_s`` (after which Serve kills
-        the replica) leaves less.
-        """
-        door = self.__dict__.get("_frontdoor")
-        if door is not None:
-            ports = self._fixed_ports()
-            self._frontdoor = None  # first: no report after this asks the node to hold the ports again
-            if ports and _app_deleted(self._app_name):  # else the node keeps them for the next replicas
-                for port in ports:
-                    self._client.drop_door(port, self._app_name)
-            wait_s = drain_budget(_replica_context(), door.config.drain_timeout_s, _STATUS_TIMEOUT_S)
-            if not door.drain(wait_s):
-                logger.warning("front door: calls still running after %g s were cut", wait_s)
-
-    def _fixed_ports(self) -> list[int]:
-        """The front door's ports named in its config (a port the OS picked is this replica's own)."""
-        door = self._frontdoor
-        if door is None:
-            return []
-        return [port for port in (door.config.http_port, door.config.grpc_port) if port]
-
-    async def check_health(self) -> None:
-        """Serve's health check: the front door (when the app has one) must be accepting connections.
-
-        Raises:
-            FrontDoorError: A listener stopped accepting, or the door's event loop is gone.
-        """
-        if self._frontdoor is not None:
-            self._frontdoor.check()
-            self._follow_serve(self._frontdoor)
-        await self._report()
-
-    def _follow_serve(self, door: FrontDoor) -> None:
-        """The door takes the settings Serve changes in place (a redeploy that changes only them).
-
-        ``max_ongoing_requests`` (the door's bound) and the ``logging_config``'s access
-        log: Serve reconfigures the replica it has, and its context then says the new values.
-        """
-        context = serve.get_replica_context()
-        door.calls.limit = max_ongoing_requests(context)
-        self._observer.follow(context)
-
-    async def _report(self) -> None:
-        """Every few seconds, this replica to the node actor: its front door's state (for
-        ``ray-triton-shm status``), and whether the actor knows it.
-
-        From Serve's health checks, which every replica gets, and its requests for
-        autoscaling stats, which only an autoscaling deployment's replicas get. A node
-        actor that restarted knows no user: the replica attaches again (else, under an
-        idle app, the actor would retire), and the door's report names its fixed
-        ports, which the actor then holds again.
-        """
-        now = time.monotonic()
-        if now - self._reported < _REPORT_S:
-            return
-        self._reported = now
-        await self._client.keep_attached(self._report_door())
-
-    def _report_door(self) -> ray.ObjectRef | None:
-        """The front door's state to the node actor; returns its answer (``None``: no door)."""
-        door = self._frontdoor
-        if door is None:
-            return None
-        config = door.config
-        hold = [(port, self._app_name, config.host, config.port_linger_s) for port in self._fixed_ports()]
-        return self._client.report_door({"pid": os.getpid(), "app": self._app_name, **door.stats()}, hold)
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """The front door's calls running or waiting for a slot (on average since the previous
-        report), which Serve's autoscaler counts with its own requests.
-
-        See :func:`frontdoor_autoscaling_policy`. Every few seconds the door's
-        state also goes to the node actor, for ``ray-triton-shm status``.
-        """
-        door = self._frontdoor
-        if door is None:
-            return {FRONTDOOR_ONGOING: 0.0}
-        await self._report()
-        return {FRONTDOOR_ONGOING: door.calls.mean_demand()}
-
-    async def frontdoor_stats(self) -> dict[str, Any]:
-        """This replica's front door: ports, connections, calls and their bound (``{}``: none)."""
-        return self._frontdoor.stats() if self._frontdoor is not None else {}
-
-    async def frontdoor_ports(self) -> dict[str, int | None]:
-        """The ports this replica's front door listens on (``None``: that protocol has none)."""
-        door = self._frontdoor
-        return {
-            "http": door.http.port if door is not None and door.http is not None else None,
-            "grpc": door.grpc.port if door is not None and door.grpc is not None else None,
-        }
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run ``model`` on numpy ``inputs`` through shared memory (handle API).
@@ -396,60 +304,12 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin):
 PROBE_TIMEOUT_S = kserve_routes.PROBE_TIMEOUT_S
 """How long a health or readiness probe waits for the node's Triton before answering "not ready"."""
 _VERSION_TTL_S = 10.0
-_REPORT_S = 2.0
-_STATUS_TIMEOUT_S = 2.0
-
-
-def _replica_context() -> Any:
-    """Serve's context of this replica (``None`` outside one)."""
-    try:
-        return serve.get_replica_context()
-    except Exception:  # outside a replica: no deployment settings apply
-        return None
-
-
-def _app_deleted(app_name: str, timeout_s: float = _STATUS_TIMEOUT_S) -> bool:
-    """Whether Serve is deleting ``app_name`` (``serve delete``, ``serve shutdown``) or cannot say so in time.
-
-    Asked by a replica as it stops: a redeploy or a downscale leaves the app's
-    front-door ports open on the node for its next replicas; a deletion closes them.
-    """
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="app-status")
-    try:
-        application = pool.submit(serve.status).result(timeout=timeout_s).applications.get(app_name)
-    except Exception as e:  # the controller gone or busy: as deleted, the ports must not outlive it
-        logger.info("front door: Serve's status unknown (%s); closing the app's ports", e)
-        return True
-    finally:
-        pool.shutdown(wait=False)  # a status call that hangs ends with its thread, not with us
-    return application is None or application.status == "DELETING"
 
 
 def _error_response(error: Exception) -> Response:
     """The KServe error answer for ``error``; never Ray's task header or a traceback."""
     status, body = kserve_errors.error_answer(error)
     return Response(body, status_code=status, media_type="application/json")
-
-
-FRONTDOOR_POLICY = "ray_triton_shm.serve:frontdoor_autoscaling_policy"
-
-
-def with_frontdoor_policy(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Deployment ``options`` whose autoscaling (if any, as a mapping) counts front-door calls.
-
-    ``num_replicas: auto`` or an ``autoscaling_config`` mapping without a ``policy``
-    gets :data:`FRONTDOOR_POLICY`; anything else is returned as it is.
-    """
-    chosen = dict(options)
-    config = chosen.get("autoscaling_config")
-    if chosen.get("num_replicas") != "auto" and not isinstance(config, Mapping):
-        return chosen
-    if config is not None and not isinstance(config, Mapping):
-        return chosen  # an AutoscalingConfig object: the caller chose its policy
-    config = dict(config or {})
-    config.setdefault("policy", {"policy_function": FRONTDOOR_POLICY})
-    chosen["autoscaling_config"] = config
-    return chosen
 
 
 def build_app(args: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> serve.Application:

@@ -3,7 +3,9 @@
 The modules are grouped by layer, lowest first; the public module of each
 layer is named after it:
 
-1. base: ``ray_triton_shm.errors``, ``ray_triton_shm.config``.
+1. ``base``: ``ray_triton_shm.errors``, ``ray_triton_shm.config``, and what
+   the config dataclasses are built of: fields read from the environment,
+   checks of values.
 2. ``shm``: shared-memory segments, slot tables, slot pools, layouts, byte
    tensors, CUDA buffers.
 3. ``triton``: the Triton server process (``ray_triton_shm.server``) and

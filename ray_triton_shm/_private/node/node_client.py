@@ -4,6 +4,12 @@ Example:
     >>> from ray_triton_shm.node import NodeClient
     >>> with NodeClient() as client:                                        # doctest: +SKIP
     ...     client.infer("add_sub", {"INPUT0": a, "INPUT1": b})
+
+The calls a Serve replica makes besides inference (its front door's reports and
+ports, attaching again) are
+:class:`~ray_triton_shm._private.node.replica_calls.ReplicaCalls`; the errors of
+a call cut short by a restart are in
+:mod:`~ray_triton_shm._private.node.restart_errors`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from ray_triton_shm._private.node.granted_pools import GrantedPools
 from ray_triton_shm._private.node.node_config import NodeConfig, NodeInfo, split_app_args
 from ray_triton_shm._private.node.node_lifecycle import attach, get_node_actor
 from ray_triton_shm._private.node.node_registry import UserLock
+from ray_triton_shm._private.node.replica_calls import ReplicaCalls
+from ray_triton_shm._private.node.restart_errors import looks_down, registering_again, replaced_meanwhile
 from ray_triton_shm._private.shm.cuda import local_gpu_count, require_device
 from ray_triton_shm._private.shm.lease import Lease
 from ray_triton_shm._private.triton.call_errors import region_unknown
@@ -39,8 +47,6 @@ from ray_triton_shm.errors import (
 )
 
 logger = logging.getLogger(__name__)
-# Longest a replica waits for the node actor to take or drop its front-door port.
-_DOOR_CALL_S = 10.0
 
 
 class _Unset:
@@ -50,7 +56,7 @@ class _Unset:
 _UNSET = _Unset()
 
 
-class NodeClient:
+class NodeClient(ReplicaCalls):
     """Zero-copy inference against the Triton of the calling process's node.
 
     Has the inference API of :class:`~ray_triton_shm.TritonShmClient`
@@ -231,7 +237,7 @@ class NodeClient:
             self._reconnect_if_changed()
 
     def _after_failure(self, error: TritonCallError) -> None:
-        if not self._reconnect_if_changed() and _looks_down(error):
+        if not self._reconnect_if_changed() and looks_down(error):
             self._recheck = True
 
     @property
@@ -274,12 +280,12 @@ class NodeClient:
         except (UnavailableError, TritonCallError) as e:
             self._after_failure(e)
             if region_unknown(e):
-                raise _registering_again(e, self.info) from e
+                raise registering_again(e, self.info) from e
             raise
         except PoolClosedError as e:
             if self._closed:
                 raise
-            raise _replaced_meanwhile(e, self.info) from e
+            raise replaced_meanwhile(e, self.info) from e
 
     async def ainfer(
         self,
@@ -302,12 +308,12 @@ class NodeClient:
         except (UnavailableError, TritonCallError) as e:
             await asyncio.to_thread(self._after_failure, e)
             if region_unknown(e):
-                raise _registering_again(e, self.info) from e
+                raise registering_again(e, self.info) from e
             raise
         except PoolClosedError as e:
             if self._closed:
                 raise
-            raise _replaced_meanwhile(e, self.info) from e
+            raise replaced_meanwhile(e, self.info) from e
 
     def _layout_changed(self, error: LayoutMismatchError) -> None:
         """After a :class:`LayoutMismatchError`: make sure the node retired the stale pool.
@@ -321,84 +327,6 @@ class NodeClient:
         actor = self._actor
         if error.server_fingerprint and actor is not None:
             ray.get(actor.layout_changed.remote(error.model), timeout=60)
-
-    def report_door(
-        self, stats: dict[str, Any], hold: Sequence[tuple[int, str, str, float]] = ()
-    ) -> ray.ObjectRef | None:
-        """Tell the node actor how this process's front door stands (``status`` shows it).
-
-        ``hold``: the door's fixed ports as :meth:`hold_door` takes them, ``(port,
-        app, host, linger_s)``; a node actor that restarted holds them again.
-
-        Returns:
-            The actor's answer, whether it knows this client (for
-            :meth:`keep_attached`); ``None`` when the report could not be sent.
-        """
-        actor = self._actor
-        if actor is None:
-            return None
-        try:
-            return actor.report_door.remote(self._user_id, stats, list(hold))
-        except Exception as e:  # the actor may be restarting: status misses one report
-            logger.debug("front-door report failed: %s", e)
-            return None
-
-    async def keep_attached(self, answer: ray.ObjectRef | None = None, timeout_s: float = 5.0) -> bool:
-        """Attach again if the node actor does not know this client; call it now and then.
-
-        A node actor that restarted knows no user, and one whose users make no
-        call (an idle app) would retire after ``idle_shutdown_s``. Serve replicas
-        call this from their health checks.
-
-        Args:
-            answer: The actor's answer to :meth:`report_door`; ``None``: ask it.
-            timeout_s: How long to wait for the answer (no answer: nothing done).
-
-        Returns:
-            Whether this client attached again.
-        """
-        actor = self._actor
-        if actor is None or self._closed:
-            return False
-        try:
-            if answer is None:
-                answer = actor.knows.remote(self._user_id)
-            attached = bool(await asyncio.wait_for(answer, timeout_s))
-        except asyncio.TimeoutError:  # the actor busy or restarting: the next call asks again
-            return False
-        except ray.exceptions.RayError:  # the actor died meanwhile
-            attached = False
-        if attached:
-            return False
-        return await asyncio.to_thread(self._reconnect_if_changed)
-
-    def hold_door(self, port: int, app_name: str, host: str, linger_s: float) -> bool:
-        """Ask the node actor to keep this app's front-door port open between its replicas.
-
-        The node actor borrows the listening socket from this process (see the
-        node actor's ``hold_door``); it lets it go once no replica of the app has
-        held it for ``linger_s``.
-
-        Returns:
-            Whether the node actor holds the socket (``False`` also when it did not answer in time).
-        """
-        actor = self._actor
-        if actor is None:
-            return False
-        try:
-            return bool(ray.get(actor.hold_door.remote(port, app_name, host, linger_s), timeout=_DOOR_CALL_S))
-        except Exception as e:  # the actor restarting or slow: the port closes with the last replica
-            logger.warning("front door: the node actor does not hold port %d: %s", port, e)
-            return False
-
-    def drop_door(self, port: int, app_name: str) -> None:
-        """Tell the node actor to close this app's front-door port with its last replica (app deleted)."""
-        actor = self._actor
-        if actor is not None:
-            try:
-                ray.get(actor.drop_door.remote(port, app_name), timeout=_DOOR_CALL_S)
-            except Exception as e:  # it lets the port go after its linger time instead
-                logger.warning("front door: could not tell the node actor to close port %d: %s", port, e)
 
     def model_changed(self, model: str) -> None:
         """Tell the node that ``model`` was loaded, reloaded or unloaded on its Triton by someone else.
@@ -460,12 +388,12 @@ class NodeClient:
         except (UnavailableError, TritonCallError) as e:
             self._after_failure(e)
             if region_unknown(e):
-                raise _registering_again(e, self.info) from e
+                raise registering_again(e, self.info) from e
             raise
         except PoolClosedError as e:
             if self._closed:
                 raise
-            raise _replaced_meanwhile(e, self.info) from e
+            raise replaced_meanwhile(e, self.info) from e
 
     async def arun(self, lease: Lease, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """:meth:`run` for asyncio code (in a worker thread)."""
@@ -512,44 +440,3 @@ class NodeClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _registering_again(error: TritonCallError, info: NodeInfo | None) -> UnavailableError:
-    """The error for a request whose slot's region the node's Triton does not know.
-
-    The node actor owns every region of its pools and registers all of them on each
-    Triton it starts: a region unknown to Triton means the request reached a restarted
-    Triton before the node had registered them there again. The request did not run;
-    it is one to try again (UNAVAILABLE, 503 at the ingress), not a missing thing (NOT_FOUND,
-    which a KServe caller reads as an unknown model).
-    """
-    node = info.node_id if info is not None else "this node"
-    return UnavailableError(
-        f"Triton on node {node} restarted and its shared-memory regions are being registered "
-        f"again; try again ({error.message})",
-        "UNAVAILABLE",
-        error.model,
-    )
-
-
-def _replaced_meanwhile(error: PoolClosedError, info: NodeInfo | None) -> UnavailableError:
-    """The error for a request whose client was replaced while it ran (this NodeClient is open).
-
-    After a failure that showed a new Triton or node actor, the NodeClient connects
-    anew and closes the old connection, under requests of other threads still on it.
-    """
-    node = info.node_id if info is not None else "this node"
-    return UnavailableError(
-        f"the connection to the Triton of node {node} was replaced while this request ran "
-        f"(Triton or its node actor restarted); try again ({error})",
-        "UNAVAILABLE",
-    )
-
-
-def _looks_down(error: TritonCallError) -> bool:
-    """Whether a call failed as it does while Triton is down, hung or restarting."""
-    return (
-        isinstance(error, UnavailableError)
-        or error.status in ("DEADLINE_EXCEEDED", "UNAVAILABLE")
-        or region_unknown(error)
-    )

@@ -8,11 +8,13 @@ them per replica over ``look_back_period_s``, as it does its own count of ongoin
 requests. :func:`frontdoor_autoscaling_policy` is Serve's default policy
 (ongoing requests per replica against ``target_ongoing_requests``) over both
 counts together; Serve applies the deployment's bounds, factors and delays to
-its answer, as for any policy.
+its answer, as for any policy. :func:`with_frontdoor_policy` names it in an
+autoscaled deployment's options that name no policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 FRONTDOOR_ONGOING = "frontdoor_ongoing"
@@ -40,3 +42,25 @@ def frontdoor_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     door = (ctx.aggregated_metrics or {}).get(FRONTDOOR_ONGOING) or {}
     ongoing = float(ctx.total_num_requests) + sum(door.values())
     return current * ongoing / (ctx.config.get_target_ongoing_requests() * current), {}
+
+
+FRONTDOOR_POLICY = "ray_triton_shm.serve:frontdoor_autoscaling_policy"
+"""The policy as a deployment's ``autoscaling_config`` names it (``policy_function``)."""
+
+
+def with_frontdoor_policy(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Deployment ``options`` whose autoscaling (if any, as a mapping) counts front-door calls.
+
+    ``num_replicas: auto`` or an ``autoscaling_config`` mapping without a ``policy``
+    gets :data:`FRONTDOOR_POLICY`; anything else is returned as it is.
+    """
+    chosen = dict(options)
+    config = chosen.get("autoscaling_config")
+    if chosen.get("num_replicas") != "auto" and not isinstance(config, Mapping):
+        return chosen
+    if config is not None and not isinstance(config, Mapping):
+        return chosen  # an AutoscalingConfig object: the caller chose its policy
+    config = dict(config or {})
+    config.setdefault("policy", {"policy_function": FRONTDOOR_POLICY})
+    chosen["autoscaling_config"] = config
+    return chosen
