@@ -7,6 +7,7 @@ buffers hold).
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from typing import Any
@@ -151,22 +152,44 @@ def _trickled_bodies(target: Target, until: float, clients: int, version: str = 
         wire.close_all(sockets)
 
 
-def http_answer_unread(target: Target, until: float, scale: float) -> dict[str, Any]:
-    """Whole ``identity`` requests (16 MiB answers: more than the sockets' buffers hold) from clients
-    that read nothing (4 KB receive buffer)."""
-    n = 4 << 20  # FP32 elements: 16 MiB, the largest tensor of the shipped identity pool
-    head, body = wire.http_identity_request(np.zeros((1, n), np.float32))
+def _read_nothing(target: Target, until: float, scale: float, request: bytes) -> dict[str, Any]:
+    """``request`` from each of 16 clients that read nothing of the answer (4 KB receive buffer)."""
     sockets: list[socket.socket] = []
     try:
         for _ in range(count(CLIENTS, scale)):
             s = wire.connect(target.host, target.http_port, rcvbuf=4096)
             sockets.append(s)
-            wire.send_quietly(s, head + body)
+            wire.send_quietly(s, request)
         hold(until)
         closed = sum(wire.closed_by_peer(s) for s in sockets)
         return {"clients": len(sockets), "closed by server": closed}
     finally:
         wire.close_all(sockets)
+
+
+def http_answer_unread(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """Whole ``identity`` requests (16 MiB answers: more than the sockets' buffers hold) from clients
+    that read nothing (4 KB receive buffer)."""
+    n = 4 << 20  # FP32 elements: 16 MiB, the largest tensor of the shipped identity pool
+    head, body = wire.http_identity_request(np.zeros((1, n), np.float32))
+    return _read_nothing(target, until, scale, head + body)
+
+
+def http_json_answers_unread(target: Target, until: float, scale: float) -> dict[str, Any]:
+    """Whole ``identity`` requests of a 1 MB tensor as JSON (about 5 MB of text), each asking for its
+    answer as JSON, from clients that read nothing: the server decodes and encodes JSON for each."""
+    x = np.random.default_rng(0).random(wire.IDENTITY_N, dtype=np.float32)
+    body = json.dumps(
+        {
+            "inputs": [{"name": "INPUT0", "shape": [1, x.size], "datatype": "FP32", "data": x.tolist()}],
+            "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": False}}],
+        }
+    ).encode()
+    head = (
+        b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    return _read_nothing(target, until, scale, head + body)
 
 
 ATTACKS = (
@@ -204,6 +227,13 @@ ATTACKS = (
         protocol="http",
         run=http_answer_unread,
         summary="16 HTTP calls whose 16 MiB answer is never read",
+    ),
+    Attack(
+        name="http-json-answers-unread",
+        kind="stalled",
+        protocol="http",
+        run=http_json_answers_unread,
+        summary="16 HTTP calls of a 1 MB tensor as JSON, answered as JSON (5 MB) never read",
     ),
     Attack(
         name="http-slow-bodies-past-the-bound",
