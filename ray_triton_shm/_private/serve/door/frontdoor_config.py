@@ -135,9 +135,10 @@ class FrontDoorConfig:
             memory takes from it as it grows, and one that does not fit is answered 503 (try
             again). A binary tensor while it is read into a slot does not count.
         http_max_json_bytes: Bytes of HTTP request JSON (tensors as JSON arrays) the replica
-            decodes at once (64 MiB, as ``max_request_bytes``): their Python objects take
-            about 3x the text, so many large JSON bodies at once would take the replica's
-            memory. A body past the room waits for its turn (not counted against
+            decodes at once (64 MiB, as ``max_request_bytes``): decoded, a flat array of
+            numbers takes 8 bytes a number (the C reader), anything else up to about 3x its
+            text in Python objects, so many large JSON bodies at once would take the
+            replica's memory. A body past the room waits for its turn (not counted against
             ``max_ongoing_requests`` meanwhile); turns go in order of arrival, and one larger
             than the room decodes alone.
         slot_busy_stall_s: ``http_slot_stall_s`` and ``grpc_slot_stall_s`` while other

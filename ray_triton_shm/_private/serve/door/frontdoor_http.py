@@ -47,7 +47,7 @@ SLOT_STALL_S = 1.0
 MAX_UNSENT_BYTES = 128 << 20
 """Answers copied out of slots for clients that did not take them, held at once (bytes)."""
 MAX_JSON_BYTES = 64 << 20
-"""Request JSON decoded at once (bytes): its Python objects take about 3x the text."""
+"""Request JSON decoded at once (bytes): decoded, up to about 3x the text (Python objects)."""
 SLOT_PACE_BYTES = 4 << 20
 """A tensor's bytes in a slot get ``SLOT_STALL_S`` more for each this many of them."""
 
