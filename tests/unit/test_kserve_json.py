@@ -7,6 +7,7 @@ import random
 import struct
 import tracemalloc
 from decimal import Decimal, localcontext
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,12 @@ def test_the_c_reader_and_writer_are_built() -> None:
     assert kserve_json.available(), (
         "the _kserve_json extension was not built (pip install -e . with a C compiler)"
     )
+    # In a checkout, built from its source as it is now: the build is optional, so a source that
+    # no longer compiles leaves the last build in place.
+    built = Path(kserve_json._kserve_json.__file__)
+    source = built.with_name("_kserve_json.c")
+    if source.is_file():
+        assert built.stat().st_mtime >= source.stat().st_mtime, "stale _kserve_json build: pip install -e ."
 
 
 def _read_as_doubles(texts: list[str]) -> np.ndarray:
@@ -145,3 +152,15 @@ def test_a_json_tensor_is_read_without_a_python_object_per_number(monkeypatch: p
     slow = _peak_bytes(data)
     # The json module holds a float and a list slot per number (32 bytes); the C reader 8 bytes.
     assert fast < 16 * values.size < slow, (fast, slow)
+
+
+def test_memory_follows_the_numbers_read_not_the_commas_announced() -> None:
+    """A run of commas after one number announces ten million elements: nothing is sized by it."""
+    text = b'{"data": [1' + b"," * 10_000_000 + b"]}"
+    tracemalloc.start()
+    try:
+        assert kserve_json.loads_numbers(text) is None  # malformed: the json module's refusal
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

@@ -371,8 +371,12 @@ static int fast_repr(double x, char *out) {
 static void init_powers(void) {}
 #endif
 
-/* The double of a float literal, as float() reads it. Returns -1 if too long or not finite. */
-static int double_of(const char *s, Py_ssize_t len, double *out) {
+/*
+ * The double of a float literal, as float() reads it. Returns -1 if too long or not finite.
+ * With ``save`` (the GIL released by this thread), float()'s own routine, where it is needed,
+ * runs with the GIL taken back for it.
+ */
+static int double_of(const char *s, Py_ssize_t len, double *out, PyThreadState **save) {
     char text[MAX_NUMBER_CHARS + 1];
     if (len > MAX_NUMBER_CHARS) {
         return -1;
@@ -385,12 +389,18 @@ static int double_of(const char *s, Py_ssize_t len, double *out) {
     memcpy(text, s, (size_t)len);
     text[len] = '\0';
     char *stop = NULL;
-    double v = PyOS_string_to_double(text, &stop, NULL);
-    if (v == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return -1;
+    if (save != NULL) {
+        PyEval_RestoreThread(*save);
     }
-    if (stop != text + len || !isfinite(v)) {
+    double v = PyOS_string_to_double(text, &stop, NULL);
+    int failed = v == -1.0 && PyErr_Occurred();
+    if (failed) {
+        PyErr_Clear();
+    }
+    if (save != NULL) {
+        *save = PyEval_SaveThread();
+    }
+    if (failed || stop != text + len || !isfinite(v)) {
         return -1;
     }
     *out = v;
@@ -406,7 +416,7 @@ static PyObject *read_number(Reader *r) {
     }
     if (is_float) {
         double v;
-        if (double_of(s, len, &v) < 0) {
+        if (double_of(s, len, &v, NULL) < 0) {
             return give_up(r);
         }
         return PyFloat_FromDouble(v);
@@ -444,8 +454,10 @@ static PyObject *read_string(Reader *r) {
 /*
  * A "data" array of plain numbers, read into one bytearray: int64 while every
  * element is an integer ("q"), else doubles ("d"; integers must then convert
- * exactly). Returns NULL with r->fallback clear and no error when the array is
- * not such an array (the caller reads it as a list), or r->fallback set.
+ * exactly). The bytearray grows with the numbers read (never sized by the commas
+ * alone), and the numbers are read with the GIL released. Returns NULL with
+ * r->fallback clear and no error when the array is not such an array (the caller
+ * reads it as a list), or r->fallback set, or an error set.
  */
 static PyObject *read_numbers(Reader *r) {
     const char *p = r->p + 1;
@@ -465,81 +477,99 @@ static PyObject *read_numbers(Reader *r) {
     if (p >= r->end || !any) {
         return NULL;
     }
-    Py_ssize_t room = commas + 1;
-    if (room > PY_SSIZE_T_MAX / 8) {
-        return give_up(r);
-    }
-    PyObject *buffer = PyByteArray_FromStringAndSize(NULL, room * 8);
+    Py_ssize_t room = commas + 1; /* elements, if the array is well formed */
+    Py_ssize_t cap = room < 65536 ? room : 65536;
+    PyObject *buffer = PyByteArray_FromStringAndSize(NULL, cap * 8);
     if (buffer == NULL) {
         return NULL; /* MemoryError */
     }
     char *base = PyByteArray_AS_STRING(buffer);
-    int64_t *ints = (int64_t *)base;
-    double *doubles = (double *)base;
-    int floats = 0;
+    int floats = 0, status = 0; /* 0 read, 1 malformed (the json module decides), -1 an error */
     Py_ssize_t n = 0;
     r->p++; /* past '[' */
+    PyThreadState *save = PyEval_SaveThread();
     for (;;) {
         skip_ws(r);
         const char *s;
         Py_ssize_t len;
         int is_float;
         if (n >= room || scan_number(r, &s, &len, &is_float) < 0) {
-            goto malformed;
+            status = 1;
+            break;
         }
+        if (n == cap) {
+            Py_ssize_t grown = cap > room / 2 ? room : cap * 2;
+            PyEval_RestoreThread(save);
+            int failed = PyByteArray_Resize(buffer, grown * 8);
+            save = PyEval_SaveThread();
+            if (failed) {
+                status = -1;
+                break;
+            }
+            cap = grown;
+            base = PyByteArray_AS_STRING(buffer);
+        }
+        int64_t *ints = (int64_t *)base;
+        double *doubles = (double *)base;
         if (is_float) {
             double v;
-            if (double_of(s, len, &v) < 0) {
-                goto malformed;
+            if (double_of(s, len, &v, &save) < 0) {
+                status = 1;
+                break;
             }
             if (!floats) {
                 for (Py_ssize_t k = 0; k < n; k++) {
                     int64_t i = ints[k];
                     if (i > EXACT_INT || i < -EXACT_INT) {
-                        goto malformed;
+                        status = 1;
+                        break;
                     }
                     doubles[k] = (double)i;
+                }
+                if (status) {
+                    break;
                 }
                 floats = 1;
             }
             doubles[n++] = v;
         } else {
             int64_t i;
-            if (integer_of(s, len, &i) < 0) {
-                goto malformed;
+            if (integer_of(s, len, &i) < 0 || (floats && (i > EXACT_INT || i < -EXACT_INT))) {
+                status = 1;
+                break;
             }
             if (floats) {
-                if (i > EXACT_INT || i < -EXACT_INT) {
-                    goto malformed;
-                }
                 doubles[n++] = (double)i;
             } else {
                 ints[n++] = i;
             }
         }
         skip_ws(r);
-        if (r->p >= r->end) {
-            goto malformed;
-        }
-        if (*r->p == ',') {
+        if (r->p < r->end && *r->p == ',') {
             r->p++;
             continue;
         }
-        if (*r->p == ']') {
+        if (r->p < r->end && *r->p == ']') {
             r->p++;
             break;
         }
-        goto malformed;
+        status = 1;
+        break;
     }
-    if (n != room) {
-        goto malformed;
+    PyEval_RestoreThread(save);
+    if (status == 0 && n != room) {
+        status = 1;
+    }
+    if (status == 0 && n != cap && PyByteArray_Resize(buffer, n * 8) < 0) {
+        status = -1;
+    }
+    if (status != 0) {
+        Py_DECREF(buffer);
+        return status > 0 ? give_up(r) : NULL;
     }
     PyObject *result = PyObject_CallFunction(r->numbers, "Os", buffer, floats ? "d" : "q");
     Py_DECREF(buffer);
     return result;
-malformed:
-    Py_DECREF(buffer);
-    return give_up(r);
 }
 
 static PyObject *read_array(Reader *r, int is_data) {
@@ -733,6 +763,7 @@ typedef struct {
     PyObject *bytes;
     size_t len;
     size_t cap;
+    PyThreadState *save; /* not NULL while the writer runs with the GIL released */
 } Text;
 
 static int text_reserve(Text *t, size_t more) {
@@ -743,20 +774,26 @@ static int text_reserve(Text *t, size_t more) {
     while (cap < t->len + more) {
         cap *= 2;
     }
+    if (t->save != NULL) {
+        PyEval_RestoreThread(t->save);
+    }
+    int rc = 0;
     if (cap > (size_t)PY_SSIZE_T_MAX) {
         PyErr_NoMemory();
-        return -1;
-    }
-    if (t->bytes == NULL) {
+        rc = -1;
+    } else if (t->bytes == NULL) {
         t->bytes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
-        if (t->bytes == NULL) {
-            return -1;
-        }
+        rc = t->bytes == NULL ? -1 : 0;
     } else if (_PyBytes_Resize(&t->bytes, (Py_ssize_t)cap) < 0) {
-        return -1; /* t->bytes is NULL (freed) now */
+        rc = -1; /* t->bytes is NULL (freed) now */
     }
-    t->cap = cap;
-    return 0;
+    if (t->save != NULL) {
+        t->save = PyEval_SaveThread();
+    }
+    if (rc == 0) {
+        t->cap = cap;
+    }
+    return rc;
 }
 
 static int text_add(Text *t, const char *s, size_t n) {
@@ -782,13 +819,27 @@ static int write_double(Text *t, double v) {
         return text_add(t, fast, (size_t)n);
     }
 #endif
+    if (t->save != NULL) {
+        PyEval_RestoreThread(t->save);
+    }
     char *s = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
-    if (s == NULL) {
+    char copy[40];
+    size_t size = s != NULL ? strlen(s) : 0;
+    if (s != NULL && size < sizeof copy) {
+        memcpy(copy, s, size);
+    }
+    int too_long = s != NULL && size >= sizeof copy;
+    PyMem_Free(s);
+    if (too_long) {
+        PyErr_SetString(PyExc_ValueError, "dumps_numbers: a float's text is too long");
+    }
+    if (t->save != NULL) {
+        t->save = PyEval_SaveThread();
+    }
+    if (s == NULL || too_long) {
         return -1;
     }
-    int rc = text_add(t, s, strlen(s));
-    PyMem_Free(s);
-    return rc;
+    return text_add(t, copy, size);
 }
 
 static int write_signed(Text *t, long long v) {
@@ -820,18 +871,21 @@ static PyObject *kj_dumps_numbers(PyObject *module, PyObject *arg) {
     }
     char kind = format[0];
     if (format[0] == '\0' || format[1] != '\0' || strchr("?bBhHiIlLqQfd", kind) == NULL) {
-        PyBuffer_Release(&view);
         PyErr_Format(PyExc_TypeError, "dumps_numbers: unsupported format %s", view.format ? view.format : "B");
+        PyBuffer_Release(&view);
         return NULL;
     }
     Py_ssize_t count = view.itemsize ? view.len / view.itemsize : 0;
     const char *base = view.buf;
-    Text t = {NULL, 0, 0};
-    /* Room for a typical element at once (a float's 17 digits, sign, point, exponent, separator). */
-    int rc = text_reserve(&t, (size_t)count * (kind == 'f' || kind == 'd' ? 26 : 8) + 2);
+    Text t = {NULL, 0, 0, NULL};
+    /* Room for the longest elements at once ("-2.2250738585072014e-308, ", "-9223372036854775808, "),
+     * so that the loop, run with the GIL released, does not grow the text. */
+    size_t widest = kind == 'f' || kind == 'd' ? 26 : kind == '?' ? 7 : 22;
+    int rc = text_reserve(&t, (size_t)count * widest + 2);
     if (rc == 0) {
         rc = text_add(&t, "[", 1);
     }
+    t.save = PyEval_SaveThread();
     for (Py_ssize_t i = 0; i < count && rc == 0; i++) {
         if (i) {
             rc = text_add(&t, ", ", 2);
@@ -921,6 +975,8 @@ static PyObject *kj_dumps_numbers(PyObject *module, PyObject *arg) {
             }
         }
     }
+    PyEval_RestoreThread(t.save);
+    t.save = NULL;
     PyBuffer_Release(&view);
     if (rc == 0) {
         rc = text_add(&t, "]", 1);
