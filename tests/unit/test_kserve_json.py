@@ -164,3 +164,62 @@ def test_memory_follows_the_numbers_read_not_the_commas_announced() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+_FUZZ_SEEDS = [
+    b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [1, 4], "data": [1, 2, 3, 4]}], "id": "x"}',
+    b'{"inputs": [{"name": "F", "datatype": "FP32", "shape": [3], "data": [0.5, -1e-3, 2E+5]}],'
+    b' "outputs": [{"name": "O", "parameters": {"binary_data": true}}]}',
+    b'{"data": [1, 2.5, -0, 3e2], "a": null, "b": [true, false, {"c": "d"}]}',
+    b'[{"data": [[1, 2], [3]]}, "s", 12, -0.0, {}]',
+]
+_FUZZ_BYTES = b'{}[]",:0123456789-+.eE tnfrualsNI\\\x00\x01\xff\xc3\xa9'
+
+
+def _as_read(value: object) -> object:
+    """The C reader's document with its :class:`JsonNumbers` as (kind, bytes)."""
+    if isinstance(value, kserve_json.JsonNumbers):
+        return (value.kind, bytes(value.buffer))
+    if isinstance(value, dict):
+        return {key: _as_read(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_read(item) for item in value]
+    return value
+
+
+def _as_json_read(value: object, data: bool = False) -> object:
+    """The json module's document as the C reader gives it: a flat ``data`` array of numbers as
+    (kind, bytes)."""
+    if data and isinstance(value, list) and value and all(type(v) in (int, float) for v in value):
+        if all(type(v) is int for v in value):
+            return ("q", np.array(value, np.int64).tobytes())
+        return ("d", np.array([float(v) for v in value], np.float64).tobytes())
+    if isinstance(value, dict):
+        return {key: _as_json_read(item, key == "data") for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_json_read(item) for item in value]
+    return value
+
+
+def test_what_the_c_reader_reads_is_what_the_json_module_reads() -> None:
+    """Mutated requests: whatever the C reader takes, the json module reads alike; it takes no text
+    the json module refuses."""
+    rng = random.Random(11)
+    taken = 0
+    for _ in range(20_000):
+        text = bytearray(rng.choice(_FUZZ_SEEDS))
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(len(text))
+            roll = rng.random()
+            if roll < 0.4:
+                del text[at]
+            elif roll < 0.8:
+                text.insert(at, rng.choice(_FUZZ_BYTES))
+            else:
+                text[at] = rng.choice(_FUZZ_BYTES)
+        read = kserve_json.loads_numbers(bytes(text))
+        if read is None:
+            continue
+        taken += 1
+        assert _as_read(read) == _as_json_read(json.loads(bytes(text))), bytes(text)
+    assert taken > 1_000  # the mutations leave many documents whole

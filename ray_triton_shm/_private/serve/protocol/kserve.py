@@ -190,7 +190,10 @@ def refuse_shm_parameters(body: bytes, header_length: int | None) -> None:
     split = len(body) if header_length is None else header_length
     if split < 0 or split > len(body):
         raise InputError(f"Inference-Header-Content-Length {split} is outside the body of {len(body)} bytes")
-    header = load_json(body[:split])
+    text = body[:split]
+    header = loads_numbers(text)  # tensors' numbers in one buffer each, where the C reader takes them
+    if header is None:
+        header = load_json(text)
     if isinstance(header, dict):  # otherwise Triton refuses it itself
         _refuse_shm(header)
         inputs = header.get("inputs")
