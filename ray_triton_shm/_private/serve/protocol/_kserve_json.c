@@ -31,6 +31,7 @@ typedef struct {
     PyObject *numbers; /* called as numbers(bytearray, kind) for "data" arrays; NULL: lists */
     int fallback;      /* set (with no Python error) when the json module must decide */
     int depth;
+    int fast; /* the long double fast paths may be used (see extended_precision) */
 } Reader;
 
 static PyObject *read_value(Reader *r, int is_data);
@@ -113,6 +114,13 @@ static int integer_of(const char *s, Py_ssize_t len, int64_t *out) {
 /* Powers of ten that an x87 long double (64-bit significand) holds exactly: 10^27 = 2^27 * 5^27. */
 #define MAX_FAST_EXP 27
 static long double powers_of_ten[MAX_FAST_EXP + 1];
+
+/* Whether long double arithmetic has its 64-bit significand now (the x87 precision control
+ * at extended, as Linux sets it): the fast paths rely on it, and are not used otherwise. */
+static int extended_precision(void) {
+    volatile long double one = 1.0L, tiny = 1.0L / 9223372036854775808.0L; /* 2^-63 */
+    return one + tiny != one;
+}
 
 static void init_powers(void) {
     long double p = 1.0L;
@@ -368,6 +376,7 @@ static int fast_repr(double x, char *out) {
     return len;
 }
 #else
+static int extended_precision(void) { return 0; }
 static void init_powers(void) {}
 #endif
 
@@ -376,13 +385,13 @@ static void init_powers(void) {}
  * With ``save`` (the GIL released by this thread), float()'s own routine, where it is needed,
  * runs with the GIL taken back for it.
  */
-static int double_of(const char *s, Py_ssize_t len, double *out, PyThreadState **save) {
+static int double_of(const char *s, Py_ssize_t len, double *out, PyThreadState **save, int fast) {
     char text[MAX_NUMBER_CHARS + 1];
     if (len > MAX_NUMBER_CHARS) {
         return -1;
     }
 #ifdef HAVE_X87_FAST_PATH
-    if (fast_double(s, len, out) == 0) {
+    if (fast && fast_double(s, len, out) == 0) {
         return 0;
     }
 #endif
@@ -416,7 +425,7 @@ static PyObject *read_number(Reader *r) {
     }
     if (is_float) {
         double v;
-        if (double_of(s, len, &v, NULL) < 0) {
+        if (double_of(s, len, &v, NULL, r->fast) < 0) {
             return give_up(r);
         }
         return PyFloat_FromDouble(v);
@@ -513,7 +522,7 @@ static PyObject *read_numbers(Reader *r) {
         double *doubles = (double *)base;
         if (is_float) {
             double v;
-            if (double_of(s, len, &v, &save) < 0) {
+            if (double_of(s, len, &v, &save, r->fast) < 0) {
                 status = 1;
                 break;
             }
@@ -734,7 +743,7 @@ static PyObject *kj_loads(PyObject *module, PyObject *args) {
         return NULL;
     }
     Reader r = {(const char *)view.buf, (const char *)view.buf + view.len, numbers == Py_None ? NULL : numbers,
-                0, 0};
+                0, 0, extended_precision()};
     PyObject *value = read_value(&r, 0);
     if (value != NULL) {
         skip_ws(&r);
@@ -764,6 +773,7 @@ typedef struct {
     size_t len;
     size_t cap;
     PyThreadState *save; /* not NULL while the writer runs with the GIL released */
+    int fast;            /* the long double fast path may be used (see extended_precision) */
 } Text;
 
 static int text_reserve(Text *t, size_t more) {
@@ -814,7 +824,7 @@ static int write_double(Text *t, double v) {
     }
 #ifdef HAVE_X87_FAST_PATH
     char fast[40];
-    int n = v != 0.0 ? fast_repr(v, fast) : -1;
+    int n = t->fast && v != 0.0 ? fast_repr(v, fast) : -1;
     if (n > 0) {
         return text_add(t, fast, (size_t)n);
     }
@@ -877,7 +887,7 @@ static PyObject *kj_dumps_numbers(PyObject *module, PyObject *arg) {
     }
     Py_ssize_t count = view.itemsize ? view.len / view.itemsize : 0;
     const char *base = view.buf;
-    Text t = {NULL, 0, 0, NULL};
+    Text t = {NULL, 0, 0, NULL, extended_precision()};
     /* Room for the longest elements at once ("-2.2250738585072014e-308, ", "-9223372036854775808, "),
      * so that the loop, run with the GIL released, does not grow the text. */
     size_t widest = kind == 'f' || kind == 'd' ? 26 : kind == '?' ? 7 : 22;
