@@ -123,10 +123,11 @@ static int extended_precision(void) {
 }
 
 static void init_powers(void) {
-    long double p = 1.0L;
+    /* 10^k = 5^k * 2^k: 5^27 fits 64 bits, so each is exact whatever the precision control says. */
+    uint64_t five = 1;
     for (int k = 0; k <= MAX_FAST_EXP; k++) {
-        powers_of_ten[k] = p;
-        p *= 10.0L;
+        powers_of_ten[k] = ldexpl((long double)five, k);
+        five *= 5;
     }
 }
 
