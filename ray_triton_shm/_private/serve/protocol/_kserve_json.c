@@ -865,6 +865,15 @@ static int write_unsigned(Text *t, unsigned long long v) {
     return text_add(t, s, (size_t)n);
 }
 
+/* One element of C type `ctype` at `item`, written by `writer` as `as`. */
+#define WRITE_ITEM(ctype, writer, as)      \
+    {                                      \
+        ctype v;                           \
+        memcpy(&v, item, sizeof v);        \
+        rc = writer(&t, (as)v);            \
+        break;                             \
+    }
+
 PyDoc_STRVAR(dumps_doc,
              "dumps_numbers(array)\n--\n\n"
              "``json.dumps(list(array))`` of a flat buffer of numbers or booleans (struct format\n"
@@ -912,78 +921,18 @@ static PyObject *kj_dumps_numbers(PyObject *module, PyObject *arg) {
                 rc = b ? text_add(&t, "true", 4) : text_add(&t, "false", 5);
                 break;
             }
-            case 'b': {
-                signed char v;
-                memcpy(&v, item, sizeof v);
-                rc = write_signed(&t, v);
-                break;
-            }
-            case 'B': {
-                unsigned char v;
-                memcpy(&v, item, sizeof v);
-                rc = write_unsigned(&t, v);
-                break;
-            }
-            case 'h': {
-                short v;
-                memcpy(&v, item, sizeof v);
-                rc = write_signed(&t, v);
-                break;
-            }
-            case 'H': {
-                unsigned short v;
-                memcpy(&v, item, sizeof v);
-                rc = write_unsigned(&t, v);
-                break;
-            }
-            case 'i': {
-                int v;
-                memcpy(&v, item, sizeof v);
-                rc = write_signed(&t, v);
-                break;
-            }
-            case 'I': {
-                unsigned int v;
-                memcpy(&v, item, sizeof v);
-                rc = write_unsigned(&t, v);
-                break;
-            }
-            case 'l': {
-                long v;
-                memcpy(&v, item, sizeof v);
-                rc = write_signed(&t, v);
-                break;
-            }
-            case 'L': {
-                unsigned long v;
-                memcpy(&v, item, sizeof v);
-                rc = write_unsigned(&t, v);
-                break;
-            }
-            case 'q': {
-                long long v;
-                memcpy(&v, item, sizeof v);
-                rc = write_signed(&t, v);
-                break;
-            }
-            case 'Q': {
-                unsigned long long v;
-                memcpy(&v, item, sizeof v);
-                rc = write_unsigned(&t, v);
-                break;
-            }
-            case 'f': {
-                float v;
-                memcpy(&v, item, sizeof v);
-                rc = write_double(&t, (double)v);
-                break;
-            }
-            default: {
-                double v;
-                memcpy(&v, item, sizeof v);
-                rc = write_double(&t, v);
-                break;
-            }
+            case 'b': WRITE_ITEM(signed char, write_signed, long long)
+            case 'B': WRITE_ITEM(unsigned char, write_unsigned, unsigned long long)
+            case 'h': WRITE_ITEM(short, write_signed, long long)
+            case 'H': WRITE_ITEM(unsigned short, write_unsigned, unsigned long long)
+            case 'i': WRITE_ITEM(int, write_signed, long long)
+            case 'I': WRITE_ITEM(unsigned int, write_unsigned, unsigned long long)
+            case 'l': WRITE_ITEM(long, write_signed, long long)
+            case 'L': WRITE_ITEM(unsigned long, write_unsigned, unsigned long long)
+            case 'q': WRITE_ITEM(long long, write_signed, long long)
+            case 'Q': WRITE_ITEM(unsigned long long, write_unsigned, unsigned long long)
+            case 'f': WRITE_ITEM(float, write_double, double)
+            default: WRITE_ITEM(double, write_double, double)
         }
     }
     PyEval_RestoreThread(t.save);
