@@ -48,9 +48,6 @@ class JsonNumbers:
         self.buffer = buffer
         self.kind = kind
 
-    def __len__(self) -> int:
-        return len(self.buffer) // 8
-
     def tensor(self, dtype: np.dtype) -> np.ndarray:
         """The flat array of these numbers as ``dtype``, exactly as ``np.asarray(list, dtype)`` gives it.
 
