@@ -38,6 +38,7 @@ from ray_triton_shm._private.node.node_config import split_app_args
 from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING as FRONTDOOR_ONGOING
 from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_POLICY as FRONTDOOR_POLICY
 from ray_triton_shm._private.serve.autoscaling import frontdoor_autoscaling_policy, with_frontdoor_policy
+from ray_triton_shm._private.serve.door.batched_observer import BatchedObserver
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor
 from ray_triton_shm._private.serve.door.frontdoor_config import FrontDoorConfig
 from ray_triton_shm._private.serve.frontdoor_observe import FrontDoorObserver
@@ -164,15 +165,17 @@ class TritonDeployment(KServeGrpcMixin, SlotRefMixin, FrontDoorMixin):
             context = serve.get_replica_context()
             self._app_name = context.app_name
             self._observer = FrontDoorObserver(context)
+            self._recorder = BatchedObserver(self._observer)
             try:
                 self._frontdoor = FrontDoor(
                     frontdoor,
                     self,
                     context.app_name,
                     max_ongoing=max_ongoing_requests(context),
-                    observer=self._observer,
+                    observer=self._recorder,
                 )
             except BaseException:
+                self._recorder.close()
                 self._client.close()
                 raise
             for port in self._fixed_ports():  # kept open by the node actor between replicas

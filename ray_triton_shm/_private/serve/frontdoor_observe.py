@@ -10,24 +10,34 @@ on Prometheus, after Ray's prefix; ``ray.serve.metrics``, which adds
 ``application``, ``deployment`` and ``replica``; plus ``route``, ``protocol``,
 ``method`` and ``status_code``), and the access-log line through Serve's own
 logger, unless the deployment's ``logging_config`` turns access logs off.
+
+A call's thread only queues its record: a
+:class:`~ray_triton_shm._private.serve.door.batched_observer.BatchedObserver` hands the
+records to :class:`FrontDoorObserver` in batches (at most 0.1 s after the call ends), and
+each access-log line is dated when its call ended.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from ray.serve import metrics
 
-from ray_triton_shm._private.serve.door.calls import CallRecord
+from ray_triton_shm._private.serve.door.batched_observer import Ended
 from ray_triton_shm._private.serve.replica_context import access_log_enabled
 
 _ACCESS_LOG = logging.getLogger("ray.serve")
+_RAY_TIMESTAMP = "_ray_timestamp_ns"  # set on each record by Ray's log record factory
 LATENCY_BUCKETS_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
 
 
 class FrontDoorObserver:
-    """Records each front-door call in Prometheus and, where Serve logs access, in the access log.
+    """Records front-door calls in Prometheus and, where Serve logs access, in the access log.
+
+    It takes batches of calls: a :class:`BatchedObserver` around it is the door's observer.
 
     Args:
         context: Serve's replica context (``serve.get_replica_context()``).
@@ -62,27 +72,43 @@ class FrontDoorObserver:
         """Take the deployment's access-log setting from Serve's context again (Serve changes it in place)."""
         self._access_log = access_log_enabled(context)
 
-    def __call__(self, record: CallRecord) -> None:
-        status = record.status or "-"
-        tags = {
-            "route": record.route,
-            "protocol": record.protocol,
-            "method": record.method,
-            "status_code": status,
-        }
-        latency_ms = record.latency_s * 1000.0
-        try:
-            self._requests.inc(tags=tags)
-            self._latency.observe(latency_ms, tags=tags)
-        except Exception:  # a metric failure must not fail the call
-            pass
-        if self._access_log:
-            verb = record.method if record.protocol == "http" else "gRPC"
-            _ACCESS_LOG.info(
-                "%s %s %s %.1fms",
-                verb,
-                record.route,
-                status,
-                latency_ms,
-                extra={**self._extra, "route": record.route},
-            )
+    def __call__(self, batch: Sequence[Ended]) -> None:
+        """Record a batch of calls (see :class:`BatchedObserver`): each call's latency and access-log
+        line, stamped with the time it ended; the counter once per set of tags."""
+        counts: collections.Counter[tuple[str, str, str, str]] = collections.Counter()
+        access_log = self._access_log and _ACCESS_LOG.isEnabledFor(logging.INFO)
+        for record, ended in batch:
+            status = record.status or "-"
+            key = (record.route, record.protocol, record.method, status)
+            counts[key] += 1
+            latency_ms = record.latency_s * 1000.0
+            try:
+                self._latency.observe(latency_ms, tags=_tags(key))
+            except Exception:  # a metric failure must not stop the recording
+                pass
+            if access_log:
+                verb = record.method if record.protocol == "http" else "gRPC"
+                extra = {**self._extra, "route": record.route}
+                self._log(ended, (verb, record.route, status, latency_ms), extra)
+        for key, count in counts.items():
+            try:
+                self._requests.inc(count, tags=_tags(key))
+            except Exception:
+                pass
+
+    def _log(self, ended: float, args: tuple[object, ...], extra: dict[str, object]) -> None:
+        """Serve's access-log line, through Serve's own logger and handlers, dated when the call ended."""
+        fn, lno, func, _ = _ACCESS_LOG.findCaller()
+        line = _ACCESS_LOG.makeRecord(
+            _ACCESS_LOG.name, logging.INFO, fn, lno, "%s %s %s %.1fms", args, None, func, extra
+        )
+        line.created = ended
+        line.msecs = int((ended - int(ended)) * 1000) + 0.0
+        if _RAY_TIMESTAMP in line.__dict__:  # what Ray's JSON lines are dated by
+            line.__dict__[_RAY_TIMESTAMP] = int(ended * 1e9)
+        _ACCESS_LOG.handle(line)
+
+
+def _tags(key: tuple[str, str, str, str]) -> dict[str, str]:
+    route, protocol, method, status = key
+    return {"route": route, "protocol": protocol, "method": method, "status_code": status}

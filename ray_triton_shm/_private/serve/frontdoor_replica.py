@@ -21,6 +21,7 @@ import ray
 from ray import serve
 
 from ray_triton_shm._private.serve.autoscaling import FRONTDOOR_ONGOING
+from ray_triton_shm._private.serve.door.batched_observer import BatchedObserver
 from ray_triton_shm._private.serve.door.frontdoor import FrontDoor
 from ray_triton_shm._private.serve.frontdoor_observe import FrontDoorObserver
 from ray_triton_shm._private.serve.replica_context import drain_budget, max_ongoing_requests
@@ -37,13 +38,15 @@ class FrontDoorMixin:
     """A replica's front door (see the module docstring), as Serve deployment methods.
 
     The class mixing it in sets these attributes: ``self._frontdoor`` (``None``:
-    the app has no front door), ``self._observer`` (with a door), ``self._client``,
+    the app has no front door), ``self._observer`` and ``self._recorder`` (its
+    :class:`BatchedObserver`; with a door), ``self._client``,
     ``self._app_name`` and ``self._reported`` (when the door was last reported).
     """
 
     _client: NodeClient
     _frontdoor: FrontDoor | None
     _observer: FrontDoorObserver
+    _recorder: BatchedObserver
     _app_name: str
     _reported: float
 
@@ -65,6 +68,7 @@ class FrontDoorMixin:
             wait_s = drain_budget(_replica_context(), door.config.drain_timeout_s, STATUS_TIMEOUT_S)
             if not door.drain(wait_s):
                 logger.warning("front door: calls still running after %g s were cut", wait_s)
+            self._recorder.close()  # the records of the last calls
 
     def _fixed_ports(self) -> list[int]:
         """The front door's ports named in its config (a port the OS picked is this replica's own)."""
