@@ -91,10 +91,33 @@ def test_a_failed_batch_is_logged_and_later_ones_are_recorded(caplog) -> None:
         observer.close()
 
 
+def test_a_call_that_finds_the_queue_full_records_it_itself() -> None:
+    batches = _Batches()
+    observer = BatchedObserver(batches, every_s=60.0, max_queued=3)
+    try:
+        for name in ("/a", "/b"):
+            observer(CallRecord("http", "POST", name, "404"))
+        assert batches.records() == []
+        observer(CallRecord("http", "POST", "/c", "404"))  # the third: the queue is full
+        assert [r.route for r in batches.records()] == ["/a", "/b", "/c"]
+        assert batches.threads == {threading.current_thread().name}
+        observer(CallRecord("http", "POST", "/d", "404"))
+        assert len(batches.records()) == 3  # queued again
+    finally:
+        observer.close()
+    assert [r.route for r in batches.records()] == ["/a", "/b", "/c", "/d"]
+
+
 @pytest.mark.parametrize("every_s", [0, -1.0])
 def test_the_interval_must_be_positive(every_s: float) -> None:
     with pytest.raises(ValueError, match="every_s must be positive"):
         BatchedObserver(lambda batch: None, every_s=every_s)
+
+
+@pytest.mark.parametrize("max_queued", [0, -1, 1.5, True])
+def test_the_queue_holds_at_least_one_record(max_queued) -> None:
+    with pytest.raises(ValueError, match="max_queued must be an integer of at least 1"):
+        BatchedObserver(lambda batch: None, max_queued=max_queued)
 
 
 class _Metric:

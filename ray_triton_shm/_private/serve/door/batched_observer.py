@@ -7,7 +7,10 @@ that writes a log line waits for the handler's lock and wakes others.
 observer: a call's thread only appends its record (with the wall-clock time
 it ended) to a queue, and one thread hands what has queued, in order, to the
 real observer every ``every_s`` seconds. Nothing is lost: :meth:`BatchedObserver.close`
-hands over what is left, and a record that comes after it is handed over at once.
+hands over what is left, and a record that comes after it is handed over at once. The
+queue is bounded: a call that finds ``max_queued`` records queued hands them over
+itself, so calls that come faster than their records are recorded (a flood of cheap
+refused calls, say) pay for their own records, as they did one by one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 RECORD_EVERY_S = 0.1
 """How often the queued records are handed over (so how late a record may be)."""
+MAX_QUEUED = 1000
+"""Records queued at most; the call that finds this many hands them over itself."""
 
 Ended = tuple[CallRecord, float]
 """A call's record and the wall-clock time (``time.time()``) it ended."""
@@ -36,10 +41,11 @@ class BatchedObserver:
         record_all: Takes a batch of records, oldest first (each with the time its call
             ended). Runs in the observer's own thread; what it raises is logged.
         every_s: How often the queue is handed over.
+        max_queued: Records queued at most (see the module docstring).
         name: The thread's name.
 
     Raises:
-        ValueError: ``every_s`` is not positive.
+        ValueError: ``every_s`` is not positive, or ``max_queued`` not at least 1.
     """
 
     def __init__(
@@ -47,10 +53,14 @@ class BatchedObserver:
         record_all: Callable[[Sequence[Ended]], None],
         *,
         every_s: float = RECORD_EVERY_S,
+        max_queued: int = MAX_QUEUED,
         name: str = "frontdoor-observer",
     ) -> None:
         if not every_s > 0:
             raise ValueError(f"every_s must be positive, not {every_s!r}")
+        if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
+            raise ValueError(f"max_queued must be an integer of at least 1, not {max_queued!r}")
+        self._max_queued = max_queued
         self._record_all = record_all
         self._every_s = every_s
         self._queue: collections.deque[Ended] = collections.deque()
@@ -60,9 +70,10 @@ class BatchedObserver:
         self._thread.start()
 
     def __call__(self, record: CallRecord) -> None:
-        """Queue ``record`` (a call's thread: an append, nothing more); after :meth:`close`, record it now."""
+        """Queue ``record`` (a call's thread: an append, nothing more); record the queue now after
+        :meth:`close`, or when it holds ``max_queued`` records."""
         self._queue.append((record, time.time()))
-        if self._closed.is_set():
+        if self._closed.is_set() or len(self._queue) >= self._max_queued:
             self.flush()
 
     def flush(self) -> None:
