@@ -1,8 +1,8 @@
 """Call records handed to their observer in batches, from a thread of its own.
 
-Recording a call (a metric or two and an access-log line through Serve's
-handlers) costs far more than the call's threads should spend on it: a thread
-that writes a log line waits for the handler's lock and wakes others.
+Recording a call (two metrics and an access-log line through Serve's
+handlers) costs the calls' threads several times more under load than alone
+(``docs/benchmarks.md``, "Where the front door's time goes").
 :class:`BatchedObserver` is the :class:`~ray_triton_shm._private.serve.door.calls.CallGate`'s
 observer: a call's thread only appends its record (with the wall-clock time
 it ended) to a queue, and one thread hands what has queued, in order, to the
@@ -10,7 +10,7 @@ real observer every ``every_s`` seconds. Nothing is lost: :meth:`BatchedObserver
 hands over what is left, and a record that comes after it is handed over at once. The
 queue is bounded: a call that finds ``max_queued`` records queued hands them over
 itself, so calls that come faster than their records are recorded (a flood of cheap
-refused calls, say) pay for their own records, as they did one by one.
+refused calls, say) pay for their own records.
 """
 
 from __future__ import annotations
