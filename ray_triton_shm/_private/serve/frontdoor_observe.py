@@ -19,7 +19,6 @@ each access-log line is dated when its call ended.
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -75,38 +74,46 @@ class FrontDoorObserver:
     def __call__(self, batch: Sequence[Ended]) -> None:
         """Record a batch of calls (see :class:`BatchedObserver`): each call's latency and access-log
         line, stamped with the time it ended; the counter once per set of tags."""
-        counts: collections.Counter[tuple[str, str, str, str]] = collections.Counter()
-        access_log = self._access_log and _ACCESS_LOG.isEnabledFor(logging.INFO)
+        counts: dict[tuple[str, str, str, str], tuple[int, dict[str, str]]] = {}
+        logging_on = self._access_log and _ACCESS_LOG.isEnabledFor(logging.INFO)
+        where = _ACCESS_LOG.findCaller() if logging_on else None  # the same for every line
         for record, ended in batch:
             status = record.status or "-"
             key = (record.route, record.protocol, record.method, status)
-            counts[key] += 1
+            count, tags = counts.get(key) or (0, _tags(key))
+            counts[key] = (count + 1, tags)
             latency_ms = record.latency_s * 1000.0
             try:
-                self._latency.observe(latency_ms, tags=_tags(key))
+                self._latency.observe(latency_ms, tags=tags)
             except Exception:  # a metric failure must not stop the recording
                 pass
-            if access_log:
+            if where is not None:
                 verb = record.method if record.protocol == "http" else "gRPC"
                 extra = {**self._extra, "route": record.route}
-                self._log(ended, (verb, record.route, status, latency_ms), extra)
-        for key, count in counts.items():
+                _log_line(where, ended, (verb, record.route, status, latency_ms), extra)
+        for count, tags in counts.values():
             try:
-                self._requests.inc(count, tags=_tags(key))
+                self._requests.inc(count, tags=tags)
             except Exception:
                 pass
 
-    def _log(self, ended: float, args: tuple[object, ...], extra: dict[str, object]) -> None:
-        """Serve's access-log line, through Serve's own logger and handlers, dated when the call ended."""
-        fn, lno, func, _ = _ACCESS_LOG.findCaller()
-        line = _ACCESS_LOG.makeRecord(
-            _ACCESS_LOG.name, logging.INFO, fn, lno, "%s %s %s %.1fms", args, None, func, extra
-        )
-        line.created = ended
-        line.msecs = int((ended - int(ended)) * 1000) + 0.0
-        if _RAY_TIMESTAMP in line.__dict__:  # what Ray's JSON lines are dated by
-            line.__dict__[_RAY_TIMESTAMP] = int(ended * 1e9)
-        _ACCESS_LOG.handle(line)
+
+def _log_line(
+    where: tuple[Any, ...], ended: float, args: tuple[object, ...], extra: dict[str, object]
+) -> None:
+    """Serve's access-log line, through Serve's own logger and handlers, dated when the call ended.
+
+    ``where`` is the ``findCaller()`` the line names as its source.
+    """
+    fn, lno, func, _ = where
+    line = _ACCESS_LOG.makeRecord(
+        _ACCESS_LOG.name, logging.INFO, fn, lno, "%s %s %s %.1fms", args, None, func, extra
+    )
+    line.created = ended
+    line.msecs = int((ended - int(ended)) * 1000) + 0.0
+    if _RAY_TIMESTAMP in line.__dict__:  # what Ray's JSON lines are dated by
+        line.__dict__[_RAY_TIMESTAMP] = int(ended * 1e9)
+    _ACCESS_LOG.handle(line)
 
 
 def _tags(key: tuple[str, str, str, str]) -> dict[str, str]:
