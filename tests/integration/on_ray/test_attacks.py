@@ -125,20 +125,32 @@ def test_connections_of_many_unread_calls_hold_no_callers_workers(attacked) -> N
     _attack(attacked, "grpc-streams-unread", dataclasses.replace(STALL_BOUNDS, scale=1.0))
 
 
-def test_answers_never_read_hold_no_callers_slots(attacked) -> None:
-    """8 answers of 16 MiB never read: each is copied out of its slot and held, up to the
-    replica's ``http_max_unsent_bytes`` (128 MiB) in all; past it the connection ends."""
-    _attack(attacked, "http-answer-unread", STALL_BOUNDS)
+@pytest.mark.parametrize("name", ["http-answer-unread", "http-json-answers-unread"])
+def test_answers_never_read_hold_no_callers_slots(attacked, name: str) -> None:
+    """Answers never read (8 binary answers of 16 MiB; 8 answers of a 1 MB tensor as JSON): each is
+    copied out of its slot and held, up to the replica's ``http_max_unsent_bytes`` (128 MiB) in
+    all; past it the connection ends."""
+    _attack(attacked, name, STALL_BOUNDS)
 
 
 @pytest.mark.parametrize(
-    "name", ["grpc-announced-lengths", "http-announced-lengths", "grpc-gzip-bomb", "h2-huge-headers"]
+    "name",
+    [
+        "grpc-announced-lengths",
+        "http-announced-lengths",
+        "grpc-gzip-bomb",
+        "h2-huge-headers",
+        "h2-continuation-flood",
+        "http-json-bodies",
+    ],
 )
 def test_memory_is_not_sized_by_the_client(attacked, name: str) -> None:
     _attack(attacked, name)
 
 
-@pytest.mark.parametrize("name", ["http-idle-sockets", "grpc-idle-sockets", "http-half-open-heads"])
+@pytest.mark.parametrize(
+    "name", ["http-idle-sockets", "grpc-idle-sockets", "http-half-open-heads", "grpc-half-open-prefaces"]
+)
 def test_idle_and_half_open_connections_lock_no_caller_out(attacked, name: str) -> None:
     _attack(attacked, name, dataclasses.replace(BOUNDS, scale=0.8))  # 640 idle sockets
 
@@ -148,7 +160,9 @@ def test_reset_calls_do_not_run(attacked) -> None:
     assert verdict.notes["calls reset"] >= 400 and verdict.notes["ran"] <= 0.05 * verdict.notes["calls reset"]
 
 
-@pytest.mark.parametrize("name", ["h2-ping-flood", "h2-settings-flood", "h2-empty-data-flood"])
+@pytest.mark.parametrize(
+    "name", ["h2-ping-flood", "h2-settings-flood", "h2-empty-data-flood", "h2-window-update-flood"]
+)
 def test_frame_floods_stop_no_caller(attacked, name: str) -> None:
     _attack(attacked, name)
 
