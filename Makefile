@@ -10,7 +10,8 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: bench-sharing native setup demo test test-slow unit integration cluster-test lint dist bench bench-quick bench-env bench-docs peers soak soak-faults cleanup clean
 
-$(STAMP): pyproject.toml setup.py ray_triton_shm/_private/serve/protocol/_kserve_json.c
+$(STAMP): pyproject.toml setup.py ray_triton_shm/_private/serve/protocol/_kserve_json.c \
+		ray_triton_shm/_private/serve/http2/_h2_data.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip 2>/dev/null || true
 	$(PIP) -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true

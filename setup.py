@@ -1,4 +1,4 @@
-"""Packaging hooks: the example models ship inside the package; the one C extension.
+"""Packaging hooks: the example models ship inside the package; the two C extensions.
 
 All metadata lives in pyproject.toml. A wheel gets ``ray_triton_shm/examples/models``,
 copied from ``deployments/models`` at build time, so ``examples`` works in any install;
@@ -6,7 +6,10 @@ a source checkout (editable install) uses ``deployments/models`` directly.
 
 ``_kserve_json`` reads and writes KServe v2 JSON tensors (see
 ``ray_triton_shm/_private/serve/protocol/kserve_json.py``). It is optional: where no C
-compiler builds it, the package falls back to the json module.
+compiler builds it, the package falls back to the json module. ``_h2_data`` reads runs of
+HTTP/2 DATA frames straight into a slot (see
+``ray_triton_shm/_private/serve/http2/h2_receive.py``); without it the same frames are read
+one at a time in Python.
 """
 
 import shutil
@@ -46,6 +49,12 @@ setup(
             sources=["ray_triton_shm/_private/serve/protocol/_kserve_json.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
             optional=True,
-        )
+        ),
+        Extension(
+            "ray_triton_shm._private.serve.http2._h2_data",
+            sources=["ray_triton_shm/_private/serve/http2/_h2_data.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
+            optional=True,
+        ),
     ],
 )

@@ -65,6 +65,7 @@ from ray_triton_shm._private.serve.net.listener import IDLE_LINGER_S
 logger = logging.getLogger(__name__)
 
 _IDLE_CHECK_S = 0.5  # while calls run, how often the reader looks whether the connection went idle
+_EXPIRY_CHECKS_PER_TICK = 4  # how often, between frames, slow messages are looked for
 
 
 class H2Connection(FrameReceiver):
@@ -103,6 +104,7 @@ class H2Connection(FrameReceiver):
         self._sock = sock
         self._place = place
         self._read_timeout = False  # set while a slot waits for a message's bytes
+        self._expiry_due = 0.0  # when the slots' messages are next looked at between frames
         self._handler = handler
         self._refuse = refuse
         self._pool = pool
@@ -192,8 +194,9 @@ class H2Connection(FrameReceiver):
                             else:
                                 self._expire_placements()
                         continue
-                if self._read_timeout:
-                    self._expire_placements()
+                if self._read_timeout and time.monotonic() >= self._expiry_due:
+                    self._expire_placements()  # a few times a tick, not before every frame
+                    self._expiry_due = time.monotonic() + self._tick() / _EXPIRY_CHECKS_PER_TICK
                 self._frame()
                 if self._parked or self._tail:  # a window may have opened
                     self.flush_output()

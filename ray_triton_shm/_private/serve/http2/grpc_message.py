@@ -169,6 +169,18 @@ class Placement:
         """
         return self.take(_BytesSource(data), len(data))
 
+    def writable(self) -> memoryview | None:
+        """The rest of the part being filled, if it is a view (``None``: bytes to match, or full)."""
+        if self._index < len(self.parts):
+            part = self.parts[self._index]
+            if isinstance(part, memoryview):
+                return part[self._offset :]
+        return None
+
+    def filled(self, n: int) -> None:
+        """``n`` bytes were written at the start of :meth:`writable`'s view."""
+        self._advance(n)
+
     def _advance(self, n: int) -> None:
         self._offset += n
         while self._index < len(self.parts) and self._offset == len(self.parts[self._index]):
@@ -280,6 +292,15 @@ class PlacedMessage:
             self._to_buffer(head)
             return
         self.placement = placement
+
+    def writable(self) -> memoryview | None:
+        """Where the message's next bytes go in its slot (see :meth:`Placement.writable`), or ``None``."""
+        return self.placement.writable() if self.placing() else None
+
+    def filled(self, n: int) -> None:
+        """``n`` bytes were written at the start of :meth:`writable`'s view."""
+        if self.placement is not None:
+            self.placement.filled(n)
 
     def to_memory(self) -> None:
         """Move a message being placed into a buffer of its own, and give its slot back now."""

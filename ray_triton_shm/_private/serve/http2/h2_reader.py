@@ -14,6 +14,11 @@ import time
 from collections.abc import Callable
 
 from ray_triton_shm._private.serve.http2.grpc_message import Stalled
+
+try:  # runs of DATA frames read in C (setup.py builds it; without it frames are read one at a time)
+    from ray_triton_shm._private.serve.http2 import _h2_data
+except ImportError:  # pragma: no cover - no C compiler at install time
+    _h2_data = None
 from ray_triton_shm._private.serve.http2.h2_wire import PLACED_CHUNK, READ_AHEAD, READER_BUFFER
 
 
@@ -110,6 +115,42 @@ class FrameReader:
                 since, end = self.last_read, min(have + step, len(target))
             else:  # the receive timeout with the part not all read
                 self._stalled(placed, have, since if placed else self.last_read)
+
+    @staticmethod
+    def reads_runs() -> bool:
+        """Whether :meth:`data_run` reads runs of frames (the C extension is built)."""
+        return _h2_data is not None
+
+    def data_run(
+        self, targets: list[tuple[int, memoryview]], deadline: float
+    ) -> tuple[list[int], int, int, int]:
+        """Read the next plain DATA frames of the streams of ``targets`` into their views, as far as they
+        come at once.
+
+        ``targets`` holds ``(stream id, view)`` pairs; each frame's payload goes at the start of
+        what is left of its stream's view. The run ends, the frame left unread, at the first
+        frame that is not a plain DATA frame of one of those streams (another type or stream,
+        END_STREAM, padding, empty) or whose payload does not fit what is left of its view,
+        when the socket gives no more bytes (its receive timeout, or the end), and before a
+        frame once ``time.monotonic()`` passes ``deadline``; only :meth:`reads_runs` readers
+        read any.
+
+        Returns:
+            ``(placed, consumed, rest, last)``: the bytes written into each view (in the order
+            of ``targets``); the payload lengths of the frames begun (for the receive window);
+            how much of the last frame's payload is still to be read (``0`` unless the socket
+            stopped in the middle of a frame; the caller reads that rest); and the index in
+            ``targets`` of that frame's stream (``-1``: no frame begun).
+        """
+        if _h2_data is None:
+            return [0] * len(targets), 0, 0, -1
+        held = self._end - self._start
+        self._start, self._end, placed, consumed, rest, last = _h2_data.read_data_frames(
+            self._sock.fileno(), self._buf, self._start, self._end, targets, deadline
+        )
+        if consumed or self._end - self._start > held:
+            self.last_read = time.monotonic()
+        return placed, consumed, rest, last
 
     def buffered(self) -> int:
         """Bytes read from the socket and not yet taken."""

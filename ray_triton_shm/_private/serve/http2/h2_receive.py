@@ -54,6 +54,7 @@ from ray_triton_shm._private.serve.net.bounded import ByteBudget
 # Control frames of one length only (RFC 9113, section 6), and the most a SETTINGS frame may carry.
 _FIXED_LENGTH = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
 _MAX_SETTINGS_BYTES = 6 * 64
+_MAX_RUN_STREAMS = 256  # streams one run of DATA frames reads for (the C reader's most)
 
 Refuse = Callable[[str, Sequence[tuple[str, str]]], "CallError | None"]
 
@@ -73,6 +74,9 @@ class FrameReceiver(ConnectionControl):
         raise NotImplementedError
 
     def _update_read_timeout(self) -> None:
+        raise NotImplementedError
+
+    def _tick(self) -> float:
         raise NotImplementedError
 
     def _header_block_too_long(self) -> H2ProtocolError:
@@ -151,23 +155,72 @@ class FrameReceiver(ConnectionControl):
         elif stream.ended:
             raise H2ProtocolError(PROTOCOL_ERROR, f"DATA after the end of stream {stream_id}")
         else:
-            placing = stream.placing()
-            stream.receive(self._reader, count)
-            if stream.placing() != placing:
-                if not placing:  # a slot now waits for the message: at the slot's pace, not the client's
-                    stream.place_started = time.monotonic()
-                self._update_read_timeout()
-            if stream.error is not None and not stream.dispatched:
-                self._dispatch(stream)  # answered now, so that the client stops sending
+            self._receive(stream, count)
         self._reader.skip(pad)
+        self._window_used(length)
+        if stream is None:
+            return
+        if flags & END_STREAM:
+            self._end_stream(stream)
+        elif not flags & PADDED and stream.error is None and self._reader.reads_runs():
+            self._data_run()
+
+    def _receive(self, stream: Stream, count: int) -> None:
+        """``count`` bytes of the stream's DATA into its message; a slot's wait and an early error seen to."""
+        placing = stream.placing()
+        stream.receive(self._reader, count)
+        if stream.placing() != placing:
+            if not placing:  # a slot now waits for the message: at the slot's pace, not the client's
+                stream.place_started = time.monotonic()
+            self._update_read_timeout()
+        if stream.error is not None and not stream.dispatched:
+            self._dispatch(stream)  # answered now, so that the client stops sending
+
+    def _data_run(self) -> None:
+        """The next plain DATA frames of the streams whose messages go into slots, read in one run straight
+        into their slots (the C reader), their frames interleaved or not.
+
+        The run lasts no longer than the read timeout's tick, nor past the first slot's time for its
+        message: then the connection's loop looks at its slots and output as after any frame.
+        Output waiting on the client is written first (no run while it waits)."""
+        if self._parked or self._tail:
+            return
+        with self._flow:
+            placing = [s for s in self._streams.values() if not s.ended and s.placing()]
+        streams: list[Stream] = []
+        targets: list[tuple[int, memoryview]] = []
+        deadline = time.monotonic() + self._tick()
+        for stream in placing[:_MAX_RUN_STREAMS]:
+            view = stream.placed_view()
+            if view is not None:
+                streams.append(stream)
+                targets.append((stream.id, view))
+                slot_time = self._limits.slot_time(stream.message_length(), stream.slot_busy())
+                deadline = min(deadline, stream.place_started + slot_time)
+        if not targets:
+            return
+        placed, consumed, rest, last = self._reader.data_run(targets, deadline)
+        del targets
+        if not consumed:
+            return
+        for stream, n in zip(streams, placed):
+            if n:
+                stream.placed(n)
+        self._window_used(consumed)
+        if rest:  # the socket stopped within a frame: its rest is read as any DATA is
+            self._receive(streams[last], rest)
+        if any(not stream.placing() for stream in streams):  # messages all in their slots
+            self._update_read_timeout()
+
+    def _window_used(self, length: int) -> None:
+        """``length`` bytes of DATA payload arrived: the connection's receive window is opened again
+        once half of it is used."""
         self._recv_window -= length
         if self._recv_window < MAX_WINDOW // 2:
             self._send(
                 [frame_header(4, WINDOW_UPDATE, 0, 0), (MAX_WINDOW - self._recv_window).to_bytes(4, "big")]
             )
             self._recv_window = MAX_WINDOW
-        if stream is not None and flags & END_STREAM:
-            self._end_stream(stream)
 
     def _headers(self, payload: bytes, flags: int, stream_id: int) -> None:
         if not stream_id or not stream_id % 2:

@@ -111,6 +111,17 @@ class Stream:
         """Whether a slot is held for the message while its bytes still arrive."""
         return isinstance(self.message, PlacedMessage) and self.message.placing()
 
+    def placed_view(self) -> memoryview | None:
+        """Where the message's next bytes go in its slot, while one is held for them; else ``None``."""
+        if self.error is None and isinstance(self.message, PlacedMessage):
+            return self.message.writable()
+        return None
+
+    def placed(self, n: int) -> None:
+        """``n`` bytes were written at the start of :meth:`placed_view`'s view."""
+        if isinstance(self.message, PlacedMessage):
+            self.message.filled(n)
+
     def slot_busy(self) -> bool:
         """Whether another call waits for a slot of the pool this stream's message is read into."""
         return self.placing() and self.message.placement.busy()  # type: ignore[union-attr]
