@@ -141,7 +141,6 @@ def test_answers_never_read_hold_no_callers_slots(attacked, name: str) -> None:
         "grpc-gzip-bomb",
         "h2-huge-headers",
         "h2-continuation-flood",
-        "http-json-bodies",
     ],
 )
 def test_memory_is_not_sized_by_the_client(attacked, name: str) -> None:
