@@ -9,7 +9,8 @@ pieces in its siblings ``h2_reader`` and ``h2_stream``):
 * Each request message is read from the socket straight into one buffer of its
   own size (no per-frame copies); the connection advertises 16 MB frames and
   windows of 2 GB, so a client sends a large message in a few frames without
-  waiting for window updates.
+  waiting for window updates. Clients that send small frames anyway have the
+  frames of messages going into slots read in runs, in C (see ``h2_receive``).
 * The answer's parts (views of a shared-memory slot, say) go to the socket as
   they are (``sendmsg``), cut into frames the client accepts and within its
   flow-control windows.

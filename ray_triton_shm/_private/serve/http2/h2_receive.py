@@ -8,7 +8,11 @@ runs the calls. A frame's length is checked before any of it is read; the connec
 own frames (SETTINGS, PING, WINDOW_UPDATE) go to ``ConnectionControl``; HEADERS (and their
 CONTINUATION frames) open a stream, or end one with the client's trailers; DATA goes into
 its stream's message, and the connection's receive window is opened again as it is used;
-RST_STREAM ends its stream; unknown frame types are skipped.
+RST_STREAM ends its stream; unknown frame types are skipped. After a DATA frame of a
+message going into a slot, the plain DATA frames that follow, of that stream or any other
+whose message goes into a slot, are read in one run by the C reader (``_h2_data``, through
+:meth:`~ray_triton_shm._private.serve.http2.h2_reader.FrameReader.data_run`): the frames
+of clients that send 16 KB at a time pass the Python loop only where a run ends.
 A stream goes to the connection's ``_dispatch`` once the client's side of it ends, or at
 once when it is refused (an error answered before the client sends its whole message).
 """
