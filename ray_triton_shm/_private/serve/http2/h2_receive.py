@@ -166,8 +166,8 @@ class FrameReceiver(ConnectionControl):
             return
         if flags & END_STREAM:
             self._end_stream(stream)
-        elif not flags & PADDED and stream.error is None and self._reader.reads_runs():
-            self._data_run()
+        elif not flags & PADDED and stream.error is None and self._read_timeout and self._reader.reads_runs():
+            self._data_run()  # only while a slot waits for a message (the read timeout is set then)
 
     def _receive(self, stream: Stream, count: int) -> None:
         """``count`` bytes of the stream's DATA into its message; a slot's wait and an early error seen to."""
