@@ -302,7 +302,9 @@ class _HeldSlot:
 
     _recheck = False
     client = SimpleNamespace(
-        _layout_or_none=lambda model: None, pool=lambda model: SimpleNamespace(try_acquire=lambda: None)
+        _layout_or_none=lambda model: None,
+        pool=lambda model: SimpleNamespace(try_acquire=lambda: None, retired=False),
+        _pools={},
     )
 
     def __init__(self) -> None:

@@ -54,7 +54,13 @@ from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
 )
 from ray_triton_shm._private.serve.protocol.grpc_messages import decode_infer_request, status_of
 from ray_triton_shm._private.serve.protocol.kserve_grpc_routes import SERVICE, STREAM_REFUSED, GrpcAnswerError
-from ray_triton_shm._private.serve.protocol.slot_plan import run_leased, shm_plan, slot_stall
+from ray_triton_shm._private.serve.protocol.slot_plan import (
+    PlanCache,
+    SlotPlan,
+    run_leased,
+    shm_plan,
+    slot_stall,
+)
 from ray_triton_shm.errors import InputError, LayoutError
 
 logger = logging.getLogger(__name__)
@@ -227,6 +233,7 @@ class GrpcDoor:
         self._servicer = servicer
         self._served_version = served_version
         self._run = run
+        self._plans = PlanCache()
         self.app_name = app_name
         self._server = H2Listener(
             host,
@@ -297,8 +304,33 @@ class GrpcDoor:
         start = raw_start(head)
         if start is None:
             return None
+        description = head[:start]
+        plan = self._plans.get(self._client, description) or self._plan(description)
+        if plan is None:
+            return None
         try:
-            request = pb.ModelInferRequest.FromString(head[:start])
+            lease = plan.pool.try_acquire()
+        except Exception:  # a pool closed under the call: the general path answers it in Triton's words
+            return None
+        if lease is None:
+            return None
+        try:
+            parts: list[bytes | memoryview] = []
+            for name, placeholder in plan.placeholders.items():
+                target = lease.input(name, placeholder.shape)
+                parts += [RAW_INPUT_KEY + encode_varint(placeholder.nbytes), memoryview(target).cast("B")]
+                del target
+            pool = lease.pool
+            request = (plan.request, plan.outputs)
+            return Placement(lease, description, parts, request, lambda: bool(pool.waiting))
+        except Exception:
+            lease.release()
+            return None
+
+    def _plan(self, description: bytes) -> SlotPlan | None:
+        """Plan a request of ``description`` (kept in the door's plans), or ``None``: not through a slot."""
+        try:
+            request = pb.ModelInferRequest.FromString(description)
             planned = plan_inputs(request)
             if planned is None or request.model_version:
                 return None
@@ -306,22 +338,14 @@ class GrpcDoor:
             model = request.model_name
             if not shm_plan(self._client, model, placeholders, outputs):
                 return None
-            lease = self._client.client.pool(model).try_acquire()
+            inner = self._client.client
+            pool = inner.pool(model)
         except Exception:  # anything the call itself would refuse: it is refused there, in Triton's words
             return None
-        if lease is None:
-            return None
-        try:
-            parts: list[bytes | memoryview] = []
-            for name, placeholder in placeholders.items():
-                target = lease.input(name, placeholder.shape)
-                parts += [RAW_INPUT_KEY + encode_varint(placeholder.nbytes), memoryview(target).cast("B")]
-                del target
-            pool = lease.pool
-            return Placement(lease, head[:start], parts, (request, outputs), lambda: bool(pool.waiting))
-        except Exception:
-            lease.release()
-            return None
+        wanted = None if outputs is None else tuple(outputs)
+        plan = SlotPlan(request=request, placeholders=placeholders, outputs=wanted, pool=pool, inner=inner)
+        self._plans.put(description, plan)
+        return plan
 
     def handle(self, call: Call) -> None:
         """Answer one call (its method was accepted by :meth:`refuse`)."""

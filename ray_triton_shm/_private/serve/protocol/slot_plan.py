@@ -7,7 +7,9 @@ and :func:`run_leased` runs the slot with the fallbacks ``infer`` has.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -107,3 +109,81 @@ def run_leased(client: Any, model: str, lease: Any, outputs: Sequence[str] | Non
         if isinstance(e, LayoutMismatchError):
             client._layout_changed(e)
         return client.infer(model, inputs, outputs=outputs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotPlan:
+    """How a request of one description runs in a slot: what :func:`shm_plan` said yes to.
+
+    Attributes:
+        request: The request's description, parsed (shared by every call of that
+            description: read, never changed).
+        placeholders: Each input's placeholder (its shape and dtype, no memory).
+        outputs: The outputs asked for (``None``: all).
+        pool: The model's pool the plan was made for.
+        inner: The node client's connection the plan was made on.
+    """
+
+    request: Any
+    placeholders: Mapping[str, np.ndarray]
+    outputs: tuple[str, ...] | None
+    pool: Any
+    inner: Any
+
+
+class PlanCache:
+    """The slot plans of recent request descriptions, by their bytes.
+
+    A client that calls again with a description it sent before (the same
+    model, inputs, shapes and outputs: every call of a serving loop) skips
+    parsing and planning. A plan is used only while the node client's
+    connection and the model's pool are the ones it was made with, and not
+    after a failure that may mean Triton restarted; else it is dropped and made
+    again. Only refusals are never kept: a description planned ``False`` is
+    planned again each time.
+
+    Args:
+        max_plans: Plans kept at most (the oldest goes first).
+        max_key_bytes: Longest description kept (longer ones are planned each time).
+
+    Raises:
+        ValueError: A bound is not a positive integer.
+    """
+
+    def __init__(self, max_plans: int = 64, max_key_bytes: int = 4096) -> None:
+        for name, value in (("max_plans", max_plans), ("max_key_bytes", max_key_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        self._max_plans = max_plans
+        self._max_key_bytes = max_key_bytes
+        self._plans: dict[bytes, SlotPlan] = {}
+        self._lock = threading.Lock()  # around insertion and eviction; lookups take a plain dict read
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, client: Any, key: bytes) -> SlotPlan | None:
+        """The plan of description ``key``, if one is kept and still holds for ``client``."""
+        plan = self._plans.get(key)
+        if plan is None:
+            return None
+        try:
+            current = not getattr(client, "_recheck", False) and client.client is plan.inner
+        except RayTritonShmError:  # the node client is closed
+            current = False
+        pool = plan.pool
+        if current and not pool.retired and plan.inner._pools.get(plan.request.model_name) is pool:
+            return plan
+        with self._lock:
+            if self._plans.get(key) is plan:
+                del self._plans[key]
+        return None
+
+    def put(self, key: bytes, plan: SlotPlan) -> None:
+        """Keep ``plan`` for description ``key`` (not when ``key`` is longer than the bound)."""
+        if len(key) > self._max_key_bytes:
+            return
+        with self._lock:
+            if key not in self._plans and len(self._plans) >= self._max_plans:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
