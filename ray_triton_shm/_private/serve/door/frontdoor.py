@@ -38,6 +38,7 @@ from ray_triton_shm._private.serve.door.frontdoor_grpc import GrpcDoor, run_on
 from ray_triton_shm._private.serve.door.frontdoor_http import KServeHttpHandler, error_answer
 from ray_triton_shm._private.serve.http1.head import RequestHead
 from ray_triton_shm._private.serve.http1.server import HttpListener
+from ray_triton_shm._private.serve.net.malloc_thresholds import set_malloc_thresholds
 from ray_triton_shm.errors import FrontDoorError
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class FrontDoor:
         observer: Observer | None = None,
     ) -> None:
         self.config = config
+        set_malloc_thresholds(config.malloc_mmap_threshold_bytes)  # the replica's large buffers go back
         self.calls = CallGate(max_ongoing, observer)
         self._deployment = deployment
         self._loop = asyncio.new_event_loop()

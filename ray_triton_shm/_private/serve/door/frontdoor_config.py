@@ -24,6 +24,7 @@ from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
 from ray_triton_shm._private.serve.http2 import h2_wire
 from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
 from ray_triton_shm._private.serve.net.listener import MAX_OPEN
+from ray_triton_shm._private.serve.net.malloc_thresholds import MAX_MMAP_THRESHOLD
 from ray_triton_shm._private.serve.protocol.slot_plan import BUSY_STALL_S
 from ray_triton_shm.config import env_field
 from ray_triton_shm.errors import ConfigError
@@ -156,6 +157,11 @@ class FrontDoorConfig:
             app on it (a redeploy that stops the old replicas before the new ones
             start): connections wait in the port's queue for the next replica. The
             port closes at once when the app is deleted; 0: with the last replica.
+        malloc_mmap_threshold_bytes: glibc's ``mmap_threshold`` in the replica's process, set
+            when its door opens, and its trim threshold at twice that (1 MiB; 0: glibc's own,
+            which rises to each large block freed, up to 32 MiB). Fixed, a buffer past it
+            (a large JSON body, a buffered gRPC message) goes back to the system when freed
+            rather than staying in the heap of the thread that freed it.
     """
 
     host: str = env_field("FRONTDOOR_HOST", "127.0.0.1")
@@ -189,6 +195,7 @@ class FrontDoorConfig:
     slot_busy_stall_s: float = env_field("FRONTDOOR_SLOT_BUSY_STALL_S", BUSY_STALL_S)
     drain_timeout_s: float = env_field("FRONTDOOR_DRAIN_TIMEOUT_S", 10.0)
     port_linger_s: float = env_field("FRONTDOOR_PORT_LINGER_S", 30.0)
+    malloc_mmap_threshold_bytes: int = env_field("FRONTDOOR_MALLOC_MMAP_THRESHOLD_BYTES", 1024 * 1024)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -216,6 +223,16 @@ class FrontDoorConfig:
                 or value <= 0
             ):
                 raise ConfigError(f"frontdoor.{name} must be a number > 0, got {value!r}")
+        threshold = self.malloc_mmap_threshold_bytes
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, int)
+            or not 0 <= threshold <= MAX_MMAP_THRESHOLD
+        ):
+            raise ConfigError(
+                f"frontdoor.malloc_mmap_threshold_bytes must be an integer in 0..{MAX_MMAP_THRESHOLD}, "
+                f"got {threshold!r}"
+            )
         linger = self.port_linger_s
         if isinstance(linger, bool) or not isinstance(linger, (int, float)) or not 0 <= linger < math.inf:
             raise ConfigError(f"frontdoor.port_linger_s must be a number >= 0, got {linger!r}")
