@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from ray.serve._private.logging_utils import log_to_stderr_filter
 
 from ray_triton_shm._private.serve.door.batched_observer import BatchedObserver
 from ray_triton_shm._private.serve.door.calls import CallGate, CallRecord
@@ -198,6 +199,8 @@ def test_a_batch_counts_once_per_label_set_and_logs_each_call_dated_when_it_ende
     assert [line.created for line in lines] == [1000.25, 1001.5, 1002.75, 1003.0]
     assert [line.msecs for line in lines] == [250.0, 500.0, 750.0, 0.0]
     assert all(line.serve_access_log and line.replica == "r1" for line in lines)
+    # As Serve's own access lines: in the replica's log file, not on its stderr (the driver's console).
+    assert not any(log_to_stderr_filter(line) for line in lines)
     assert [line.route for line in lines] == ["/m", "/v2/models/x/infer", "/m", "/m"]
 
 

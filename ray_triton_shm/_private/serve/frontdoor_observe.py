@@ -65,6 +65,7 @@ class FrontDoorObserver:
             "component_name": "replica",
             "skip_context_filter": True,
             "serve_access_log": True,
+            "log_to_stderr": False,  # as Serve's own access lines: the replica's log file, not the console
         }
 
     def follow(self, context: Any) -> None:

@@ -47,6 +47,14 @@ def replica_log(app: str, deployment: str = "TritonDeployment") -> str:
     return "".join(path.read_text() for path in sorted(logs.glob(f"replica_{app}_{deployment}_*.log")))
 
 
+def workers_stderr() -> str:
+    """The text of every Ray worker's stderr file (what Ray sends to the driver's console)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    return "".join(path.read_text(errors="replace") for path in sorted(logs.glob("worker-*.err")))
+
+
 def start_serve_on_a_free_port() -> None:
     """``serve.start`` with its HTTP proxy on a port from the OS, not Serve's default 8000: other
     test processes and Ray runs share the machine."""

@@ -31,6 +31,7 @@ from .conftest import (
     init_ray,
     replica_log,
     teardown_ray,
+    workers_stderr,
 )
 
 TWO_APPS = REPO / "deployments" / "two_apps.yaml"
@@ -472,6 +473,8 @@ def test_calls_are_in_serves_metrics_and_the_replicas_log(apps) -> None:
         30,
         0.5,
     ), [replica_log(app).count(line) for line in lines]
+    stderr = workers_stderr()  # as Serve's own access lines: not sent to the driver's console
+    assert not [line for line in lines if line in stderr], [line for line in lines if line in stderr]
     log = replica_log(app)
     assert "front door on 127.0.0.1: HTTP port" in log
     assert "replica on node" in log and "uses Triton" in log
