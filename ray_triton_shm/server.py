@@ -8,7 +8,8 @@ Example:
 
 The server binds to loopback on free ports, dies with its parent
 (``PR_SET_PDEATHSIG``), keeps a bounded tail of its log, and on stop removes
-the shared-memory segments its Python backend leaves behind.
+the shared-memory segments its Python backend leaves behind, and the
+backend's directory in ``/tmp`` when the server did not exit cleanly.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ from ray_triton_shm._private.triton.process import (
     exit_code,
     kill_group,
     kill_group_leftovers,
+    own_python_env,
     popen_from_launcher,
+    python_env_dirs,
+    remove_python_env,
     wait_exit,
 )
 from ray_triton_shm._private.triton.server_env import LaunchPlan, cpu_fallback_warning, find_tritonserver
@@ -93,6 +97,7 @@ class TritonServer(ServerLaunch):
         # Locked while Triton runs; guards the Python backend's files (named with it + "_"),
         # which Triton never locks, from sweepers in other pid namespaces.
         self._backend_guard: segment.Segment | None = None
+        self._python_env: str | None = None  # the Python backend's directory, removed if Triton cannot
         self.version: str = ""
         self.restarts = 0
         # Called with (pid, process_marker) right after each launch, before the server is ready.
@@ -216,8 +221,11 @@ class TritonServer(ServerLaunch):
             for attempt in range(attempts):
                 self._resolved = self._resolve_ports(fresh=attempt > 0)
                 try:
+                    before = python_env_dirs()
                     self._launch()
                     self._wait_ready()
+                    if self._proc is not None:
+                        self._python_env = own_python_env(self._proc.pid, before)
                     return self
                 except ServerStartError as e:
                     self._terminate()
@@ -372,6 +380,9 @@ class TritonServer(ServerLaunch):
                     proc.stdout.close()
         self._proc = None
         self._release_backend_segments()
+        if self._python_env is not None:  # a server that exited cleanly removed it itself
+            remove_python_env(self._python_env)
+            self._python_env = None
 
     def _release_backend_segments(self) -> None:
         """Remove the Python backend's files (the prefix has 128 random bits), then their guard."""

@@ -11,9 +11,11 @@ live on.
 from __future__ import annotations
 
 import concurrent.futures
+import glob
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import threading
@@ -147,3 +149,40 @@ def kill_group_leftovers(pgid: int) -> list[int]:
             "killed %d process(es) left in the group of tritonserver %d: %s", len(killed), pgid, killed
         )
     return killed
+
+
+PYTHON_ENV_DIRS = "/tmp/python_env_*"
+"""Where Triton's Python backend makes a directory of its own when it loads (a fixed path, not
+``TMPDIR``): the backend removes it when the server exits cleanly, and leaves it when the server
+is killed."""
+
+
+def python_env_dirs() -> set[str]:
+    """Every Python-backend directory on this machine now (see :data:`PYTHON_ENV_DIRS`)."""
+    return set(glob.glob(PYTHON_ENV_DIRS))
+
+
+def loads_python_backend(pid: int) -> bool:
+    """Whether process ``pid`` has Triton's Python backend loaded (``False`` when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return any("libtriton_python.so" in line for line in maps)
+    except OSError:
+        return False
+
+
+def own_python_env(pid: int, before: set[str]) -> str | None:
+    """The Python-backend directory server ``pid`` made since ``before`` (a :func:`python_env_dirs`
+    taken before it was launched), or ``None``: no backend loaded, or not exactly one new
+    directory (another server started meanwhile: none is taken for this one's)."""
+    if not loads_python_backend(pid):
+        return None
+    made = python_env_dirs() - before
+    return made.pop() if len(made) == 1 else None
+
+
+def remove_python_env(path: str) -> None:
+    """Remove the Python-backend directory of a server that is gone (its own exit removes it when clean)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("removed %s, left by a tritonserver that did not exit cleanly", path)
