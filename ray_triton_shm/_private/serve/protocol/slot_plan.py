@@ -139,8 +139,8 @@ class PlanCache:
     parsing and planning. A plan is used only while the node client's
     connection and the model's pool are the ones it was made with, and not
     after a failure that may mean Triton restarted; else it is dropped and made
-    again. Only refusals are never kept: a description planned ``False`` is
-    planned again each time.
+    again. Refusals are not kept: a description planned ``False`` is planned
+    again each time.
 
     Args:
         max_plans: Plans kept at most (the oldest goes first).
