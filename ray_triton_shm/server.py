@@ -102,6 +102,8 @@ class TritonServer(ServerLaunch):
         self.restarts = 0
         # Called with (pid, process_marker) right after each launch, before the server is ready.
         self.on_launch: Callable[[int, str], None] | None = None
+        # Called with python_env once the server is ready, after each launch.
+        self.on_ready: Callable[[str | None], None] | None = None
         protect = config.protect_shm_api
         if protect is None:
             protect = not _is_loopback(config.host)
@@ -136,6 +138,14 @@ class TritonServer(ServerLaunch):
     def shm_api_headers(self) -> dict[str, str] | None:
         """gRPC headers that open the protected shared-memory endpoints; ``None`` if unprotected."""
         return {SHM_API_GRPC_HEADER: self.shm_api_key} if self.shm_api_key else None
+
+    @property
+    def python_env(self) -> str | None:
+        """The directory Triton's Python backend made for this server (``/tmp/python_env_*``; the
+        backend removes it when the server exits cleanly, :meth:`stop` when it did not), or ``None``:
+        no backend loaded when it became ready, or the directory could not be told apart from
+        another server's made meanwhile."""
+        return self._python_env
 
     @property
     def pid(self) -> int | None:
@@ -226,6 +236,11 @@ class TritonServer(ServerLaunch):
                     self._wait_ready()
                     if self._proc is not None:
                         self._python_env = own_python_env(self._proc.pid, before)
+                    if self.on_ready is not None:
+                        try:
+                            self.on_ready(self._python_env)
+                        except Exception:
+                            logger.exception("the ready listener failed")
                     return self
                 except ServerStartError as e:
                     self._terminate()

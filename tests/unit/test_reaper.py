@@ -210,3 +210,36 @@ _THREADED_OWNER = (
 
 def test_reaper_waits_for_every_thread_of_its_dying_owner() -> None:
     _assert_reaped(_THREADED_OWNER)
+
+
+def test_reaper_removes_its_dead_owners_python_backend_directory_and_nothing_else(tmp_path) -> None:
+    """The Triton's Python-backend directory goes after an owner that died, not after one that let go;
+    a path that is not such a directory in /tmp is never removed."""
+    import tempfile
+
+    prefix = f"rtshm_0_0_reapertest{os.getpid()}_"  # names no segment
+    made = [tempfile.mkdtemp(prefix="python_env_", dir="/tmp") for _ in range(2)]
+    try:
+        for path in made:
+            with open(os.path.join(path, "extracted"), "w") as f:
+                f.write("x")
+        _run_reaper(prefix, f"pyenv {made[0]}", "done")  # let go: its Triton stopped itself
+        assert os.path.isdir(made[0])
+        _run_reaper(prefix, f"pyenv {made[0]}")  # died
+        assert not os.path.exists(made[0]), "the dead owner's Triton directory is left"
+        elsewhere = tmp_path / "python_env_elsewhere"
+        elsewhere.mkdir()
+        link = f"/tmp/python_env_link{os.getpid()}"
+        os.symlink(made[1], link)
+        try:
+            for path in (str(elsewhere), link, "/tmp", f"/tmp/other{os.getpid()}"):
+                _run_reaper(prefix, f"pyenv {path}")
+            assert elsewhere.is_dir() and os.path.isdir(made[1])
+        finally:
+            os.unlink(link)
+    finally:
+        for path in made:
+            if os.path.exists(path):
+                for name in os.listdir(path):
+                    os.unlink(os.path.join(path, name))
+                os.rmdir(path)

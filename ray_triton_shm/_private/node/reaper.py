@@ -25,12 +25,13 @@ logger = logging.getLogger(__name__)
 # children of a worker it kills (``ray.kill``), and the reaper must outlive the actor. It reports
 # its pid on stdout, then reads what to clean up from stdin ("triton <pid>": the process group
 # of the owner's Triton; "marker <text>": what that Triton's command line and its backend stubs'
-# carry; "done": the owner lets go in order) until EOF (its owner died or let go). Then it
-# SIGKILLs that group if it is still Triton's, and unlinks the owner's segments whose lock no
-# live owner holds. Unless the owner let go, it first waits (10 s at most) for every thread of
-# the owner to be gone, and looks again for 2 s at segments still locked: a dying process closes
-# its files one by one (the pipe may close first), and its first thread can be a zombie while
-# another still holds its files.
+# carry; "pyenv <path>": that Triton's Python-backend directory; "done": the owner lets go in
+# order) until EOF (its owner died or let go). Then it SIGKILLs that group if it is still
+# Triton's, unlinks the owner's segments whose lock no live owner holds and, after an owner
+# that died, removes that directory. Unless the owner let go, it first waits (10 s at most) for
+# every thread of the owner to be gone, and looks again for 2 s at segments still locked: a
+# dying process closes its files one by one (the pipe may close first), and its first thread
+# can be a zombie while another still holds its files.
 # -I -S: no site, no user paths; it must start fast and import nothing of ours.
 _REAPER = r"""
 import fcntl, os, signal, sys, time
@@ -43,13 +44,15 @@ sys.stdout.write("%d\n" % os.getpid())
 sys.stdout.flush()
 devnull = os.open(os.devnull, os.O_WRONLY)
 os.dup2(devnull, 1)
-prefix, triton, marker, done = sys.argv[1], 0, b"", False
+prefix, triton, marker, done, pyenv = sys.argv[1], 0, b"", False, ""
 for line in sys.stdin:
     word, _, value = line.strip().partition(" ")
     if word == "triton":
         triton = int(value)
     elif word == "marker":
         marker = value.encode()
+    elif word == "pyenv":
+        pyenv = value
     elif word == "done":
         done = True
 
@@ -164,6 +167,17 @@ while True:
     if not held or time.monotonic() > deadline:
         break
     time.sleep(0.1)
+
+# Last, and only after an owner that died: the Python backend's directory of its Triton, which
+# that Triton, killed, did not remove (an owner that let go stopped its Triton itself).
+if pyenv and not done:
+    try:
+        import shutil
+        parent, _, name = pyenv.rpartition("/")
+        if parent == "/tmp" and name.startswith("python_env_") and not os.path.islink(pyenv):
+            shutil.rmtree(pyenv, ignore_errors=True)
+    except Exception:
+        pass
 """
 
 
@@ -196,6 +210,7 @@ class Reaper:
             raise RuntimeError(f"unexpected owner tag {self.prefix!r}")
         self._lock = threading.Lock()
         self._triton: tuple[int, str] = (0, "")
+        self._python_env = ""
         self._closed = False
         self.restarts = 0
         self.last_failure: str | None = None
@@ -233,7 +248,7 @@ class Reaper:
             return
         pid, marker = self._triton
         try:
-            stdin.write(f"triton {pid}\nmarker {marker}\n".encode())
+            stdin.write(f"triton {pid}\nmarker {marker}\npyenv {self._python_env}\n".encode())
             stdin.flush()
         except OSError as e:
             logger.warning("reaper %d unreachable: %s", self._pid, e)
@@ -249,6 +264,14 @@ class Reaper:
         """
         with self._lock:
             self._triton = (pid or 0, marker if pid else "")
+            self._python_env = ""  # a new Triton's is told once it is ready
+            self._send_locked()
+
+    def watch_python_env(self, path: str | None) -> None:
+        """Tell the reaper the directory Triton's Python backend made for the Triton it watches
+        (see :attr:`TritonServer.python_env`), removed if this process dies; ``None``: none."""
+        with self._lock:
+            self._python_env = path or ""
             self._send_locked()
 
     def check(self) -> bool:
@@ -280,13 +303,15 @@ class Reaper:
             return True
 
     def state(self) -> dict[str, object]:
-        """For ``status``: the reaper's pid, whether it runs, how often it was restarted, the last failure."""
+        """For ``status``: the reaper's pid, whether it runs, how often it was restarted, the last failure,
+        the Python-backend directory it would remove."""
         with self._lock:
             return {
                 "pid": self._pid,
                 "alive": self.alive(),
                 "restarts": self.restarts,
                 "last_failure": self.last_failure,
+                "python_env": self._python_env or None,
             }
 
     def close(self, timeout: float = 10.0) -> None:
