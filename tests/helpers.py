@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 # ``low-high``: the ports free_port hands out in this process (tests/lanes.py gives each lane
 # its own range, below the kernel's ephemeral ports and above Ray's worker ports, so that two
@@ -124,6 +125,16 @@ def stop_process(pid: int, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"pid {pid} did not stop within {timeout_s} s: thread states {states}")
         time.sleep(0.001)
+
+
+def assert_built_from_current_source(module) -> None:
+    """In a checkout, the optional C extension ``module`` was built from its source as it is now (a
+    source that no longer compiles leaves the last build in place)."""
+    built = Path(module.__file__)
+    name = built.name.split(".")[0]
+    source = built.with_name(f"{name}.c")
+    if source.is_file():
+        assert built.stat().st_mtime >= source.stat().st_mtime, f"stale {name} build: pip install -e ."
 
 
 def wait_for(predicate, timeout_s: float = 10.0, poll_s: float = 0.02) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -30,7 +29,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     WINDOW_UPDATE,
     frame_header,
 )
-from tests.helpers import h2_request_block, h2_whole_frames
+from tests.helpers import assert_built_from_current_source, h2_request_block, h2_whole_frames
 
 needs_runs = pytest.mark.skipif(not FrameReader.reads_runs(), reason="the C extension _h2_data is not built")
 
@@ -48,12 +47,7 @@ def test_the_c_run_reader_is_built() -> None:
     assert FrameReader.reads_runs(), (
         "the _h2_data extension was not built (pip install -e . with a C compiler)"
     )
-    # In a checkout, built from its source as it is now (a source that no longer compiles leaves
-    # the last build in place).
-    built = Path(h2_reader._h2_data.__file__)
-    source = built.with_name("_h2_data.c")
-    if source.is_file():
-        assert built.stat().st_mtime >= source.stat().st_mtime, "stale _h2_data build: pip install -e ."
+    assert_built_from_current_source(h2_reader._h2_data)
 
 
 @pytest.fixture

@@ -7,24 +7,19 @@ import random
 import struct
 import tracemalloc
 from decimal import Decimal, localcontext
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ray_triton_shm._private.serve.protocol import kserve, kserve_json
+from tests.helpers import assert_built_from_current_source
 
 
 def test_the_c_reader_and_writer_are_built() -> None:
     assert kserve_json.available(), (
         "the _kserve_json extension was not built (pip install -e . with a C compiler)"
     )
-    # In a checkout, built from its source as it is now: the build is optional, so a source that
-    # no longer compiles leaves the last build in place.
-    built = Path(kserve_json._kserve_json.__file__)
-    source = built.with_name("_kserve_json.c")
-    if source.is_file():
-        assert built.stat().st_mtime >= source.stat().st_mtime, "stale _kserve_json build: pip install -e ."
+    assert_built_from_current_source(kserve_json._kserve_json)
 
 
 def _read_as_doubles(texts: list[str]) -> np.ndarray:
