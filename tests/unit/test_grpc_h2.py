@@ -371,3 +371,35 @@ def test_frames_keep_to_the_clients_settings_as_acknowledged(server) -> None:
     sizes_before = [len(payload) for kind, _, _, payload in seen[: acks[1]] if kind == DATA]
     assert sizes_before and max(sizes_before) <= 16384, sorted(set(sizes_before))
     assert b"".join(p for kind, _, sid, p in seen if kind == DATA and sid == 3)[5:] == message[::-1]
+
+
+def test_a_call_followed_only_by_window_updates_and_pings_runs_in_the_connections_own_thread(server) -> None:
+    # gRPC clients send a WINDOW_UPDATE (and now and then a PING) right after a call: those
+    # frames are handled first, and the call still runs without a hand-over to a worker.
+    threads: list[str] = []
+
+    def record(call: Call) -> None:
+        threads.append(threading.current_thread().name)
+        _echo(call)
+
+    listener = server(record)
+    after = frame_header(4, WINDOW_UPDATE, 0, 0) + (4096).to_bytes(4, "big")
+    after += frame_header(8, PING, 0, 0) + b"pingpong"
+    with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+        frames = _FrameStream(sock)
+        sock.sendall(PREFACE + frame_header(0, SETTINGS, 0, 0) + _call_frames(1, b"abc") + after)
+        seen = frames.until(lambda f: f[0] == HEADERS and f[2] == 1 and f[1] & END_STREAM)
+        assert (PING, 1, 0, b"pingpong") in seen  # the PING is answered (before the call runs)
+        assert next(p for kind, _, sid, p in seen if kind == DATA and sid == 1)[5:] == b"cba"
+        # A call followed by another stream's frames leaves the reader free: it runs on a worker.
+        sock.sendall(_call_frames(3, b"xyz") + _call_frames(5, b"uvw"))
+        ended: set[int] = set()
+
+        def both_answered(frame) -> bool:
+            if frame[0] == HEADERS and frame[1] & END_STREAM:
+                ended.add(frame[2])
+            return ended == {3, 5}
+
+        frames.until(both_answered)
+    assert threads[0].startswith("frontdoor-grpc-conn"), threads
+    assert not threads[1].startswith("frontdoor-grpc-conn"), threads

@@ -156,6 +156,16 @@ class FrameReader:
         """Bytes read from the socket and not yet taken."""
         return self._end - self._start
 
+    def buffered_frame(self) -> int | None:
+        """The type of the next frame when the whole of it is in the buffer, else ``None``."""
+        have = self._end - self._start
+        if have < 9:
+            return None
+        head = self._view[self._start : self._start + 4]
+        if have < 9 + ((head[0] << 16) | (head[1] << 8) | head[2]):
+            return None
+        return head[3]
+
     def skip(self, n: int) -> None:
         while n:
             take = min(n, len(self._buf))
