@@ -35,12 +35,11 @@ from typing import Any
 from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.triton.process import (
     PDEATHSIG_SHIM,
+    PythonEnvTurn,
     exit_code,
     kill_group,
     kill_group_leftovers,
-    own_python_env,
     popen_from_launcher,
-    python_env_dirs,
     remove_python_env,
     wait_exit,
 )
@@ -231,11 +230,11 @@ class TritonServer(ServerLaunch):
             for attempt in range(attempts):
                 self._resolved = self._resolve_ports(fresh=attempt > 0)
                 try:
-                    before = python_env_dirs()
-                    self._launch()
-                    self._wait_ready()
-                    if self._proc is not None:
-                        self._python_env = own_python_env(self._proc.pid, before)
+                    with PythonEnvTurn() as turn:  # launches take turns until their directories appear
+                        self._launch()
+                        self._wait_ready(turn)
+                        if self._proc is not None:
+                            self._python_env = turn.finish(self._proc.pid)
                     if self.on_ready is not None:
                         try:
                             self.on_ready(self._python_env)
@@ -333,10 +332,12 @@ class TritonServer(ServerLaunch):
             body = r.read()
         return json.loads(body) if body else None
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, turn: PythonEnvTurn | None = None) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
             code = exit_code(self._proc) if self._proc is not None else None
+            if turn is not None and self._proc is not None and code is None:
+                turn.look(self._proc.pid)
             if self._proc is None or code is not None:
                 self._join_reader()
                 raise ServerStartError(

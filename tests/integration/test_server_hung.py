@@ -130,3 +130,34 @@ def test_a_killed_server_leaves_no_python_backend_directory():
     finally:
         server.stop()
     assert made is None or not os.path.exists(made), "a cleanly stopped server left its directory"
+
+
+def test_servers_started_at_once_each_know_their_own_python_backend_directory():
+    """Launches take turns until their backends' directories appear: two servers started at once
+    each take the directory their own backend made, and each one's stop after a kill removes it."""
+    servers = [TritonServer(ServerConfig(model_repository=REPO_MODELS, load_models=MODELS)) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def start(server: TritonServer) -> None:
+        try:
+            server.start()
+        except BaseException as e:  # seen by the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(server,)) for server in servers]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+        assert not errors, errors
+        made = [server.python_env for server in servers]
+        assert None not in made and made[0] != made[1], made
+        assert all(os.path.isdir(path) for path in made), made
+        for server in servers:
+            os.kill(server.pid, signal.SIGKILL)
+            server.stop()
+        assert not any(os.path.exists(path) for path in made), made
+    finally:
+        for server in servers:
+            server.stop()

@@ -11,6 +11,7 @@ live on.
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import glob
 import logging
 import os
@@ -179,6 +180,88 @@ def own_python_env(pid: int, before: set[str]) -> str | None:
         return None
     made = python_env_dirs() - before
     return made.pop() if len(made) == 1 else None
+
+
+PYTHON_ENV_TURN_LOCK = os.path.dirname(PYTHON_ENV_DIRS)
+"""What launches of this machine take turns on (see :class:`PythonEnvTurn`): the directory the
+backend makes its own in, locked itself (no lock file is left behind)."""
+PYTHON_ENV_TURN_S = 15.0
+"""The longest a launch holds its turn, and the longest it waits for one."""
+
+
+class PythonEnvTurn:
+    """A server launch's turn to make its Python-backend directory, so that it can tell which is its own.
+
+    The backend names its directory at random in ``/tmp``: a server started beside another
+    cannot tell the two new directories apart. Launches through this class take turns
+    (an ``flock`` of :data:`PYTHON_ENV_TURN_LOCK`) from just before the launch until
+    their directory appears, the server is ready or fails, or ``hold_s`` passes, so that
+    the one new directory seen meanwhile is the launch's own. A launch that waited
+    ``hold_s`` for its turn goes on without one (and takes a directory only when exactly
+    one new one appeared, as without turns). A context manager; :meth:`close` is idempotent.
+
+    Args:
+        hold_s: The longest the turn is held, and the longest it is waited for.
+        lock_path: What is locked (a directory or a file).
+    """
+
+    def __init__(self, hold_s: float = PYTHON_ENV_TURN_S, lock_path: str = PYTHON_ENV_TURN_LOCK) -> None:
+        self.path: str | None = None
+        self._fd: int | None = None
+        deadline = time.monotonic() + hold_s
+        try:
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            logger.debug("no turn for the Python backend's directory: %s", e)
+        else:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if time.monotonic() < deadline:
+                        time.sleep(0.05)
+                        continue
+                    os.close(fd)
+                else:
+                    self._fd = fd
+                break
+        self._before = python_env_dirs()
+        self._until = time.monotonic() + hold_s
+
+    @property
+    def held(self) -> bool:
+        """Whether the turn is still held."""
+        return self._fd is not None
+
+    def look(self, pid: int) -> None:
+        """While the turn is held, take server ``pid``'s directory if it has appeared; let the turn go
+        once it has, or once ``hold_s`` has passed."""
+        if self._fd is None:
+            return
+        if self.path is None:
+            self.path = own_python_env(pid, self._before)
+        if self.path is not None or time.monotonic() > self._until:
+            self.close()
+
+    def finish(self, pid: int) -> str | None:
+        """The directory of server ``pid``, now ready (``None``: none, or not known for sure); the turn
+        is let go."""
+        if self.path is None:
+            self.path = own_python_env(pid, self._before)
+        self.close()
+        return self.path
+
+    def close(self) -> None:
+        """Let the turn go. Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # the flock goes with it
+
+    def __enter__(self) -> PythonEnvTurn:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def remove_python_env(path: str) -> None:
