@@ -398,6 +398,9 @@ def test_unregister_while_requests_are_in_flight(own_server: TritonServer, shm_t
         while client.pool("sleep").stats().busy < 4:
             assert time.monotonic() < deadline, "the four requests never all held a slot"
             time.sleep(0.005)
+        # A slot is leased just before its request is sent: give the requests time to reach Triton
+        # (they then hold the region for 1.5 s at least), even on a loaded machine.
+        time.sleep(0.5)
         with grpcclient.InferenceServerClient(own_server.grpc_url) as raw:
             # Triton 2.51 refuses while the region is in use, and the requests go on.
             with pytest.raises(InferenceServerException, match="in use"):
