@@ -403,3 +403,25 @@ def test_a_call_followed_only_by_window_updates_and_pings_runs_in_the_connection
         frames.until(both_answered)
     assert threads[0].startswith("frontdoor-grpc-conn"), threads
     assert not threads[1].startswith("frontdoor-grpc-conn"), threads
+
+
+def test_most_calls_of_a_grpc_client_calling_one_at_a_time_run_in_the_connections_own_thread(server) -> None:
+    # grpcio's C core sends its window updates when it likes: with the call, just after it, or
+    # in a packet of their own that arrives while the call is read. Each size sends them
+    # differently (all of one size went to workers when only frames already read were taken).
+    threads: dict[int, list[str]] = {}
+
+    def record(call: Call) -> None:
+        data = bytes(call.request())
+        threads.setdefault(len(data), []).append(threading.current_thread().name)
+        call.respond([data[:16]])
+
+    channel, echo = _method(server(record))
+    sizes = (4096, 65536, 1 << 20)
+    with channel:
+        for size in sizes:
+            for _ in range(10):
+                assert echo(b"x" * size) == b"x" * 16
+    for size in sizes:
+        own = [name for name in threads[size] if name.startswith("frontdoor-grpc-conn")]
+        assert len(own) >= 5, (size, threads[size])

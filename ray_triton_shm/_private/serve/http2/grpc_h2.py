@@ -245,13 +245,17 @@ class H2Connection(FrameReceiver):
         (self._held_pool if stream.holds_slot() else self._pool).submit(self._run, stream)
 
     def _take_control_frames(self) -> None:
-        """In the reader's thread, handle the connection's own frames already read (the window updates
-        and PINGs gRPC clients send after each answer), so that a call with nothing else to
-        read may still run in this thread."""
+        """In the reader's thread, handle the connection's own frames that have arrived (the window
+        updates and PINGs gRPC clients send after each answer), so that a call with nothing else
+        to read may still run in this thread."""
         if self._inline or threading.current_thread() is not self._reader_thread:
             return
         for _ in range(_INLINE_CONTROL_FRAMES):
-            if self._reader.buffered_frame() not in _CONTROL_KINDS:
+            kind = self._reader.buffered_frame()
+            if kind is None:  # not a whole frame read yet: take what the socket holds now
+                self._reader.read_ready()
+                kind = self._reader.buffered_frame()
+            if kind not in _CONTROL_KINDS:
                 return
             self._frame()
 
