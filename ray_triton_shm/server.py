@@ -101,8 +101,9 @@ class TritonServer(ServerLaunch):
         self.restarts = 0
         # Called with (pid, process_marker) right after each launch, before the server is ready.
         self.on_launch: Callable[[int, str], None] | None = None
-        # Called with python_env once the server is ready, after each launch.
-        self.on_ready: Callable[[str | None], None] | None = None
+        # Called with python_env once it is known, after each launch: as soon as the backend made
+        # it (so that a start that fails or is killed leaves none), and again once the server is ready.
+        self.on_python_env: Callable[[str | None], None] | None = None
         protect = config.protect_shm_api
         if protect is None:
             protect = not _is_loopback(config.host)
@@ -235,11 +236,7 @@ class TritonServer(ServerLaunch):
                         self._wait_ready(turn)
                         if self._proc is not None:
                             self._python_env = turn.finish(self._proc.pid)
-                    if self.on_ready is not None:
-                        try:
-                            self.on_ready(self._python_env)
-                        except Exception:
-                            logger.exception("the ready listener failed")
+                    self._tell_python_env()
                     return self
                 except ServerStartError as e:
                     self._terminate()
@@ -336,8 +333,11 @@ class TritonServer(ServerLaunch):
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
             code = exit_code(self._proc) if self._proc is not None else None
-            if turn is not None and self._proc is not None and code is None:
+            if turn is not None and self._proc is not None and code is None and self._python_env is None:
                 turn.look(self._proc.pid)
+                if turn.path is not None:  # removed by _terminate if the start fails from here on
+                    self._python_env = turn.path
+                    self._tell_python_env()
             if self._proc is None or code is not None:
                 self._join_reader()
                 raise ServerStartError(
@@ -365,6 +365,13 @@ class TritonServer(ServerLaunch):
                     self.log_tail(60),
                 )
             time.sleep(0.1)
+
+    def _tell_python_env(self) -> None:
+        if self.on_python_env is not None:
+            try:
+                self.on_python_env(self._python_env)
+            except Exception:
+                logger.exception("the python_env listener failed")
 
     def _join_reader(self) -> None:
         if self._reader is not None:

@@ -8,8 +8,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from ray_triton_shm import ServerConfig, TritonServer
 from ray_triton_shm._private.shm.segment import process_start_time
+from ray_triton_shm.errors import ServerStartError
 from tests.helpers import stop_process
 
 REPO_MODELS = str(Path(__file__).resolve().parents[2] / "deployments" / "models")
@@ -161,3 +164,42 @@ def test_servers_started_at_once_each_know_their_own_python_backend_directory():
     finally:
         for server in servers:
             server.stop()
+
+
+_SLOW_LOAD = """
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(60)
+
+    def execute(self, requests):
+        raise NotImplementedError
+"""
+
+
+def test_a_start_that_fails_while_models_load_leaves_no_python_backend_directory(tmp_path: Path):
+    """The directory is known as soon as the backend makes it: a start that times out removes it."""
+    model = tmp_path / "slow_load"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(_SLOW_LOAD)
+    (model / "config.pbtxt").write_text(
+        'name: "slow_load"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+        'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+    )
+    config = ServerConfig(
+        model_repository=str(tmp_path), load_models=("slow_load",), startup_timeout_s=5.0, stop_timeout_s=5.0
+    )
+    server = TritonServer(config)
+    told: list[str | None] = []
+    server.on_python_env = told.append
+    try:
+        with pytest.raises(ServerStartError, match="not ready"):
+            server.start()
+    finally:
+        server.stop()
+    assert told and told[0] is not None, told  # told while the model loaded, before any readiness
+    assert not os.path.exists(told[0]), f"{told[0]} outlived the failed start"
+    assert server.python_env is None

@@ -74,7 +74,7 @@ class _NodeActor(NodeModels):
         self._gpu_count = local_gpu_count()
         # The reaper learns each Triton as it is launched, long before its models are loaded.
         self._server.on_launch = self._reaper.watch_triton
-        self._server.on_ready = self._reaper.watch_python_env  # the Python backend's directory
+        self._server.on_python_env = self._reaper.watch_python_env  # the Python backend's directory
         try:
             self._server.start()  # sweeps segments of a previous incarnation first
         except BaseException:

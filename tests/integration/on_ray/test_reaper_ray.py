@@ -1,4 +1,5 @@
-"""The node actor's reaper covers Triton from its launch: an actor killed while models load leaves nothing."""
+"""The node actor's reaper covers Triton from its launch: an actor killed while models load leaves nothing
+(no process, no Python-backend directory)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from ray_triton_shm._private.triton.process import python_env_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -104,6 +107,7 @@ def test_an_actor_killed_while_its_models_load_leaves_no_triton_behind(ray_local
     server = ServerConfig(
         model_repository=repository, load_models=("slow_load",), startup_timeout_s=LOAD_S * 2
     )
+    before = python_env_dirs()
     actor = TritonNodeActor.options(max_restarts=0).remote(NodeConfig(server=server, idle_shutdown_s=None))
     leader = 0
     try:
@@ -112,6 +116,12 @@ def test_an_actor_killed_while_its_models_load_leaves_no_triton_behind(ray_local
         assert leaders, "Triton did not start"
         leader = leaders[0]
         assert _wait(lambda: _stubs(leader), 60), "the model's backend stub did not start"
+        # Its backend made its directory before the stub started; launches take turns until theirs
+        # appear, so one new directory is this server's (two: another test's too, not judged).
+        made = python_env_dirs() - before
+        assert made, "the Python backend made no directory"
+        ours = made.pop() if len(made) == 1 else None
+        time.sleep(0.5)  # the starting actor looks for it every 0.1 s or so, then tells its reaper
         fields = _stat(leader)
         assert fields is not None
         actor_pid = int(fields[1])  # the actor launched it
@@ -119,6 +129,8 @@ def test_an_actor_killed_while_its_models_load_leaves_no_triton_behind(ray_local
         # The reaper acts within a second or so of the actor's death.
         left = _wait(lambda: not _group(leader), 8) or _group(leader)
         assert left is True, f"Triton's processes {left} outlived the actor killed while its models loaded"
+        if ours is not None:  # the actor told its reaper as soon as the backend made it
+            assert _wait(lambda: not os.path.exists(ours), 8), f"{ours} outlived the actor"
     finally:
         for pid in _group(leader) if leader else []:
             os.kill(pid, signal.SIGKILL)
