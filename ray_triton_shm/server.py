@@ -364,7 +364,9 @@ class TritonServer(ServerLaunch):
                     f"tritonserver was not ready within {self.config.startup_timeout_s:g} s",
                     self.log_tail(60),
                 )
-            time.sleep(0.1)
+            # More often while the backend's directory is looked for: an owner killed before the
+            # look leaves it unknown.
+            time.sleep(0.02 if turn is not None and turn.held else 0.1)
 
     def _tell_python_env(self) -> None:
         if self.on_python_env is not None:

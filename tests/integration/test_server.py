@@ -18,6 +18,7 @@ import pytest
 
 from ray_triton_shm import ServerConfig, ServerNotFoundError, ServerStartError, TritonServer
 from ray_triton_shm._private.shm import segment, sweep
+from ray_triton_shm._private.triton.process import remove_python_env
 from ray_triton_shm.server import find_tritonserver
 from tests.helpers import wait_for
 
@@ -332,7 +333,7 @@ from ray_triton_shm import ServerConfig, TritonServer
 
 server = TritonServer(ServerConfig(model_repository=sys.argv[1], load_models=("add_sub",)))
 server.start()
-print(server.pid, flush=True)
+print(server.pid, server.python_env or "", flush=True)
 time.sleep(300)
 """
 
@@ -349,7 +350,8 @@ def test_server_dies_with_parent_and_leftovers_are_swept(tmp_path: Path, empty_r
     try:
         ready, _, _ = select.select([child.stdout], [], [], 90)
         assert ready, "the child did not start a server in time"
-        server_pid = int(child.stdout.readline())
+        pid, _, python_env = child.stdout.readline().strip().partition(" ")
+        server_pid = int(pid)
         assert _running(server_pid) and _parent_pid(server_pid) == child.pid
         prefix = _backend_prefix(server_pid)
         assert prefix.startswith(f"{segment.SEGMENT_PREFIX}_{child.pid}_")
@@ -360,6 +362,11 @@ def test_server_dies_with_parent_and_leftovers_are_swept(tmp_path: Path, empty_r
         child.stdout.close()
     assert wait_for(lambda: not _running(server_pid), 15), "tritonserver outlived its parent"
     assert wait_for(lambda: not _pids_mentioning(prefix), 15), "Python-backend stubs outlived the server"
+    # A TritonServer has no reaper of its own (the node actor's has): its backend's directory
+    # outlives an owner killed outright, and is the test's to remove.
+    if python_env:
+        assert os.path.isdir(python_env), python_env
+        remove_python_env(python_env)
 
     # Whatever the killed parent left is stale now; plant leftovers of it so there surely are some.
     def plant(name: str) -> str:
