@@ -54,8 +54,6 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     DEFAULT_FRAME,
     MAX_WINDOW,
     NO_ERROR,
-    PING,
-    WINDOW_UPDATE,
     Budget,
     CallError,
     H2Limits,
@@ -69,8 +67,6 @@ logger = logging.getLogger(__name__)
 
 _IDLE_CHECK_S = 0.5  # while calls run, how often the reader looks whether the connection went idle
 _EXPIRY_CHECKS_PER_TICK = 4  # how often, between frames, slow messages are looked for
-_CONTROL_KINDS = (WINDOW_UPDATE, PING)  # read ahead of a call that may then run in the reader's thread
-_INLINE_CONTROL_FRAMES = 4  # the most of them taken so
 
 
 class H2Connection(FrameReceiver):
@@ -230,8 +226,6 @@ class H2Connection(FrameReceiver):
             return not self._streams and not self._tail
 
     def _dispatch(self, stream: Stream) -> None:
-        if stream.ended:
-            self._take_control_frames()
         stream.dispatched = True
         if stream.ended and self._may_run_inline(stream):
             # The connection's only call, and nothing more to read: run it here, sparing
@@ -243,21 +237,6 @@ class H2Connection(FrameReceiver):
                 self._inline = False
             return
         (self._held_pool if stream.holds_slot() else self._pool).submit(self._run, stream)
-
-    def _take_control_frames(self) -> None:
-        """In the reader's thread, handle the connection's own frames that have arrived (the window
-        updates and PINGs gRPC clients send after each answer), so that a call with nothing else
-        to read may still run in this thread."""
-        if self._inline or threading.current_thread() is not self._reader_thread:
-            return
-        for _ in range(_INLINE_CONTROL_FRAMES):
-            kind = self._reader.buffered_frame()
-            if kind is None:  # not a whole frame read yet: take what the socket holds now
-                self._reader.read_ready()
-                kind = self._reader.buffered_frame()
-            if kind not in _CONTROL_KINDS:
-                return
-            self._frame()
 
     def _may_run_inline(self, stream: Stream) -> bool:
         if self._inline or threading.current_thread() is not self._reader_thread:

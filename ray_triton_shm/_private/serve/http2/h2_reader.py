@@ -156,30 +156,6 @@ class FrameReader:
         """Bytes read from the socket and not yet taken."""
         return self._end - self._start
 
-    def read_ready(self) -> None:
-        """Read into the buffer what the socket holds now, without waiting for more."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        if self._end == len(self._buf):
-            return
-        try:
-            got = self._sock.recv_into(self._view[self._end :], 0, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return
-        if got:
-            self._end += got
-            self.last_read = time.monotonic()
-
-    def buffered_frame(self) -> int | None:
-        """The type of the next frame when the whole of it is in the buffer, else ``None``."""
-        have = self._end - self._start
-        if have < 9:
-            return None
-        head = self._view[self._start : self._start + 4]
-        if have < 9 + ((head[0] << 16) | (head[1] << 8) | head[2]):
-            return None
-        return head[3]
-
     def skip(self, n: int) -> None:
         while n:
             take = min(n, len(self._buf))
