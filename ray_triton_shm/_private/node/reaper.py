@@ -264,7 +264,7 @@ class Reaper:
         """
         with self._lock:
             self._triton = (pid or 0, marker if pid else "")
-            self._python_env = ""  # a new Triton's is told once it is ready
+            self._python_env = ""  # a new Triton's is told once its backend makes it
             self._send_locked()
 
     def watch_python_env(self, path: str | None) -> None:

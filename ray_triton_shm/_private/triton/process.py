@@ -238,8 +238,7 @@ class PythonEnvTurn:
         once it has, or once ``hold_s`` has passed."""
         if self._fd is None:
             return
-        if self.path is None:
-            self.path = own_python_env(pid, self._before)
+        self.path = own_python_env(pid, self._before)  # held: not found yet
         if self.path is not None or time.monotonic() > self._until:
             self.close()
 
