@@ -1,4 +1,4 @@
-"""What a gRPC call of 1 MB costs the servers, four ways, with one caller (``h2load``) in one run.
+"""What a gRPC call of 1 MB costs the servers, six ways, with one kind of caller in one run.
 
 The paths, taking turns each round:
 
@@ -9,20 +9,30 @@ The paths, taking turns each round:
   no headers (every stream is taken as ``ModelInfer``), keeps no limits and is no server to
   ship: it measures the floor of that work. It uses a Triton of its own (the same native
   models).
-* ``prototype-triton``: that Triton's own gRPC endpoint.
+* ``prototype-nghttp2``: ``proto_nghttp2`` (``proto_nghttp2.c``), the same work with nghttp2
+  keeping the HTTP/2 side (frames, HPACK both ways, flow control, SETTINGS and PING): each
+  DATA payload copied from the read buffer into the slot, the answer's bytes sent from the
+  slot, every frame of a send round in one ``writev``.
+* ``prototype-nghttp2-zc``: the same, the DATA payloads that reach past the read buffer read
+  from the socket straight into the slot.
+* ``prototype-triton``: the prototypes' Triton's own gRPC endpoint.
 * ``frontdoor``: the front door's gRPC port of a Serve app (2 replicas, native server).
 * ``triton``: the app's node Triton's own gRPC endpoint.
 
-Each run is ``h2load -c CONNS -m STREAMS -n CALLS`` posting one ``ModelInfer`` message (an
-``identity`` request of 262,144 FP32) with windows of 1 GiB; ``h2load`` (nghttp2) sends
-DATA frames of 16 KB, as Go and Java clients do. Every path's answers are first checked
+The callers (``--caller``): ``h2load -c CONNS -m STREAMS -n CALLS`` posting one ``ModelInfer``
+message (an ``identity`` request of 262,144 FP32) with windows of 1 GiB (``h2load``, of
+nghttp2, sends DATA frames of 16 KB, as Go and Java clients do), or ``CONNS`` tritonclient
+(grpcio) processes calling one at a time (grpc-core sends frames as large as the server
+allows, and its own WINDOW_UPDATE and PING frames). Every path's answers are first checked
 with ``tritonclient``. Server CPU per call: ``utime + stime`` from ``/proc`` of the path's
-processes (the prototype and its Triton; the replicas, the node actor and the node's
+processes (a prototype and its Triton; the replicas, the node actor and the node's
 Triton; Triton alone) around the run, over the calls it made.
 
-Needs ``make native`` and Debian's ``nghttp2-client``. Run from the repository root::
+Needs ``make native``, Debian's ``nghttp2-client`` and ``libnghttp2-dev`` (nghttp2's headers).
+Run from the repository root::
 
     .venv/bin/python tools/grpc_c_floor/measure.py --rounds 4 --calls 3000
+    .venv/bin/python tools/grpc_c_floor/measure.py --caller grpcio --rounds 4 --calls 2000
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -99,11 +110,43 @@ def h2load(port: int, data: Path, args: argparse.Namespace) -> tuple[int, float,
     return ok, wall, caller, summary
 
 
-def build_prototype() -> Path:
-    binary = HERE / "proto_h2"
-    source = HERE / "proto_h2.c"
+_GRPCIO_CALLER = """
+import sys, numpy as np, tritonclient.grpc as g
+port, model, calls = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+x = np.random.default_rng(2).random((1, {elements}), dtype=np.float32)
+t = g.InferInput("INPUT0", list(x.shape), "FP32")
+t.set_data_from_numpy(x)
+with g.InferenceServerClient(f"127.0.0.1:{{port}}") as client:
+    ok = sum(client.infer(model, [t]).as_numpy("OUTPUT0") is not None for _ in range(calls))
+print(ok)
+"""
+
+
+def grpcio(port: int, model: str, args: argparse.Namespace) -> tuple[int, float, float, str]:
+    """As :func:`h2load`, with ``args.conns`` tritonclient (grpcio) processes calling one at a time.
+
+    grpc-core sends a message in DATA frames as large as the server allows, where h2load sends
+    16 KB frames.
+    """
+    code = _GRPCIO_CALLER.format(elements=ELEMENTS)
+    each = args.calls // args.conns
+    command = [sys.executable, "-c", code, str(port), model, str(each)]
+    before = os.times()
+    started = time.monotonic()
+    callers = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(args.conns)]
+    ok = sum(int(p.communicate()[0].strip() or 0) for p in callers)
+    wall = time.monotonic() - started
+    after = os.times()
+    caller = after.children_user + after.children_system - before.children_user - before.children_system
+    return ok, wall, caller, f"{args.conns} tritonclient.grpc callers, {ok} calls"
+
+
+def build_prototype(name: str, libraries: tuple[str, ...] = ()) -> Path:
+    binary = HERE / name
+    source = HERE / f"{name}.c"
     if not binary.exists() or binary.stat().st_mtime < source.stat().st_mtime:
-        subprocess.run(["cc", "-O2", "-Wall", "-o", str(binary), str(source), "-lpthread"], check=True)
+        command = ["cc", "-O2", "-Wall", "-o", str(binary), str(source), *libraries, "-lpthread"]
+        subprocess.run(command, check=True)
     return binary
 
 
@@ -113,8 +156,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--conns", type=int, default=1)
     parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument(
+        "--caller",
+        choices=("h2load", "grpcio"),
+        default="h2load",
+        help="h2load (16 KB DATA frames) or tritonclient.grpc processes, one per connection",
+    )
     args = parser.parse_args()
-    binary = build_prototype()
+    binaries = (build_prototype("proto_h2"), build_prototype("proto_nghttp2", ("-lnghttp2",)))
     work = Path(tempfile.mkdtemp(prefix="grpc-c-floor-"))
     app = _Setup("plain", ("native",), 4 << 20, 2, work)
     app.start()
@@ -125,14 +174,14 @@ def main() -> None:
         time.sleep(3)
         replicas, node_triton = listening_pids(fd_http), listening_pids(node_grpc)
         with TritonServer(ServerConfig(model_repository="deployments/native_models")) as server:
-            run_paths(args, binary, server, work, fd_grpc, node_grpc, replicas, node_triton)
+            run_paths(args, binaries, server, work, fd_grpc, node_grpc, replicas, node_triton)
     finally:
         app.stop()
 
 
 def run_paths(
     args: argparse.Namespace,
-    binary: Path,
+    binaries: tuple[Path, Path],
     server: TritonServer,
     work: Path,
     fd_grpc: int,
@@ -145,7 +194,7 @@ def run_paths(
     key = f"/grpc_c_floor_{os.getpid()}"
     control = grpcclient.InferenceServerClient(server.grpc_url)
     files = []
-    proto = None
+    protos: list[subprocess.Popen] = []
     try:
         for k in range(SLOTS):
             for kind in ("in", "out"):
@@ -157,26 +206,38 @@ def run_paths(
                 control.register_system_shared_memory(
                     f"p_{kind}_{k}", name, SLOT_BYTES, headers=server.shm_api_headers
                 )
-        (port,) = free_ports("127.0.0.1", 1)
-        command = [str(binary), str(port), str(triton_http), key, "p", str(SLOTS), str(SLOT_BYTES)]
-        proto = subprocess.Popen(command)
+        runs = [(binaries[0], ()), (binaries[1], ()), (binaries[1], ("zero-copy",))]
+        ports = free_ports("127.0.0.1", len(runs))
+        for (binary, extra), port in zip(runs, ports):
+            slots = [key, "p", str(SLOTS), str(SLOT_BYTES)]
+            command = [str(binary), str(port), str(triton_http), *slots, *extra]
+            protos.append(subprocess.Popen(command))
         time.sleep(0.5)
         native, ours = work / "native.bin", work / "ours.bin"
         native.write_bytes(grpc_message("identity"))
         ours.write_bytes(grpc_message("identity_native"))
         paths = [
-            ("prototype", port, native, "identity", [proto.pid, server.pid]),
+            ("prototype", ports[0], native, "identity", [protos[0].pid, server.pid]),
+            ("prototype-nghttp2", ports[1], native, "identity", [protos[1].pid, server.pid]),
+            ("prototype-nghttp2-zc", ports[2], native, "identity", [protos[2].pid, server.pid]),
             ("prototype-triton", triton_grpc, native, "identity", [server.pid]),
             ("frontdoor", fd_grpc, ours, "identity_native", [*replicas, *node_triton]),
             ("triton", node_grpc, ours, "identity_native", node_triton),
         ]
         for _, p, _, model, _ in paths:
             check_answers(p, model)
-        print(f"h2load -c {args.conns} -m {args.streams} -n {args.calls}, 1 MiB ModelInfer; answers checked")
+        if args.caller == "h2load":
+            callers = f"h2load -c {args.conns} -m {args.streams} -n {args.calls}"
+        else:
+            callers = f"{args.conns} tritonclient.grpc callers, {args.calls} calls"
+        print(f"{callers}, 1 MiB ModelInfer; answers checked")
         for r in range(args.rounds):
-            for name, p, data, _, pids in paths[r % 4 :] + paths[: r % 4]:
+            for name, p, data, model, pids in paths[r % len(paths) :] + paths[: r % len(paths)]:
                 before = sum(cpu_s(pid) for pid in pids)
-                ok, wall, caller, summary = h2load(p, data, args)
+                if args.caller == "h2load":
+                    ok, wall, caller, summary = h2load(p, data, args)
+                else:
+                    ok, wall, caller, summary = grpcio(p, model, args)
                 server_s = sum(cpu_s(pid) for pid in pids) - before
                 per = 1000 / max(ok, 1)
                 print(
@@ -185,7 +246,7 @@ def run_paths(
                     flush=True,
                 )
     finally:
-        if proto is not None:
+        for proto in protos:
             proto.terminate()
             proto.wait()
         control.unregister_system_shared_memory(headers=server.shm_api_headers)
