@@ -144,7 +144,8 @@ def grpcio(port: int, model: str, args: argparse.Namespace) -> tuple[int, float,
 def build_prototype(name: str, libraries: tuple[str, ...] = ()) -> Path:
     binary = HERE / name
     source = HERE / f"{name}.c"
-    if not binary.exists() or binary.stat().st_mtime < source.stat().st_mtime:
+    newest = max(source.stat().st_mtime, (HERE / "proto_common.h").stat().st_mtime)
+    if not binary.exists() or binary.stat().st_mtime < newest:
         command = ["cc", "-O2", "-Wall", "-o", str(binary), str(source), *libraries, "-lpthread"]
         subprocess.run(command, check=True)
     return binary

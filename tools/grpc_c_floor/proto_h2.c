@@ -11,62 +11,16 @@
  * REGION_PREFIX_out_k.
  */
 #define _GNU_SOURCE
-#include <arpa/inet.h>
-#include <errno.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <pthread.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/uio.h>
-#include <unistd.h>
+#include "proto_common.h"
 
 #define MAX_STREAMS 64
-#define HEAD_MAX 4096
 #define BUF_SIZE 65536
-
-static unsigned char *shm_base;
-static size_t slot_bytes;
-static int nslots;
-static int triton_port;
-static const char *prefix;
-static pthread_mutex_t slot_mu = PTHREAD_MUTEX_INITIALIZER;
-static int *slot_busy;
-
-static int lease_slot(void) {
-    pthread_mutex_lock(&slot_mu);
-    for (int k = 0; k < nslots; k++)
-        if (!slot_busy[k]) {
-            slot_busy[k] = 1;
-            pthread_mutex_unlock(&slot_mu);
-            return k;
-        }
-    pthread_mutex_unlock(&slot_mu);
-    return -1;
-}
-
-static void release_slot(int k) {
-    pthread_mutex_lock(&slot_mu);
-    slot_busy[k] = 0;
-    pthread_mutex_unlock(&slot_mu);
-}
 
 struct stream {
     uint32_t id;
-    int used, slot, ended, in_head;
+    int used, ended, in_head;
     int64_t send_window;
-    unsigned char head[HEAD_MAX];
-    size_t head_len, raw_start, raw_len, raw_got;
-    char model[128], name[64], dtype[16];
-    int64_t shape[8];
-    int ndim;
+    struct request r;
 };
 
 struct conn {
@@ -80,11 +34,6 @@ struct conn {
     uint32_t ready[MAX_STREAMS];
     int nready;
 };
-
-static void die(const char *what) {
-    perror(what);
-    exit(1);
-}
 
 static int fill(struct conn *c, size_t want) {
     if (c->start) {
@@ -123,26 +72,6 @@ static int take(struct conn *c, unsigned char *dst, size_t n) {
     return 0;
 }
 
-static int send_all(int fd, struct iovec *iov, int n) {
-    while (n) {
-        ssize_t w = writev(fd, iov, n > 1024 ? 1024 : n);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        while (n && (size_t)w >= iov->iov_len) {
-            w -= (ssize_t)iov->iov_len;
-            iov++;
-            n--;
-        }
-        if (n) {
-            iov->iov_base = (char *)iov->iov_base + w;
-            iov->iov_len -= (size_t)w;
-        }
-    }
-    return 0;
-}
-
 static void frame_head(unsigned char *h, uint32_t len, int type, int flags, uint32_t sid) {
     h[0] = len >> 16; h[1] = len >> 8; h[2] = len;
     h[3] = type; h[4] = flags;
@@ -162,72 +91,27 @@ static struct stream *find(struct conn *c, uint32_t id) {
     return NULL;
 }
 
-static int varint(const unsigned char *p, size_t n, size_t *at, uint64_t *v) {
-    uint64_t r = 0;
-    for (int s = 0; s < 64 && *at < n; s += 7) {
-        unsigned char b = p[(*at)++];
-        r |= (uint64_t)(b & 0x7f) << s;
-        if (!(b & 0x80)) { *v = r; return 0; }
-    }
-    return -1;
-}
-
-static void parse_input(struct stream *s, const unsigned char *p, size_t n) {
-    size_t at = 0;
-    while (at < n) {
-        uint64_t tag, len;
-        if (varint(p, n, &at, &tag)) return;
-        int field = (int)(tag >> 3), wt = (int)(tag & 7);
-        if (wt == 0) { uint64_t v; varint(p, n, &at, &v); if (field == 3 && s->ndim < 8) s->shape[s->ndim++] = (int64_t)v; continue; }
-        if (wt != 2 || varint(p, n, &at, &len) || at + len > n) return;
-        if (field == 1 && len < sizeof s->name) { memcpy(s->name, p + at, len); s->name[len] = 0; }
-        if (field == 2 && len < sizeof s->dtype) { memcpy(s->dtype, p + at, len); s->dtype[len] = 0; }
-        if (field == 3) { size_t e = at + len, q = at; uint64_t v; while (q < e && s->ndim < 8 && !varint(p, e, &q, &v)) s->shape[s->ndim++] = (int64_t)v; }
-        at += len;
-    }
-}
-
 /* Parse the message head (after the 5-byte prefix): 1 when the raw contents start is found. */
-static int parse_head(struct stream *s) {
-    if (s->head_len < 5) return 0;
-    const unsigned char *p = s->head + 5;
-    size_t n = s->head_len - 5, at = 0;
-    s->ndim = 0;
-    while (at < n) {
-        uint64_t tag, len;
-        if (varint(p, n, &at, &tag)) return 0;
-        int field = (int)(tag >> 3), wt = (int)(tag & 7);
-        if (wt == 0) { uint64_t v; if (varint(p, n, &at, &v)) return 0; continue; }
-        if (wt != 2 || varint(p, n, &at, &len)) return 0;
-        if (field == 7) { s->raw_start = 5 + at; s->raw_len = len; return 1; }
-        if (at + len > n) return 0;
-        if (field == 1 && len < sizeof s->model) { memcpy(s->model, p + at, len); s->model[len] = 0; }
-        if (field == 5) parse_input(s, p + at, len);
-        at += len;
-    }
-    return 0;
-}
-
 static int on_data(struct conn *c, struct stream *s, size_t len) {
     while (len) {
         if (s->in_head) {
-            size_t room = HEAD_MAX - s->head_len, k = len < room ? len : room;
+            size_t room = HEAD_MAX - s->r.head_len, k = len < room ? len : room;
             if (!k) return -1;
-            if (take(c, s->head + s->head_len, k)) return -1;
-            s->head_len += k;
+            if (take(c, s->r.head + s->r.head_len, k)) return -1;
+            s->r.head_len += k;
             len -= k;
-            if (parse_head(s)) {
+            if (parse_head(&s->r)) {
                 s->in_head = 0;
-                size_t extra = s->head_len - s->raw_start;
-                if (extra > s->raw_len || s->raw_len > slot_bytes) return -1;
-                memcpy(shm_base + (size_t)(2 * s->slot) * slot_bytes, s->head + s->raw_start, extra);
-                s->raw_got = extra;
+                size_t extra = s->r.head_len - s->r.raw_start;
+                if (extra > s->r.raw_len || s->r.raw_len > slot_bytes) return -1;
+                memcpy(input_of(&s->r), s->r.head + s->r.raw_start, extra);
+                s->r.raw_got = extra;
             }
         } else {
-            size_t want = s->raw_len - s->raw_got;
+            size_t want = s->r.raw_len - s->r.raw_got;
             if (len > want) return -1; /* only one raw input in this prototype */
-            if (take(c, shm_base + (size_t)(2 * s->slot) * slot_bytes + s->raw_got, len)) return -1;
-            s->raw_got += len;
+            if (take(c, input_of(&s->r) + s->r.raw_got, len)) return -1;
+            s->r.raw_got += len;
             len = 0;
         }
     }
@@ -262,16 +146,16 @@ static int frame(struct conn *c) {
         struct stream *s = NULL;
         for (int i = 0; i < MAX_STREAMS; i++) if (!c->streams[i].used) { s = &c->streams[i]; break; }
         if (!s) return -1;
-        memset(s, 0, offsetof(struct stream, head));
-        s->used = 1; s->id = sid; s->in_head = 1; s->head_len = 0; s->send_window = c->peer_initial;
-        s->slot = lease_slot();
-        if (s->slot < 0) return -1;
+        memset(s, 0, offsetof(struct stream, r) + offsetof(struct request, head));
+        s->used = 1; s->id = sid; s->in_head = 1; s->r.head_len = 0; s->send_window = c->peer_initial;
+        s->r.slot = lease_slot();
+        if (s->r.slot < 0) return -1;
         return 0;
     }
     case 3: { /* RST_STREAM */
         if (take(c, small, 4)) return -1;
         struct stream *s = find(c, sid);
-        if (s && !s->ended) { release_slot(s->slot); s->used = 0; }
+        if (s && !s->ended) { release_slot(s->r.slot); s->used = 0; }
         return 0;
     }
     case 4: { /* SETTINGS */
@@ -305,90 +189,22 @@ static int frame(struct conn *c) {
     }
 }
 
-static size_t put_varint(unsigned char *p, uint64_t v) {
-    size_t n = 0;
-    while (v >= 0x80) { p[n++] = (unsigned char)(v | 0x80); v >>= 7; }
-    p[n++] = (unsigned char)v;
-    return n;
-}
-
-static size_t put_bytes(unsigned char *p, int field, const void *b, size_t len) {
-    size_t n = put_varint(p, (uint64_t)field << 3 | 2);
-    n += put_varint(p + n, len);
-    memcpy(p + n, b, len);
-    return n + len;
-}
-
-static int triton_connect(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(triton_port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, (struct sockaddr *)&a, sizeof a)) die("connect triton");
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    return fd;
-}
-
 /* The shared-memory request to Triton; 0 on a 200. */
-static int triton_call(struct conn *c, struct stream *s, size_t nbytes) {
-    char body[1024], shape[256], req[1536];
-    size_t sl = 0;
-    for (int i = 0; i < s->ndim; i++) sl += (size_t)snprintf(shape + sl, sizeof shape - sl, "%s%lld", i ? "," : "", (long long)s->shape[i]);
-    int bl = snprintf(body, sizeof body,
-        "{\"inputs\":[{\"name\":\"%s\",\"shape\":[%s],\"datatype\":\"%s\",\"parameters\":{\"shared_memory_region\":\"%s_in_%d\",\"shared_memory_byte_size\":%zu}}],"
-        "\"outputs\":[{\"name\":\"OUTPUT0\",\"parameters\":{\"shared_memory_region\":\"%s_out_%d\",\"shared_memory_byte_size\":%zu}}]}",
-        s->name, shape, s->dtype, prefix, s->slot, nbytes, prefix, s->slot, slot_bytes);
-    int rl = snprintf(req, sizeof req, "POST /v2/models/%s/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", s->model, bl, body);
-    if (send(c->triton, req, (size_t)rl, 0) != rl) return -1;
-    char ans[8192];
-    size_t got = 0;
-    char *end = NULL;
-    while (!end) {
-        ssize_t n = recv(c->triton, ans + got, sizeof ans - 1 - got, 0);
-        if (n <= 0) return -1;
-        got += (size_t)n;
-        ans[got] = 0;
-        end = strstr(ans, "\r\n\r\n");
-    }
-    char *cl = strcasestr(ans, "content-length:");
-    size_t length = cl ? strtoul(cl + 15, NULL, 10) : 0;
-    size_t have = got - (size_t)(end + 4 - ans);
-    while (have < length) {
-        ssize_t n = recv(c->triton, ans, sizeof ans, 0);
-        if (n <= 0) return -1;
-        have += (size_t)n;
-    }
-    return strncmp(ans, "HTTP/1.1 200", 12) ? -1 : 0;
-}
-
 static const unsigned char RESPONSE_BLOCK[] = {
     0x88, 0x0f, 0x10, 16, 'a', 'p', 'p', 'l', 'i', 'c', 'a', 't', 'i', 'o', 'n', '/', 'g', 'r', 'p', 'c'};
 static const unsigned char OK_BLOCK[] = {0x00, 11, 'g', 'r', 'p', 'c', '-', 's', 't', 'a', 't', 'u', 's', 1, '0'};
 
 static int answer(struct conn *c, struct stream *s) {
-    size_t nbytes = s->raw_len;
-    int failed = triton_call(c, s, nbytes);
+    size_t nbytes = s->r.raw_len;
+    int failed = triton_call(c->triton, &s->r);
     if (send_frame(c, 1, 0x4, s->id, RESPONSE_BLOCK, sizeof RESPONSE_BLOCK)) return -1;
     if (failed) {
         static const unsigned char ERR[] = {0x00, 11, 'g', 'r', 'p', 'c', '-', 's', 't', 'a', 't', 'u', 's', 2, '1', '3'};
         return send_frame(c, 1, 0x5, s->id, ERR, sizeof ERR);
     }
-    unsigned char out[512], pb[1024];
-    size_t on = put_bytes(out, 1, "OUTPUT0", 7);
-    on += put_bytes(out + on, 2, s->dtype, strlen(s->dtype));
-    unsigned char packed[96];
-    size_t pn = 0;
-    for (int i = 0; i < s->ndim; i++) pn += put_varint(packed + pn, (uint64_t)s->shape[i]);
-    on += put_bytes(out + on, 3, packed, pn);
-    size_t n = 5;
-    n += put_bytes(pb + n, 1, s->model, strlen(s->model));
-    n += put_bytes(pb + n, 2, "1", 1);
-    n += put_bytes(pb + n, 5, out, on);
-    n += put_varint(pb + n, 6 << 3 | 2);
-    n += put_varint(pb + n, nbytes);
-    size_t total = n - 5 + nbytes;
-    pb[0] = 0; pb[1] = total >> 24; pb[2] = total >> 16; pb[3] = total >> 8; pb[4] = total;
-    const unsigned char *data = shm_base + (size_t)(2 * s->slot + 1) * slot_bytes;
+    unsigned char pb[1024];
+    size_t n = answer_head(&s->r, pb);
+    const unsigned char *data = output_of(&s->r);
     size_t sent = 0, all = n + nbytes; /* bytes of pb then data */
     struct iovec iov[200];
     unsigned char heads[64][9];
@@ -432,13 +248,13 @@ static void *serve(void *arg) {
             struct stream *s = find(c, sid);
             if (!s) continue;
             int bad = answer(c, s);
-            release_slot(s->slot);
+            release_slot(s->r.slot);
             s->used = 0;
             if (bad) goto out;
         }
     }
 out:
-    for (int i = 0; i < MAX_STREAMS; i++) if (c->streams[i].used) release_slot(c->streams[i].slot);
+    for (int i = 0; i < MAX_STREAMS; i++) if (c->streams[i].used) release_slot(c->streams[i].r.slot);
     close(c->triton);
     close(c->fd);
     free(c);
@@ -447,36 +263,6 @@ out:
 
 int main(int argc, char **argv) {
     if (argc != 7) { fprintf(stderr, "usage: proto_h2 PORT TRITON_HTTP_PORT SHM_NAME PREFIX SLOTS SLOT_BYTES\n"); return 2; }
-    int port = atoi(argv[1]);
-    triton_port = atoi(argv[2]);
-    prefix = argv[4];
-    nslots = atoi(argv[5]);
-    slot_bytes = strtoull(argv[6], NULL, 10);
-    slot_busy = calloc((size_t)nslots, sizeof(int));
-    /* one shm object per region, "<SHM_NAME>_in_k" and "<SHM_NAME>_out_k", mapped side by side */
-    shm_base = mmap(NULL, 2 * (size_t)nslots * slot_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (shm_base == MAP_FAILED) die("mmap");
-    for (int k = 0; k < 2 * nslots; k++) {
-        char nm[256];
-        snprintf(nm, sizeof nm, "%s_%s_%d", argv[3], k % 2 ? "out" : "in", k / 2);
-        int shm = shm_open(nm, O_RDWR, 0);
-        if (shm < 0) die("shm_open");
-        if (mmap(shm_base + (size_t)k * slot_bytes, slot_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, shm, 0) == MAP_FAILED) die("mmap region");
-        close(shm);
-    }
-    int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
-    setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (bind(ls, (struct sockaddr *)&a, sizeof a) || listen(ls, 64)) die("listen");
-    fprintf(stderr, "proto_h2 listening on %d\n", port);
-    for (;;) {
-        int fd = accept(ls, NULL, NULL);
-        if (fd < 0) continue;
-        struct conn *c = calloc(1, sizeof *c);
-        c->fd = fd;
-        pthread_t t;
-        pthread_create(&t, NULL, serve, c);
-        pthread_detach(t);
-    }
+    serve_forever(argv, "proto_h2", serve, sizeof(struct conn));
+    return 0;
 }

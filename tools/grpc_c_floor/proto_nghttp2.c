@@ -15,61 +15,19 @@
  * usage: proto_nghttp2 PORT TRITON_HTTP_PORT SHM_KEY REGION_PREFIX SLOTS SLOT_BYTES [zero-copy]
  */
 #define _GNU_SOURCE
-#include <arpa/inet.h>
-#include <errno.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <nghttp2/nghttp2.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
-#include <unistd.h>
 
-#define HEAD_MAX 4096
+#include "proto_common.h"
+
 #define BUF_SIZE (256 * 1024)
 #define MAX_READY 256
 
-static unsigned char *shm_base;
-static size_t slot_bytes;
-static int nslots;
-static int triton_port;
-static const char *prefix;
 static int zero_copy;
-static pthread_mutex_t slot_mu = PTHREAD_MUTEX_INITIALIZER;
-static int *slot_busy;
-
-static int lease_slot(void) {
-    pthread_mutex_lock(&slot_mu);
-    for (int k = 0; k < nslots; k++)
-        if (!slot_busy[k]) {
-            slot_busy[k] = 1;
-            pthread_mutex_unlock(&slot_mu);
-            return k;
-        }
-    pthread_mutex_unlock(&slot_mu);
-    return -1;
-}
-
-static void release_slot(int k) {
-    pthread_mutex_lock(&slot_mu);
-    slot_busy[k] = 0;
-    pthread_mutex_unlock(&slot_mu);
-}
 
 struct stream {
     int32_t id;
-    int slot, in_head, failed;
-    unsigned char head[HEAD_MAX];
-    size_t head_len, raw_start, raw_len, raw_got;
-    char model[128], name[64], dtype[16];
-    int64_t shape[8];
-    int ndim;
+    int in_head, failed;
+    struct request r;
     /* the answer: its message head (prefix and protobuf fields) then the slot's output bytes */
     unsigned char pb[1024];
     size_t pb_len, sent, total;
@@ -98,84 +56,12 @@ struct conn {
     int nready;
 };
 
-static void die(const char *what) {
-    perror(what);
-    exit(1);
-}
-
-static int send_all(int fd, struct iovec *iov, int n) {
-    while (n) {
-        ssize_t w = writev(fd, iov, n);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        while (n && (size_t)w >= iov->iov_len) {
-            w -= (ssize_t)iov->iov_len;
-            iov++;
-            n--;
-        }
-        if (n) {
-            iov->iov_base = (char *)iov->iov_base + w;
-            iov->iov_len -= (size_t)w;
-        }
-    }
-    return 0;
-}
-
-static int varint(const unsigned char *p, size_t n, size_t *at, uint64_t *v) {
-    uint64_t r = 0;
-    for (int s = 0; s < 64 && *at < n; s += 7) {
-        unsigned char b = p[(*at)++];
-        r |= (uint64_t)(b & 0x7f) << s;
-        if (!(b & 0x80)) { *v = r; return 0; }
-    }
-    return -1;
-}
-
-static void parse_input(struct stream *s, const unsigned char *p, size_t n) {
-    size_t at = 0;
-    while (at < n) {
-        uint64_t tag, len;
-        if (varint(p, n, &at, &tag)) return;
-        int field = (int)(tag >> 3), wt = (int)(tag & 7);
-        if (wt == 0) { uint64_t v = 0; if (varint(p, n, &at, &v)) return; if (field == 3 && s->ndim < 8) s->shape[s->ndim++] = (int64_t)v; continue; }
-        if (wt != 2 || varint(p, n, &at, &len) || at + len > n) return;
-        if (field == 1 && len < sizeof s->name) { memcpy(s->name, p + at, len); s->name[len] = 0; }
-        if (field == 2 && len < sizeof s->dtype) { memcpy(s->dtype, p + at, len); s->dtype[len] = 0; }
-        if (field == 3) { size_t e = at + len, q = at; uint64_t v; while (q < e && s->ndim < 8 && !varint(p, e, &q, &v)) s->shape[s->ndim++] = (int64_t)v; }
-        at += len;
-    }
-}
-
 /* Parse the message head (after the 5-byte prefix): 1 when the raw contents' start is found. */
-static int parse_head(struct stream *s) {
-    if (s->head_len < 5) return 0;
-    const unsigned char *p = s->head + 5;
-    size_t n = s->head_len - 5, at = 0;
-    s->ndim = 0;
-    while (at < n) {
-        uint64_t tag, len;
-        if (varint(p, n, &at, &tag)) return 0;
-        int field = (int)(tag >> 3), wt = (int)(tag & 7);
-        if (wt == 0) { uint64_t v; if (varint(p, n, &at, &v)) return 0; continue; }
-        if (wt != 2 || varint(p, n, &at, &len)) return 0;
-        if (field == 7) { s->raw_start = 5 + at; s->raw_len = len; return 1; }
-        if (at + len > n) return 0;
-        if (field == 1 && len < sizeof s->model) { memcpy(s->model, p + at, len); s->model[len] = 0; }
-        if (field == 5) parse_input(s, p + at, len);
-        at += len;
-    }
-    return 0;
-}
-
-static unsigned char *input_of(struct stream *s) { return shm_base + (size_t)(2 * s->slot) * slot_bytes; }
-static unsigned char *output_of(struct stream *s) { return shm_base + (size_t)(2 * s->slot + 1) * slot_bytes; }
 
 /* ---- nghttp2 callbacks ---- */
 
 static void forget(struct stream *s) {
-    if (s->slot >= 0) release_slot(s->slot);
+    if (s->r.slot >= 0) release_slot(s->r.slot);
     free(s);
 }
 
@@ -218,7 +104,7 @@ static int on_send_data(nghttp2_session *session, nghttp2_frame *frame, const ui
         at += m;
         left -= m;
     }
-    if (left) c->out[c->nout++] = (struct iovec){output_of(s) + (at - s->pb_len), left};
+    if (left) c->out[c->nout++] = (struct iovec){output_of(&s->r) + (at - s->pb_len), left};
     s->sent += length;
     return 0;
 }
@@ -250,8 +136,8 @@ static int on_begin_headers(nghttp2_session *session, const nghttp2_frame *frame
     c->open[c->nopen++] = s;
     s->id = frame->hd.stream_id;
     s->in_head = 1;
-    s->slot = lease_slot();
-    if (s->slot < 0) s->failed = 1;
+    s->r.slot = lease_slot();
+    if (s->r.slot < 0) s->failed = 1;
     nghttp2_session_set_stream_user_data(session, s->id, s);
     return 0;
 }
@@ -275,24 +161,24 @@ static int on_data_chunk(nghttp2_session *session, uint8_t flags, int32_t stream
     if (!s || s->failed) return 0;
     while (len) {
         if (s->in_head) {
-            size_t room = HEAD_MAX - s->head_len, k = len < room ? len : room;
+            size_t room = HEAD_MAX - s->r.head_len, k = len < room ? len : room;
             if (!k) { s->failed = 1; return 0; }
-            memcpy(s->head + s->head_len, data, k);
-            s->head_len += k;
+            memcpy(s->r.head + s->r.head_len, data, k);
+            s->r.head_len += k;
             data += k;
             len -= k;
-            if (parse_head(s)) {
+            if (parse_head(&s->r)) {
                 s->in_head = 0;
-                size_t extra = s->head_len - s->raw_start;
-                if (extra > s->raw_len || s->raw_len > slot_bytes) { s->failed = 1; return 0; }
-                memcpy(input_of(s), s->head + s->raw_start, extra);
-                s->raw_got = extra;
+                size_t extra = s->r.head_len - s->r.raw_start;
+                if (extra > s->r.raw_len || s->r.raw_len > slot_bytes) { s->failed = 1; return 0; }
+                memcpy(input_of(&s->r), s->r.head + s->r.raw_start, extra);
+                s->r.raw_got = extra;
             }
         } else {
-            size_t want = s->raw_len - s->raw_got;
+            size_t want = s->r.raw_len - s->r.raw_got;
             if (len > want) { s->failed = 1; return 0; } /* only one raw input in this prototype */
-            if (data != input_of(s) + s->raw_got) memcpy(input_of(s) + s->raw_got, data, len);
-            s->raw_got += len;
+            if (data != input_of(&s->r) + s->r.raw_got) memcpy(input_of(&s->r) + s->r.raw_got, data, len);
+            s->r.raw_got += len;
             len = 0;
         }
     }
@@ -328,86 +214,17 @@ static int on_stream_close(nghttp2_session *session, int32_t stream_id, uint32_t
 
 /* ---- the call ---- */
 
-static size_t put_varint(unsigned char *p, uint64_t v) {
-    size_t n = 0;
-    while (v >= 0x80) { p[n++] = (unsigned char)(v | 0x80); v >>= 7; }
-    p[n++] = (unsigned char)v;
-    return n;
-}
-
-static size_t put_bytes(unsigned char *p, int field, const void *b, size_t len) {
-    size_t n = put_varint(p, (uint64_t)field << 3 | 2);
-    n += put_varint(p + n, len);
-    memcpy(p + n, b, len);
-    return n + len;
-}
-
-static int triton_connect(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(triton_port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, (struct sockaddr *)&a, sizeof a)) die("connect triton");
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    return fd;
-}
-
 /* The shared-memory request to Triton; 0 on a 200. */
-static int triton_call(struct conn *c, struct stream *s) {
-    char body[1024], shape[256], req[1536];
-    size_t sl = 0;
-    for (int i = 0; i < s->ndim; i++) sl += (size_t)snprintf(shape + sl, sizeof shape - sl, "%s%lld", i ? "," : "", (long long)s->shape[i]);
-    int bl = snprintf(body, sizeof body,
-        "{\"inputs\":[{\"name\":\"%s\",\"shape\":[%s],\"datatype\":\"%s\",\"parameters\":{\"shared_memory_region\":\"%s_in_%d\",\"shared_memory_byte_size\":%zu}}],"
-        "\"outputs\":[{\"name\":\"OUTPUT0\",\"parameters\":{\"shared_memory_region\":\"%s_out_%d\",\"shared_memory_byte_size\":%zu}}]}",
-        s->name, shape, s->dtype, prefix, s->slot, s->raw_len, prefix, s->slot, slot_bytes);
-    int rl = snprintf(req, sizeof req, "POST /v2/models/%s/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", s->model, bl, body);
-    if (send(c->triton, req, (size_t)rl, 0) != rl) return -1;
-    char ans[8192];
-    size_t got = 0;
-    char *end = NULL;
-    while (!end) {
-        ssize_t n = recv(c->triton, ans + got, sizeof ans - 1 - got, 0);
-        if (n <= 0) return -1;
-        got += (size_t)n;
-        ans[got] = 0;
-        end = strstr(ans, "\r\n\r\n");
-    }
-    char *cl = strcasestr(ans, "content-length:");
-    size_t length = cl ? strtoul(cl + 15, NULL, 10) : 0;
-    size_t have = got - (size_t)(end + 4 - ans);
-    while (have < length) {
-        ssize_t n = recv(c->triton, ans, sizeof ans, 0);
-        if (n <= 0) return -1;
-        have += (size_t)n;
-    }
-    return strncmp(ans, "HTTP/1.1 200", 12) ? -1 : 0;
-}
-
 static int answer(struct conn *c, struct stream *s) {
     static const nghttp2_nv head[] = {NV(":status", "200"), NV("content-type", "application/grpc")};
     static const nghttp2_nv failed[] = {NV("grpc-status", "13")};
-    if (s->failed || s->in_head || s->raw_got != s->raw_len || triton_call(c, s)) {
+    if (s->failed || s->in_head || s->r.raw_got != s->r.raw_len || triton_call(c->triton, &s->r)) {
         nghttp2_nv all[] = {head[0], head[1], failed[0]};
         return nghttp2_submit_headers(c->session, NGHTTP2_FLAG_END_STREAM, s->id, NULL, all, 3, NULL) < 0;
     }
-    unsigned char out[512];
-    size_t on = put_bytes(out, 1, "OUTPUT0", 7);
-    on += put_bytes(out + on, 2, s->dtype, strlen(s->dtype));
-    unsigned char packed[96];
-    size_t pn = 0;
-    for (int i = 0; i < s->ndim; i++) pn += put_varint(packed + pn, (uint64_t)s->shape[i]);
-    on += put_bytes(out + on, 3, packed, pn);
-    size_t n = 5;
-    n += put_bytes(s->pb + n, 1, s->model, strlen(s->model));
-    n += put_bytes(s->pb + n, 2, "1", 1);
-    n += put_bytes(s->pb + n, 5, out, on);
-    n += put_varint(s->pb + n, 6 << 3 | 2);
-    n += put_varint(s->pb + n, s->raw_len);
-    size_t message = n - 5 + s->raw_len;
-    s->pb[0] = 0; s->pb[1] = message >> 24; s->pb[2] = message >> 16; s->pb[3] = message >> 8; s->pb[4] = message;
+    size_t n = answer_head(&s->r, s->pb);
     s->pb_len = n;
-    s->total = n + s->raw_len;
+    s->total = n + s->r.raw_len;
     s->sent = 0;
     nghttp2_data_provider data = {.source.ptr = s, .read_callback = answer_read};
     return nghttp2_submit_response(c->session, s->id, head, 2, &data) != 0;
@@ -446,8 +263,8 @@ static int feed(struct conn *c, unsigned char *buf, size_t n, size_t *skip) {
         if (here && nghttp2_session_mem_recv(c->session, buf + at, here) < 0) return -1;
         at += here;
         size_t rest = len - here;
-        if (rest > s->raw_len - s->raw_got) { *skip = rest; continue; } /* not all for the slot */
-        unsigned char *dst = input_of(s) + s->raw_got;
+        if (rest > s->r.raw_len - s->r.raw_got) { *skip = rest; continue; } /* not all for the slot */
+        unsigned char *dst = input_of(&s->r) + s->r.raw_got;
         if (recv(c->fd, dst, rest, MSG_WAITALL) != (ssize_t)rest) return -1;
         if (nghttp2_session_mem_recv(c->session, dst, rest) < 0) return -1;
     }
@@ -511,35 +328,6 @@ out:
 int main(int argc, char **argv) {
     if (argc != 7 && argc != 8) { fprintf(stderr, "usage: proto_nghttp2 PORT TRITON_HTTP_PORT SHM_NAME PREFIX SLOTS SLOT_BYTES [zero-copy]\n"); return 2; }
     zero_copy = argc == 8 && !strcmp(argv[7], "zero-copy");
-    int port = atoi(argv[1]);
-    triton_port = atoi(argv[2]);
-    prefix = argv[4];
-    nslots = atoi(argv[5]);
-    slot_bytes = strtoull(argv[6], NULL, 10);
-    slot_busy = calloc((size_t)nslots, sizeof(int));
-    shm_base = mmap(NULL, 2 * (size_t)nslots * slot_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (shm_base == MAP_FAILED) die("mmap");
-    for (int k = 0; k < 2 * nslots; k++) {
-        char nm[256];
-        snprintf(nm, sizeof nm, "%s_%s_%d", argv[3], k % 2 ? "out" : "in", k / 2);
-        int shm = shm_open(nm, O_RDWR, 0);
-        if (shm < 0) die("shm_open");
-        if (mmap(shm_base + (size_t)k * slot_bytes, slot_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, shm, 0) == MAP_FAILED) die("mmap region");
-        close(shm);
-    }
-    int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
-    setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (bind(ls, (struct sockaddr *)&a, sizeof a) || listen(ls, 64)) die("listen");
-    fprintf(stderr, "proto_nghttp2 listening on %d\n", port);
-    for (;;) {
-        int fd = accept(ls, NULL, NULL);
-        if (fd < 0) continue;
-        struct conn *c = calloc(1, sizeof *c);
-        c->fd = fd;
-        pthread_t t;
-        pthread_create(&t, NULL, serve, c);
-        pthread_detach(t);
-    }
+    serve_forever(argv, "proto_nghttp2", serve, sizeof(struct conn));
+    return 0;
 }
