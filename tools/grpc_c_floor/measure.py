@@ -43,7 +43,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -54,6 +56,7 @@ from ray_triton_shm._private.bench.attacks.judge import listening_pids
 from ray_triton_shm._private.bench.frontdoor import _Setup
 from ray_triton_shm._private.triton.server_launch import free_ports
 
+T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 SLOTS, SLOT_BYTES = 16, 4 << 20
 ELEMENTS = 262_144  # 1 MiB of FP32
@@ -89,6 +92,20 @@ def check_answers(port: int, model: str) -> None:
                 raise SystemExit(f"a wrong answer on port {port}")
 
 
+def _in_children(run: Callable[[], T]) -> tuple[T, float, float]:
+    """``run()``'s result, its seconds, and the CPU seconds of the child processes it waited for."""
+    before = os.times()
+    started = time.monotonic()
+    result = run()
+    wall = time.monotonic() - started
+    after = os.times()
+    return (
+        result,
+        wall,
+        after.children_user + after.children_system - before.children_user - before.children_system,
+    )
+
+
 def h2load(port: int, data: Path, args: argparse.Namespace) -> tuple[int, float, float, str]:
     """(calls answered 2xx, seconds, h2load's own CPU seconds, its summary line) of one run."""
     command = [
@@ -98,12 +115,9 @@ def h2load(port: int, data: Path, args: argparse.Namespace) -> tuple[int, float,
         *("-H", "content-type: application/grpc", "-H", "te: trailers"),
         f"http://127.0.0.1:{port}/inference.GRPCInferenceService/ModelInfer",
     ]
-    before = os.times()
-    started = time.monotonic()
-    out = subprocess.run(command, capture_output=True, text=True, check=False).stdout
-    wall = time.monotonic() - started
-    after = os.times()
-    caller = after.children_user + after.children_system - before.children_user - before.children_system
+    out, wall, caller = _in_children(
+        lambda: subprocess.run(command, capture_output=True, text=True, check=False).stdout
+    )
     codes = next((line for line in out.splitlines() if line.startswith("status codes:")), "")
     ok = int(codes.split()[2]) if codes else 0
     summary = next((line for line in out.splitlines() if line.startswith("requests:")), out[-200:])
@@ -131,13 +145,12 @@ def grpcio(port: int, model: str, args: argparse.Namespace) -> tuple[int, float,
     code = _GRPCIO_CALLER.format(elements=ELEMENTS)
     each = args.calls // args.conns
     command = [sys.executable, "-c", code, str(port), model, str(each)]
-    before = os.times()
-    started = time.monotonic()
-    callers = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(args.conns)]
-    ok = sum(int(p.communicate()[0].strip() or 0) for p in callers)
-    wall = time.monotonic() - started
-    after = os.times()
-    caller = after.children_user + after.children_system - before.children_user - before.children_system
+
+    def run() -> int:
+        callers = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(args.conns)]
+        return sum(int(p.communicate()[0].strip() or 0) for p in callers)
+
+    ok, wall, caller = _in_children(run)
     return ok, wall, caller, f"{args.conns} tritonclient.grpc callers, {ok} calls"
 
 

@@ -91,7 +91,6 @@ static struct stream *find(struct conn *c, uint32_t id) {
     return NULL;
 }
 
-/* Parse the message head (after the 5-byte prefix): 1 when the raw contents start is found. */
 static int on_data(struct conn *c, struct stream *s, size_t len) {
     while (len) {
         if (s->in_head) {
@@ -189,7 +188,6 @@ static int frame(struct conn *c) {
     }
 }
 
-/* The shared-memory request to Triton; 0 on a 200. */
 static const unsigned char RESPONSE_BLOCK[] = {
     0x88, 0x0f, 0x10, 16, 'a', 'p', 'p', 'l', 'i', 'c', 'a', 't', 'i', 'o', 'n', '/', 'g', 'r', 'p', 'c'};
 static const unsigned char OK_BLOCK[] = {0x00, 11, 'g', 'r', 'p', 'c', '-', 's', 't', 'a', 't', 'u', 's', 1, '0'};

@@ -56,8 +56,6 @@ struct conn {
     int nready;
 };
 
-/* Parse the message head (after the 5-byte prefix): 1 when the raw contents' start is found. */
-
 /* ---- nghttp2 callbacks ---- */
 
 static void forget(struct stream *s) {
@@ -214,7 +212,6 @@ static int on_stream_close(nghttp2_session *session, int32_t stream_id, uint32_t
 
 /* ---- the call ---- */
 
-/* The shared-memory request to Triton; 0 on a 200. */
 static int answer(struct conn *c, struct stream *s) {
     static const nghttp2_nv head[] = {NV(":status", "200"), NV("content-type", "application/grpc")};
     static const nghttp2_nv failed[] = {NV("grpc-status", "13")};
