@@ -10,8 +10,17 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: bench-sharing native setup demo test test-slow unit integration cluster-test lint dist bench bench-quick bench-env bench-docs peers soak soak-faults cleanup clean
 
+# nghttp2's headers, for the gRPC engine in C (_h2_engine; installed as root with apt-get when
+# missing; elsewhere the package builds without it and its tests are skipped, saying why).
+BUILD_DEBS := libnghttp2-dev
+
 $(STAMP): pyproject.toml setup.py ray_triton_shm/_private/serve/protocol/_kserve_json.c \
-		ray_triton_shm/_private/serve/http2/_h2_data.c
+		ray_triton_shm/_private/serve/http2/_h2_data.c $(wildcard ray_triton_shm/_private/serve/http2/_h2_engine.* ray_triton_shm/_private/serve/http2/h2e_*.c)
+	@missing=""; for deb in $(BUILD_DEBS); do dpkg -s $$deb >/dev/null 2>&1 || missing="$$missing $$deb"; done; \
+	if [ -n "$$missing" ] && command -v dpkg >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else echo "make: without$$missing the gRPC engine nghttp2 is not built (apt-get install -y$$missing)" >&2; fi; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip 2>/dev/null || true
 	$(PIP) -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true

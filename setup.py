@@ -9,7 +9,10 @@ a source checkout (editable install) uses ``deployments/models`` directly.
 compiler builds it, the package falls back to the json module. ``_h2_data`` reads runs of
 HTTP/2 DATA frames straight into a slot (see
 ``ray_triton_shm/_private/serve/http2/h2_receive.py``); without it the same frames are read
-one at a time in Python.
+one at a time in Python. ``_h2_engine`` serves a gRPC connection's HTTP/2 side with nghttp2
+(see ``ray_triton_shm/_private/serve/http2/engine.py``; its parts share ``_h2_engine.h``); it
+is built where nghttp2's headers are installed (Debian's ``libnghttp2-dev``), and without it
+the front door's gRPC listener has only the Python engine.
 """
 
 import shutil
@@ -54,6 +57,17 @@ setup(
             "ray_triton_shm._private.serve.http2._h2_data",
             sources=["ray_triton_shm/_private/serve/http2/_h2_data.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
+            optional=True,
+        ),
+        Extension(
+            "ray_triton_shm._private.serve.http2._h2_engine",
+            sources=[
+                f"ray_triton_shm/_private/serve/http2/{name}.c"
+                for name in ("_h2_engine", "h2e_send", "h2e_streams", "h2e_frames", "h2e_triton")
+            ],
+            depends=["ray_triton_shm/_private/serve/http2/_h2_engine.h"],
+            libraries=["nghttp2"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],
             optional=True,
         ),
     ],

@@ -268,6 +268,47 @@ class TritonShmClient:
         shapes = self._call_shm(lease, lease.input_shapes, outputs)
         return {name: lease.output(name, shape) for name, shape in shapes.items()}
 
+    @property
+    def posts_shm_over_http(self) -> bool:
+        """Whether shm requests go to Triton's HTTP endpoint (then :meth:`begin_run` gives their bytes)."""
+        return self._requests.over_http
+
+    def begin_run(
+        self, lease: Lease, outputs: Sequence[str] | None = None
+    ) -> tuple[Any, str, bytes, float | None] | None:
+        """:meth:`run` in two halves, for a caller that posts the request itself: the request begun on
+        the lease, Triton's HTTP address, the bytes to post and the answer's timeout. ``None``: this
+        client sends shm requests over gRPC (use :meth:`run`). End it with :meth:`finish_run`.
+
+        Raises:
+            As :meth:`run`, for what is refused before anything is sent.
+        """
+        if not self._requests.over_http:
+            return None
+        if lease.released:
+            raise LeaseReleasedError("this lease was released; its slot may belong to someone else")
+        layout = lease.layout
+        missing = [spec.name for spec in layout.inputs if spec.name not in lease.input_shapes]
+        if missing:
+            raise InputError(f"lease of {layout.model!r} has no shape for inputs {missing}")
+        request = self._requests.begin_shm(lease, lease.input_shapes, outputs)
+        address, data, timeout_s = self._requests.wire_request(request)  # type: ignore[misc]
+        return request, address, data, timeout_s
+
+    def finish_run(self, request: Any, code: int, body: bytes, retry: bool) -> dict[str, np.ndarray] | None:
+        """:meth:`run`'s outputs from Triton's answer to :meth:`begin_run`'s bytes (``code``: the HTTP
+        status, ``-1`` no answer in time, ``-2`` unreachable); ``None``: post the bytes once more
+        (the pool was registered again; only if ``retry``).
+
+        Raises:
+            As :meth:`run`.
+        """
+        shapes = self._requests.finish_shm(request, code, body, retry)
+        if shapes is None:
+            return None
+        lease = request.lease
+        return {name: lease.output(name, shape) for name, shape in shapes.items()}
+
     # -- inference ---------------------------------------------------------
     def infer(
         self,

@@ -16,6 +16,7 @@ from ray_triton_shm._private.shm import segment, sweep
 from ray_triton_shm._private.shm.layout import ModelLayout, layout_from_config
 from ray_triton_shm._private.shm.pool import SlotPool
 from ray_triton_shm.config import PoolConfig
+from tests.helpers import assert_built_from_current_source
 
 # Model configurations shaped like ``get_model_config(model, as_json=True)["config"]``:
 # int64 dims come back as strings, datatypes carry the ``TYPE_`` prefix.
@@ -129,3 +130,17 @@ def make_pool() -> Iterator[Callable[..., SlotPool]]:
     for pool in pools:
         pool.close()
         assert not os.path.exists(shm_path(pool.region_name))
+
+
+@pytest.fixture(params=["python", "nghttp2"])
+def grpc_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each gRPC engine in turn, as what serves the connections of the listeners a test starts."""
+    from ray_triton_shm._private.serve.http2 import engine, h2_listener
+
+    if request.param == "nghttp2":
+        if not engine.available():
+            pytest.skip("the nghttp2 engine was not built (libnghttp2's headers were missing at install)")
+        assert_built_from_current_source(engine._h2_engine)
+    monkeypatch.setattr(h2_listener, "DEFAULT_ENGINE", request.param)
+    monkeypatch.setenv("RAY_TRITON_SHM_FRONTDOOR_GRPC_ENGINE", request.param)  # replicas run as processes
+    return request.param

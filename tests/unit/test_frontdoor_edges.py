@@ -32,6 +32,8 @@ from ray_triton_shm._private.serve.replica_context import CLOSE_S, drain_budget
 from ray_triton_shm.errors import UnavailableError
 from tests.helpers import free_port, replica_process, stop_process, wait_for
 
+pytestmark = pytest.mark.usefixtures("grpc_engine")  # each test on each engine
+
 _JSON = json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}]})
 
 

@@ -50,11 +50,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_triton_shm._private.bench.protocol_variants import LibH2Server, parse_head_h11
-from ray_triton_shm._private.serve.door.frontdoor_grpc import H2Listener
 from ray_triton_shm._private.serve.http1.body import Body
 from ray_triton_shm._private.serve.http1.head import RequestHead, parse_head, parse_head_by_hand
 from ray_triton_shm._private.serve.http1.server import Connection, HeadParser, HttpListener
 from ray_triton_shm._private.serve.http2.grpc_message import Placement
+from ray_triton_shm._private.serve.http2.h2_listener import H2Listener
 from ray_triton_shm._private.serve.http2.h2_stream import Call
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"

@@ -15,12 +15,13 @@ a call cut short by a restart are in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -271,21 +272,12 @@ class NodeClient(ReplicaCalls):
             InputError, PoolTimeoutError, TritonCallError, UnavailableError.
         """
         self._before_call()
-        try:
+        with self._call_errors():
             try:
                 return self.client.infer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
             except LayoutMismatchError as e:  # the model was reloaded: once more, on the new layout
                 self._layout_changed(e)
                 return self.client.infer(model, inputs, outputs=outputs, timeout=timeout, copy=copy)
-        except (UnavailableError, TritonCallError) as e:
-            self._after_failure(e)
-            if region_unknown(e):
-                raise registering_again(e, self.info) from e
-            raise
-        except PoolClosedError as e:
-            if self._closed:
-                raise
-            raise replaced_meanwhile(e, self.info) from e
 
     async def ainfer(
         self,
@@ -383,8 +375,15 @@ class NodeClient(ReplicaCalls):
         Raises:
             InputError, LeaseReleasedError, OutputTooLargeError, TritonCallError, UnavailableError.
         """
-        try:
+        with self._call_errors():
             return self.client.run(lease, outputs)
+
+    @contextlib.contextmanager
+    def _call_errors(self) -> Iterator[None]:
+        """A call's failures as the node's users see them: a Triton that forgot our regions is
+        registering them again, a pool closed under the call was replaced (both: try again)."""
+        try:
+            yield
         except (UnavailableError, TritonCallError) as e:
             self._after_failure(e)
             if region_unknown(e):
@@ -394,6 +393,19 @@ class NodeClient(ReplicaCalls):
             if self._closed:
                 raise
             raise replaced_meanwhile(e, self.info) from e
+
+    def begin_run(self, lease: Lease, outputs: Sequence[str] | None = None) -> Any:
+        """:meth:`run`'s first half (see ``TritonShmClient.begin_run``)."""
+        return self.client.begin_run(lease, outputs)
+
+    def finish_run(self, request: Any, code: int, body: bytes, retry: bool) -> dict[str, Any] | None:
+        """:meth:`run`'s second half (see ``TritonShmClient.finish_run``).
+
+        Raises:
+            As :meth:`run`.
+        """
+        with self._call_errors():
+            return self.client.finish_run(request, code, body, retry)
 
     async def arun(self, lease: Lease, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """:meth:`run` for asyncio code (in a worker thread)."""

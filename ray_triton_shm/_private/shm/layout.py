@@ -9,6 +9,7 @@ PoolConfig.max_element_bytes`` bytes per element.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -112,10 +113,18 @@ class ModelLayout:
     fingerprint: str = ""
 
     def input(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.inputs if t.name == name), None)
+        return self._inputs_by_name.get(name)
 
     def output(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.outputs if t.name == name), None)
+        return self._outputs_by_name.get(name)
+
+    @functools.cached_property
+    def _inputs_by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in reversed(self.inputs)}  # the first of a name, as a search finds
+
+    @functools.cached_property
+    def _outputs_by_name(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in reversed(self.outputs)}
 
 
 def _tensor_entries(

@@ -8,6 +8,7 @@ reused while any view is alive.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Sequence
@@ -104,10 +105,9 @@ class Lease:
         return self._anchor
 
     def _array(self, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
-        count = check_shape(spec, shape, self.layout.batched, self.layout.batch_capacity)
-        start = spec.offset
-        region = self._lease_anchor()[start : start + count * spec.dtype.itemsize]
-        return region.view(spec.dtype).reshape(shape)
+        layout = self.layout
+        start, end, dtype = _span(spec, tuple(shape), layout.batched, layout.batch_capacity)
+        return self._lease_anchor()[start:end].view(dtype).reshape(shape)
 
     def input(self, name: str, shape: Sequence[int]) -> np.ndarray:
         """A writable view of input ``name`` with ``shape``, to fill in place.
@@ -251,3 +251,17 @@ class Lease:
         ref = weakref.ref(anchor, self.pool._views_gone) if anchor is not None else None
         del anchor
         self.pool._give_back(self.slot, ref, self._quarantine)
+
+
+@functools.lru_cache(maxsize=1024)
+def _span(
+    spec: TensorSpec, shape: tuple[int, ...], batched: bool, capacity: int
+) -> tuple[int, int, np.dtype]:
+    """Where a tensor of ``shape`` lies in a slot (start, end, dtype), checked once per shape.
+
+    Raises:
+        InputError: The shape does not fit ``spec`` (not cached: raised each time).
+    """
+    count = check_shape(spec, shape, batched, capacity)
+    dtype = spec.dtype
+    return spec.offset, spec.offset + count * dtype.itemsize, dtype

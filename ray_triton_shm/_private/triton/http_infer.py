@@ -143,6 +143,23 @@ def cached_request(
     return f"/v2/models/{quote(model, safe='')}/infer", request_body(inputs, outputs)
 
 
+@functools.lru_cache(maxsize=1024)
+def _whole_request(
+    model: str, inputs: tuple[ShmInput, ...], outputs: tuple[ShmOutput, ...], host: bytes
+) -> bytes:
+    path, body = cached_request(model, inputs, outputs)
+    return _request_head(path, host, len(body)) + body
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_outputs(body: bytes) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """An answer's output shapes and datatypes, by name (answers repeat: read once each)."""
+    answers = json.loads(body)["outputs"]
+    outputs = {o["name"]: tuple(int(d) for d in o["shape"]) for o in answers}
+    datatypes = {o["name"]: str(o.get("datatype", "")) for o in answers}
+    return outputs, datatypes
+
+
 def output_shapes(
     body: bytes, model: str, wanted: Sequence[str], expected: Sequence[ShmOutput] = ()
 ) -> dict[str, tuple[int, ...]]:
@@ -159,9 +176,7 @@ def output_shapes(
             output's datatype is not the expected one (``INVALID_ARGUMENT``).
     """
     try:
-        answers = json.loads(body)["outputs"]
-        outputs = {o["name"]: tuple(int(d) for d in o["shape"]) for o in answers}
-        datatypes = {o["name"]: str(o.get("datatype", "")) for o in answers}
+        outputs, datatypes = _read_outputs(bytes(body))
     except (ValueError, KeyError, TypeError) as e:
         raise TritonCallError(f"unreadable response from Triton: {body[:200]!r}", None, model) from e
     missing = [name for name in wanted if name not in outputs]
@@ -198,11 +213,7 @@ class Connection:
 
     def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
         """Send one request; returns the status code, the body and whether the connection stays open."""
-        head = (
-            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-            % (path.encode(), self._host, len(body))
-        )
-        self._sock.sendall(head + body)
+        self._sock.sendall(_request_head(path, self._host, len(body)) + body)
         data = b""
         while (end := data.find(b"\r\n\r\n")) < 0:
             chunk = self._sock.recv(_RECV_BYTES)
@@ -226,6 +237,14 @@ class Connection:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _request_head(path: str, host: bytes, length: int) -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
+        path.encode(),
+        host,
+        length,
+    )
 
 
 def _parse_head(head: bytes) -> tuple[int, int, bool]:
@@ -273,6 +292,7 @@ class HttpShmSender:
         self._host = host.strip("[]")
         self._port = int(port)
         self._timeout_s = timeout_s
+        self._host_header = url.encode()
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -325,6 +345,32 @@ class HttpShmSender:
         if code != 200:
             raise error_from_response(code, answer, model)
         return output_shapes(answer, model, [t.name for t in outputs], outputs)
+
+    def request_bytes(self, model: str, inputs: Sequence[ShmInput], outputs: Sequence[ShmOutput]) -> bytes:
+        """What :meth:`infer` posts, whole (head and body), for a sender of its own to post."""
+        return _whole_request(model, tuple(inputs), tuple(outputs), self._host_header)
+
+    def answer(
+        self, model: str, outputs: Sequence[ShmOutput], code: int, body: bytes
+    ) -> dict[str, tuple[int, ...]]:
+        """The output shapes of Triton's answer to :meth:`request_bytes`, as :meth:`infer` returns them.
+
+        ``code`` is the HTTP status; ``-1``: no answer within the timeout; ``-2``: Triton could not
+        be reached, or answered unreadably (``body`` says why).
+
+        Raises:
+            As :meth:`infer`.
+        """
+        if code == -1:
+            raise TritonCallError(
+                f"Triton gave no answer within {self._timeout_s} s", "DEADLINE_EXCEEDED", model
+            )
+        if code == -2:
+            reason = body.decode(errors="replace")
+            raise UnavailableError(f"cannot reach Triton at {self.url}: {reason}", "UNAVAILABLE", model)
+        if code != 200:
+            raise error_from_response(code, body, model)
+        return output_shapes(body, model, [t.name for t in outputs], outputs)
 
     def close(self) -> None:
         """Close every idle connection; borrowed ones close when given back. Idempotent."""

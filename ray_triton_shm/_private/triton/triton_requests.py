@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -22,6 +24,20 @@ from ray_triton_shm._private.triton.grpc_channel import GrpcClient
 from ray_triton_shm._private.triton.http_infer import HttpShmSender, ShmInput, ShmOutput, check_datatype
 from ray_triton_shm._private.triton.observe import Observer, safely
 from ray_triton_shm.errors import InputError, TritonCallError
+
+_DESCRIBED = 1024  # descriptions kept (the cache starts again past this)
+
+
+@dataclass(frozen=True)
+class ShmRequest:
+    """A shared-memory request begun on a lease (see :meth:`TritonRequests.begin_shm`)."""
+
+    lease: Lease
+    model: str
+    inputs: tuple[ShmInput, ...]
+    outputs: tuple[ShmOutput, ...]
+    nbytes_in: int
+    started: float
 
 
 class TritonRequests:
@@ -54,6 +70,8 @@ class TritonRequests:
         self._observer = observer
         self._reregister = reregister
         self._verify_layout = verify_layout
+        # A request's checked description, by slot and shapes (requests repeat: checked once each).
+        self._described: dict[tuple, tuple[Any, ...]] = {}
 
     def call_shm(
         self,
@@ -72,8 +90,46 @@ class TritonRequests:
             LayoutMismatchError: The server refused and runs another model configuration.
             TritonCallError: The server refused the request.
         """
+        request = self.begin_shm(lease, shapes, wanted)
+        for attempt in (0, 1):
+            try:
+                shapes_out = self.send_shm(request.model, request.inputs, request.outputs)
+            except TritonCallError as error:
+                if self._failed(request, error, retry=attempt == 0):
+                    request.lease.request_started(self._timeout)
+                    continue
+                raise
+            except BaseException:
+                request.lease.request_ended()
+                raise
+            break
+        return self._succeeded(request, shapes_out)
+
+    def begin_shm(
+        self,
+        lease: Lease,
+        shapes: Mapping[str, tuple[int, ...]],
+        wanted: Sequence[str] | None,
+    ) -> ShmRequest:
+        """The first half of :meth:`call_shm`: the request, checked and marked as sent on the lease.
+
+        Whoever sends it ends it with :meth:`finish_shm` (or as :meth:`call_shm` does).
+
+        Raises:
+            As :meth:`call_shm`, for what is refused before anything is sent.
+        """
         layout = lease.layout
         region, base, size = lease.region_name, lease.offset, lease.pool.region_bytes
+        key = None
+        if not any(spec.is_bytes for spec in layout.inputs):  # a BYTES input's size is the lease's
+            key = (id(layout), region, base, size, tuple(tuple(shapes[spec.name]) for spec in layout.inputs))
+            key += (None if wanted is None else tuple(wanted),)
+            described = self._described.get(key)
+            if described is not None and described[0] is layout:
+                lease.flush()
+                request = ShmRequest(lease, layout.model, *described[1:], time.perf_counter())
+                lease.request_started(self._timeout)
+                return request
         inputs = []
         nbytes_in = 0
         for spec in layout.inputs:
@@ -97,30 +153,81 @@ class TritonRequests:
                 raise InputError(f"model {layout.model!r} has no output {name!r}")
             check_span(region, size, base + spec.offset, spec.capacity)
             outputs.append(ShmOutput(name, region, spec.capacity, base + spec.offset, spec.datatype))
+        if key is not None:
+            if len(self._described) >= _DESCRIBED:
+                self._described.clear()
+            self._described[key] = (layout, tuple(inputs), tuple(outputs), nbytes_in)
         lease.flush()
-        started = time.perf_counter()
-        for attempt in (0, 1):
-            lease.request_started(self._timeout)  # if we die now, the slot waits out this deadline
-            try:
-                shapes_out = self.send_shm(layout.model, inputs, outputs)
-                break
-            except TritonCallError as error:
-                if error.status in IN_DOUBT_STATUSES:
-                    lease.mark_in_doubt()
-                # A restarted server has forgotten our region: register it again, once.
-                if attempt == 0 and self._reregister is not None and region_unknown(error):
-                    self._reregister(lease.pool)
-                    continue
-                safely(self._observer.error, layout.model, type(error).__name__)
-                if error.status == "INVALID_ARGUMENT":
-                    self._verify_layout(layout)  # a reloaded model: a typed error, not a puzzle
-                raise
-            finally:
-                lease.request_ended()
-        seconds = time.perf_counter() - started
-        nbytes = nbytes_in + sum(_output_nbytes(lease, name, shape) for name, shape in shapes_out.items())
+        request = ShmRequest(
+            lease, layout.model, tuple(inputs), tuple(outputs), nbytes_in, time.perf_counter()
+        )
+        lease.request_started(self._timeout)  # if we die now, the slot waits out this deadline
+        return request
+
+    @property
+    def over_http(self) -> bool:
+        """Whether shm requests go to Triton's HTTP endpoint (and :meth:`wire_request` gives their bytes)."""
+        return self._http is not None
+
+    def wire_request(self, request: ShmRequest) -> tuple[str, bytes, float | None] | None:
+        """``request`` as the bytes to post to Triton's HTTP endpoint (its address, the bytes and
+        the answer's timeout), or ``None`` where shm requests go over gRPC."""
+        if self._http is None:
+            return None
+        return (
+            self._http.url,
+            self._http.request_bytes(request.model, request.inputs, request.outputs),
+            self._timeout,
+        )
+
+    def finish_shm(
+        self, request: ShmRequest, code: int, body: bytes, retry: bool
+    ) -> dict[str, tuple[int, ...]] | None:
+        """The second half of :meth:`call_shm`, given Triton's answer to :meth:`wire_request`'s bytes.
+
+        ``code`` is the HTTP status (``-1``: no answer within the timeout, ``-2``: Triton could
+        not be reached or answered unreadably, ``body`` saying why). Returns the output shapes,
+        or ``None`` when the request must be sent once more (the pool was registered again:
+        only if ``retry``).
+
+        Raises:
+            As :meth:`call_shm`.
+        """
+        try:
+            shapes_out = self._http.answer(request.model, request.outputs, code, body)  # type: ignore[union-attr]
+        except TritonCallError as error:
+            if self._failed(request, error, retry):
+                request.lease.request_started(self._timeout)
+                return None
+            raise
+        return self._succeeded(request, shapes_out)
+
+    def _failed(self, request: ShmRequest, error: TritonCallError, retry: bool) -> bool:
+        """Account for a refused request; whether to send it again (its pool registered again)."""
+        lease = request.lease
+        lease.request_ended()
+        if error.status in IN_DOUBT_STATUSES:
+            lease.mark_in_doubt()
+        # A restarted server has forgotten our region: register it again, once.
+        if retry and self._reregister is not None and region_unknown(error):
+            self._reregister(lease.pool)
+            return True
+        safely(self._observer.error, request.model, type(error).__name__)
+        if error.status == "INVALID_ARGUMENT":
+            self._verify_layout(lease.layout)  # a reloaded model: a typed error, not a puzzle
+        return False
+
+    def _succeeded(
+        self, request: ShmRequest, shapes_out: dict[str, tuple[int, ...]]
+    ) -> dict[str, tuple[int, ...]]:
+        lease = request.lease
+        lease.request_ended()
+        seconds = time.perf_counter() - request.started
+        nbytes = request.nbytes_in + sum(
+            _output_nbytes(lease, name, shape) for name, shape in shapes_out.items()
+        )
         path = "cuda_shm" if lease.pool.memory == "cuda" else "shm"
-        safely(self._observer.request, layout.model, path, nbytes, seconds)
+        safely(self._observer.request, request.model, path, nbytes, seconds)
         return shapes_out
 
     def send_shm(

@@ -70,8 +70,9 @@ def shown(result: subprocess.CompletedProcess) -> str:
 
 
 @contextlib.contextmanager
-def serve_door(tmp_dir: Path) -> Iterator[dict]:
-    """deployments/triton_shm.yaml with one replica, its front door on free ports, on a local Ray.
+def serve_door(tmp_dir: Path, grpc_engine: str = "python") -> Iterator[dict]:
+    """deployments/triton_shm.yaml with one replica, its front door on free ports (gRPC served by
+    ``grpc_engine``), on a local Ray.
 
     Yields:
         ``http`` and ``grpc`` (the front door's ``host:port``), ``triton`` (the node
@@ -84,6 +85,8 @@ def serve_door(tmp_dir: Path) -> Iterator[dict]:
     spec["applications"][0]["deployments"] = [{"name": "TritonDeployment", "num_replicas": 1}]
     path.write_text(yaml.safe_dump(spec))
     ports = spec["applications"][0]["args"]["frontdoor"]
+    ports["grpc_engine"] = grpc_engine
+    path.write_text(yaml.safe_dump(spec))
     with local_ray():
         where = run_config_file(str(path))["triton"].whereami.remote().result()
         yield {
@@ -333,6 +336,13 @@ class RawH2:
             kind, flags, stream, payload = self.frame()
             self.handle_control(kind, flags, stream, payload)
             acked = acked or (kind == SETTINGS and bool(flags & ACK))
+        # A PING's round trip: a WINDOW_UPDATE the server sent after its ACK is known too.
+        self.sock.sendall(h2_frame(8, PING, 0, 0) + b"windows?")
+        while True:
+            kind, flags, stream, payload = self.frame()
+            self.handle_control(kind, flags, stream, payload)
+            if kind == PING and flags & ACK:
+                break
 
     def close(self) -> None:
         self.sock.close()

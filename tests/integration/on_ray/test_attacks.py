@@ -16,6 +16,7 @@ count against the front door and Triton's own ports side by side.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -40,13 +41,21 @@ FRONTDOOR: dict = {}
 @pytest.fixture(scope="module")
 def attacked(tmp_path_factory):
     """(the app's servers, the legitimate callers on its front door, whereami of a replica)."""
+    with attacked_app(tmp_path_factory, FRONTDOOR) as where:
+        yield where
+
+
+@contextlib.contextmanager
+def attacked_app(tmp_path_factory, frontdoor: dict):
+    """The shipped app with ``frontdoor`` over its front-door settings, its callers running: see
+    :func:`attacked`."""
     from ray_triton_shm.serve import run_config_file
 
     spec = frontdoor_on_free_ports(yaml.safe_load(CONFIG_FILE.read_text()))
     spec["http_options"]["port"] = free_port()
     spec["grpc_options"]["port"] = free_port()
     app = spec["applications"][0]
-    app["args"]["frontdoor"].update(FRONTDOOR)
+    app["args"]["frontdoor"].update(frontdoor)
     replicas = app["deployments"][0]["num_replicas"]
     assert replicas == 2
     path = tmp_path_factory.mktemp("attacks") / "triton_shm.yaml"

@@ -311,7 +311,7 @@ def test_grpc_requests_read_into_a_slot_odd_or_cut_short_lose_nothing(apps) -> N
     block = h2_request_block("/inference.GRPCInferenceService/ModelInfer")
     message = _infer_message(n, x.tobytes())
     framed = b"\x00" + len(message).to_bytes(4, "big") + message[: len(message) // 2]
-    preface = H2_PREFACE + h2_frame(0, 4, 0, 0)
+    preface = H2_PREFACE + h2_frame(0, 4, 0, 0) + h2_frame(0, 4, 1, 0)  # SETTINGS, and the server's ACKed
     for reset in (True, False):
         with socket.create_connection((host, int(port)), timeout=30) as s:
             opening = preface + h2_frame(len(block), 1, 4, 1) + block

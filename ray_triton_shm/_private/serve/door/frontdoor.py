@@ -129,6 +129,7 @@ class FrontDoor:
                     run=self._run,
                     app_name=app_name,
                     threads=config.grpc_threads,
+                    engine=config.grpc_engine,
                     limits=config.h2_limits(deployment._max_request_bytes),
                     max_connections=config.max_connections,
                     max_open=config.max_open_connections,

@@ -22,6 +22,7 @@ from typing import Any
 from ray_triton_shm._private.serve.door.frontdoor_http import MAX_JSON_BYTES, MAX_UNSENT_BYTES, SLOT_STALL_S
 from ray_triton_shm._private.serve.http1.timing import HttpTimeouts
 from ray_triton_shm._private.serve.http2 import h2_wire
+from ray_triton_shm._private.serve.http2.engine import ENGINES as GRPC_ENGINES
 from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
 from ray_triton_shm._private.serve.net.listener import MAX_OPEN
 from ray_triton_shm._private.serve.net.malloc_thresholds import MAX_MMAP_THRESHOLD
@@ -82,6 +83,10 @@ class FrontDoorConfig:
         grpc_threads: gRPC requests served at once per replica; as many again for calls
             whose message is already in a slot (run apart, so they never wait behind calls
             that wait for a slot).
+        grpc_engine: What serves a gRPC connection: ``"python"`` (this package's HTTP/2
+            code) or ``"nghttp2"`` (nghttp2 in C, built with the package where ``libnghttp2``'s
+            headers were installed; a listener asked for it where it was not built refuses
+            to start). Both keep the same limits and answer the same way.
         grpc_idle_timeout_s: How long a gRPC connection with no call open may stay quiet
             before it gets GOAWAY and is closed.
         grpc_max_header_bytes: Longest gRPC header block (headers and metadata) accepted.
@@ -170,6 +175,7 @@ class FrontDoorConfig:
     max_connections: int = env_field("FRONTDOOR_MAX_CONNECTIONS", 256)
     max_open_connections: int = env_field("FRONTDOOR_MAX_OPEN_CONNECTIONS", MAX_OPEN)
     grpc_threads: int = env_field("FRONTDOOR_GRPC_THREADS", 16)
+    grpc_engine: str = env_field("FRONTDOOR_GRPC_ENGINE", "python")
     grpc_idle_timeout_s: float = env_field("FRONTDOOR_GRPC_IDLE_TIMEOUT_S", h2_wire.IDLE_TIMEOUT_S)
     grpc_max_header_bytes: int = env_field("FRONTDOOR_GRPC_MAX_HEADER_BYTES", h2_wire.MAX_HEADER_BLOCK)
     grpc_preface_timeout_s: float = env_field("FRONTDOOR_GRPC_PREFACE_TIMEOUT_S", h2_wire.PREFACE_TIMEOUT_S)
@@ -210,6 +216,10 @@ class FrontDoorConfig:
             raise ConfigError("frontdoor needs http_port, grpc_port or both")
         if self.http_port is not None and self.http_port == self.grpc_port and self.http_port != 0:
             raise ConfigError(f"frontdoor.http_port and grpc_port are both {self.http_port}")
+        if self.grpc_engine not in GRPC_ENGINES:
+            raise ConfigError(
+                f"frontdoor.grpc_engine must be one of {', '.join(GRPC_ENGINES)}, got {self.grpc_engine!r}"
+            )
         for name in _COUNTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,8 +1,9 @@
 """The front door's gRPC half: Triton's ``inference.GRPCInferenceService`` served by the replica itself.
 
-A lean gRPC server of our own (:mod:`~ray_triton_shm._private.serve.http2.grpc_h2`:
-HTTP/2 on blocking sockets, a thread per connection while it has work, calls on a
-thread pool; every replica of the app on a node accepts from one listening socket):
+A lean gRPC server of our own (:class:`~ray_triton_shm._private.serve.http2.h2_listener.H2Listener`:
+a thread per connection while it has work, calls on a thread pool, each connection served by
+the package's HTTP/2 in Python or by nghttp2 in C; every replica of the app on a node accepts
+from one listening socket):
 
 * ``ModelInfer``: the request's description (the fields before its raw input
   contents) is read first, and :meth:`GrpcDoor.place` leases a slot of the model
@@ -25,25 +26,23 @@ A request whose ``application`` metadata names another app is refused
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.door.calls import CallGate, GatedCall
-from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection
 from ray_triton_shm._private.serve.http2.grpc_message import Placement, Placer
-from ray_triton_shm._private.serve.http2.h2_receive import Refuse
+from ray_triton_shm._private.serve.http2.h2_listener import H2Listener
 from ray_triton_shm._private.serve.http2.h2_stream import Call
 from ray_triton_shm._private.serve.http2.h2_wire import CallError, H2Limits, StreamGone
-from ray_triton_shm._private.serve.net.bounded import ByteBudget
-from ray_triton_shm._private.serve.net.listener import MAX_OPEN, TcpListener
+from ray_triton_shm._private.serve.net.listener import MAX_OPEN
 from ray_triton_shm._private.serve.protocol.grpc_infer_codec import (
     RAW_INPUT_KEY,
     encode_infer_response_parts,
@@ -61,130 +60,16 @@ from ray_triton_shm._private.serve.protocol.slot_plan import (
     shm_plan,
     slot_stall,
 )
-from ray_triton_shm.errors import InputError, LayoutError
+from ray_triton_shm.errors import (
+    InputError,
+    LayoutError,
+    LayoutMismatchError,
+    OutputTooLargeError,
+)
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = f"/{SERVICE}/"
-
-
-class H2Listener(TcpListener):
-    """A gRPC server on ``host:port``: a thread per busy connection, calls on a pool.
-
-    Args:
-        host: Address to bind.
-        port: Port to bind (``0``: one the OS picks; see :attr:`port`).
-        handler: Runs each call (a :class:`Call`), in one of ``threads`` worker threads.
-        refuse: See :class:`H2Connection`.
-        place: See :class:`H2Connection`.
-        threads: Calls run at once; as many again for calls whose message is already in a
-            slot (they run apart, never waiting behind calls that wait for a slot).
-        limits: What each connection may cost (see :class:`H2Limits`).
-        max_connections: Connections served at once; more wait in the backlog.
-        max_open: Connections open at once, idle ones included.
-        listening: A listening socket to accept from instead of binding one.
-
-    Raises:
-        FrontDoorError: The address cannot be bound.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        handler: Callable[[Call], None],
-        *,
-        refuse: Refuse | None = None,
-        place: Callable[[str], Placer | None] | None = None,
-        threads: int = 16,
-        limits: H2Limits | None = None,
-        max_connections: int = 256,
-        listening: socket.socket | None = None,
-        max_open: int = MAX_OPEN,
-    ) -> None:
-        limits = limits or H2Limits()
-        self.budget = ByteBudget(limits.max_buffered_bytes, "the listener's max_buffered_bytes")
-        self.unsent = ByteBudget(limits.max_unsent_bytes, "the listener's max_unsent_bytes")
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
-        self._held_pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc-held")
-        self._connections: dict[socket.socket, H2Connection] = {}
-        self._connections_lock = threading.Lock()
-
-        def serve(sock: socket.socket) -> float | None:
-            with self._connections_lock:
-                connection = self._connections.get(sock)
-                if connection is None:
-                    connection = self._connections[sock] = H2Connection(
-                        sock,
-                        handler,
-                        refuse,
-                        self._pool,
-                        limits,
-                        place,
-                        self.budget,
-                        self._held_pool,
-                        self.unsent,
-                    )
-            wait = None
-            try:
-                wait = connection.serve()
-            finally:
-                if wait is None:
-                    with self._connections_lock:
-                        self._connections.pop(sock, None)
-            return wait
-
-        def expire(sock: socket.socket) -> None:
-            with self._connections_lock:
-                connection = self._connections.pop(sock, None)
-            if connection is not None:
-                connection.expire()
-
-        try:
-            super().__init__(
-                host,
-                port,
-                serve,
-                protocol="gRPC",
-                max_connections=max_connections,
-                max_open=max_open,
-                first_wait_s=limits.preface_timeout_s,
-                expire=expire,
-                listening=listening,
-            )
-        except BaseException:
-            self._pool.shutdown(wait=False)
-            self._held_pool.shutdown(wait=False)
-            raise
-
-    def drain(self, wait_s: float, quiet_s: float = 0.5) -> bool:
-        """Stop accepting, send every connection GOAWAY, and let its calls finish (see ``TcpListener``)."""
-        self.stop_accepting(wait_s)
-        with self._connections_lock:
-            connections = list(self._connections.values())
-        for connection in connections:
-            connection.go_away()
-        return super().drain(wait_s, quiet_s)
-
-    def close(self, grace_s: float = 1.0) -> None:
-        """Stop listening; tell every client to go away; wait up to ``grace_s`` for calls running.
-
-        Then every connection is shut. Returns within about ``grace_s``: a call
-        still running then (Triton has not answered) is left to end on its own,
-        with no connection to answer on.
-        """
-        deadline = time.monotonic() + grace_s
-        self.stop_accepting(grace_s)
-        with self._connections_lock:
-            connections = list(self._connections.values())
-        for connection in connections:
-            connection.go_away()
-        while time.monotonic() < deadline and any(c.busy() for c in connections):
-            time.sleep(0.02)
-        super().close(max(0.0, deadline - time.monotonic()))  # shuts every connection
-        idle = not any(c.busy() for c in connections)
-        self._pool.shutdown(wait=idle, cancel_futures=True)
-        self._held_pool.shutdown(wait=idle, cancel_futures=True)
 
 
 class GrpcDoor:
@@ -199,6 +84,7 @@ class GrpcDoor:
         run: Runs a coroutine on the front door's event loop and returns its result.
         app_name: This app's name (checked against the ``application`` metadata).
         threads: Requests served at once.
+        engine: What serves each connection (see :class:`H2Listener`).
         limits: What each connection may cost (see :class:`H2Limits`); its ``max_message`` is
             the node's ``max_request_bytes``.
         max_connections: Connections served at once (a thread each); more wait in the backlog.
@@ -221,6 +107,7 @@ class GrpcDoor:
         run: Callable[[Any], Any],
         app_name: str,
         threads: int,
+        engine: str | None = None,
         limits: H2Limits | None = None,
         max_connections: int = 256,
         gate: CallGate | None = None,
@@ -241,6 +128,8 @@ class GrpcDoor:
             self.handle,
             refuse=self.refuse,
             place=self.placer,
+            fast=self,
+            engine=engine,
             threads=threads,
             limits=self._limits,
             max_connections=max_connections,
@@ -318,7 +207,7 @@ class GrpcDoor:
             parts: list[bytes | memoryview] = []
             for name, placeholder in plan.placeholders.items():
                 target = lease.input(name, placeholder.shape)
-                parts += [RAW_INPUT_KEY + encode_varint(placeholder.nbytes), memoryview(target).cast("B")]
+                parts += [_raw_prefix(placeholder.nbytes), memoryview(target).cast("B")]
                 del target
             pool = lease.pool
             request = (plan.request, plan.outputs)
@@ -431,6 +320,110 @@ class GrpcDoor:
         gated.leave()
         call.respond([answer])
 
+    # -- placed calls whose request to Triton the connection posts itself ---------------------
+    def fast_ready(self) -> bool:
+        """Whether :meth:`fast_begin` can hand requests to the connection (shm requests over HTTP)."""
+        inner = getattr(self._client, "client", None)
+        return bool(getattr(inner, "posts_shm_over_http", False))
+
+    def fast_begin(self, call: Any) -> tuple[_FastCall, str, bytes, float | None] | CallError | None:
+        """Begin a placed ``ModelInfer`` as :meth:`handle` would, up to its request to Triton.
+
+        Returns the call's state, Triton's HTTP address, the bytes to post and the answer's
+        timeout (then :meth:`fast_finish` with the answer); or the error to answer with;
+        ``None``: the client is gone (nothing to answer).
+        """
+        stack = contextlib.ExitStack()
+        gated = stack.enter_context(self._gate.call("grpc", "ModelInfer", call.method))
+        try:
+            stack.enter_context(gated.running())
+            placement = call.placement()
+            request, outputs = placement.request
+            lease = placement.lease
+            stack.enter_context(lease)
+            placement.parts.clear()  # no view of the slot outlives the lease
+            _still_wanted(call)
+            version = self._served_version(request.model_name)
+            begun = self._client.begin_run(lease, outputs)
+            if begun is None:
+                raise GrpcAnswerError("INTERNAL", "shared-memory requests do not go over HTTP here")
+            run, address, data, timeout_s = begun
+        except BaseException as e:
+            error = _fast_error(gated, e)
+            stack.close()
+            if not isinstance(e, Exception):
+                raise
+            return error
+        fast = _FastCall(
+            stack=stack,
+            gated=gated,
+            call=call,
+            request=request,
+            lease=lease,
+            outputs=outputs,
+            version=version,
+            run=run,
+            wire=(address, data, timeout_s),
+        )
+        return fast, address, data, timeout_s
+
+    def fast_finish(
+        self, fast: _FastCall, code: int, body: bytes, retry: bool
+    ) -> tuple[list[Any], Callable[[], None]] | tuple[str, bytes, float | None] | CallError | None:
+        """End :meth:`fast_begin`'s call with Triton's answer (``code``: HTTP status, ``-1`` none in
+        time, ``-2`` unreachable).
+
+        Returns the answer's parts and what to call once they are written; the request to post
+        once more (the pool was registered again); the error to answer with; or ``None``: the
+        call goes on in a worker thread, or its client is gone.
+        """
+        call, request = fast.call, fast.request
+        try:
+            try:
+                result = self._client.finish_run(fast.run, code, body, retry)
+            except (LayoutMismatchError, OutputTooLargeError):
+                threading.Thread(target=self._fast_fallback, args=(fast,), daemon=True).start()
+                return None
+            if result is None:
+                return fast.wire
+            parts = encode_infer_response_parts(request.model_name, fast.version, request.id, result)
+            del result
+            fast.gated.leave()
+            fast.gated.record.status = "OK"
+            if call.cancelled:
+                fast.stack.close()
+                return None
+            limits = self._limits
+            return (
+                parts,
+                fast.stack.close,
+                slot_stall(fast.lease, limits.slot_stall_s, limits.slot_busy_stall_s),
+            )
+        except Exception as e:
+            error = _fast_error(fast.gated, e)
+            fast.stack.close()
+            return error
+
+    def _fast_fallback(self, fast: _FastCall) -> None:
+        """A fast call whose model changed under it: run as :func:`run_leased` does, in a worker."""
+        call = fast.call
+        try:
+            with fast.stack:
+                shapes = list(fast.lease.input_shapes.items())
+                inputs = {name: np.array(fast.lease.input(name, shape)) for name, shape in shapes}
+                fast.lease.release()
+                result = self._client.infer(fast.request.model_name, inputs, outputs=fast.outputs)
+                parts = encode_infer_response_parts(
+                    fast.request.model_name, fast.version, fast.request.id, result
+                )
+                fast.gated.leave()
+                fast.gated.record.status = "OK"
+                call.respond(parts)
+        except Exception as e:
+            error = _fast_error(fast.gated, e)
+            if error is not None:
+                call.abort(error.code, error.message)
+
     def _infer_placed(self, call: Call, placement: Placement, gated: GatedCall) -> None:
         """Run a request whose inputs were read into a slot; answer from the slot."""
         request, outputs = placement.request
@@ -475,6 +468,37 @@ class GrpcDoor:
         limits = self._limits
         call.respond(parts, lease.release, slot_stall(lease, limits.slot_stall_s, limits.slot_busy_stall_s))
         del parts  # no view of the slot outlives the lease
+
+
+class _FastCall:
+    """A placed ``ModelInfer`` between its request to Triton and its answer (:meth:`GrpcDoor.fast_begin`)."""
+
+    __slots__ = ("call", "gated", "lease", "outputs", "request", "run", "stack", "version", "wire")
+
+    def __init__(self, stack, gated, call, request, lease, outputs, version, run, wire) -> None:
+        self.stack, self.gated, self.call, self.request, self.lease = stack, gated, call, request, lease
+        self.outputs, self.version, self.run, self.wire = outputs, version, run, wire
+
+
+def _fast_error(gated: GatedCall, e: BaseException) -> CallError | None:
+    """What a failed fast call answers, as :meth:`GrpcDoor._answer` would (``None``: the client is gone)."""
+    record = gated.record
+    if isinstance(e, StreamGone):
+        return None
+    if isinstance(e, CallError):
+        record.status = e.code
+        return e
+    code, message = status_of(e)  # type: ignore[arg-type]
+    record.status = code
+    if code == "INTERNAL" and not isinstance(e, GrpcAnswerError):
+        logger.warning("front door gRPC: %s", message, exc_info=e)
+    return CallError(code, message)
+
+
+@functools.lru_cache(maxsize=256)
+def _raw_prefix(nbytes: int) -> bytes:
+    """The field key and length that come before ``nbytes`` of raw input contents."""
+    return RAW_INPUT_KEY + encode_varint(nbytes)
 
 
 def _still_wanted(call: Call) -> None:

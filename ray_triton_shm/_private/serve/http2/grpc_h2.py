@@ -1,6 +1,6 @@
 """One connection of the front door's gRPC server: HTTP/2 on a blocking socket, read by a thread of its own.
 
-The server (:class:`~ray_triton_shm._private.serve.door.frontdoor_grpc.H2Listener`)
+The server (:class:`~ray_triton_shm._private.serve.http2.h2_listener.H2Listener`)
 runs an :class:`H2Connection` per client connection. It speaks the part of
 HTTP/2 (RFC 9113) that gRPC clients use, unary calls only (the protocol's numbers are in
 :mod:`~ray_triton_shm._private.serve.http2.h2_wire`, the socket reader and the per-stream

@@ -181,6 +181,17 @@ class Placement:
         """``n`` bytes were written at the start of :meth:`writable`'s view."""
         self._advance(n)
 
+    def rest(self) -> list[bytes | memoryview]:
+        """The parts still to fill or match, the one begun from where it stands."""
+        parts = list(self.parts[self._index :])
+        if parts and self._offset:
+            parts[0] = parts[0][self._offset :]
+        return parts
+
+    def complete(self) -> None:
+        """Every part left was filled or matched (in place, by whoever :meth:`rest` was given to)."""
+        self._index, self._offset = len(self.parts), 0
+
     def _advance(self, n: int) -> None:
         self._offset += n
         while self._index < len(self.parts) and self._offset == len(self.parts[self._index]):

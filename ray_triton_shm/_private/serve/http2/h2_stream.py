@@ -178,22 +178,32 @@ class Stream:
             raise self.error from e  # type: ignore[misc]
         if not self.prefix[0]:
             return data
-        encoding = self.header("grpc-encoding") or "identity"
-        if encoding not in ("gzip", "deflate"):
-            raise CallError(
-                "UNIMPLEMENTED",
-                f"the request message is compressed with {encoding!r}; this server reads gzip and deflate",
-            )
-        try:
-            return inflate(bytes(data), encoding, self.max_message)
-        except Exception as e:
-            raise CallError("INTERNAL", f"the request message cannot be inflated: {e}") from e
+        return inflated(data, self.header("grpc-encoding"), self.max_message)
 
     def header(self, name: str) -> str | None:
         for key, value in self.headers:
             if key == name:
                 return value
         return None
+
+
+def inflated(data: bytes | bytearray, encoding: str | None, max_message: int) -> bytes:
+    """A compressed request message, inflated (``encoding``: its ``grpc-encoding``).
+
+    Raises:
+        CallError: An encoding this server does not read (``UNIMPLEMENTED``), or a message that
+            does not inflate, or inflates past ``max_message`` (``INTERNAL``).
+    """
+    encoding = encoding or "identity"
+    if encoding not in ("gzip", "deflate"):
+        raise CallError(
+            "UNIMPLEMENTED",
+            f"the request message is compressed with {encoding!r}; this server reads gzip and deflate",
+        )
+    try:
+        return inflate(bytes(data), encoding, max_message)
+    except Exception as e:
+        raise CallError("INTERNAL", f"the request message cannot be inflated: {e}") from e
 
 
 class Call:

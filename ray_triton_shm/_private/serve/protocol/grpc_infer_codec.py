@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ray_triton_shm._private.serve.protocol.grpc_messages import add_outputs, input_spec, output_names
 from ray_triton_shm._private.serve.protocol.kserve_tensors import placeholder
+from ray_triton_shm._private.shm.layout import NUMPY_TO_TRITON
 from ray_triton_shm.errors import InputError, RefusedError
 
 _RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents
@@ -26,6 +28,8 @@ _RAW_OUTPUT_KEY = bytes([(6 << 3) | 2])  # ModelInferResponse.raw_output_content
 
 
 def _varint(data: memoryview, pos: int) -> tuple[int, int]:
+    if pos < len(data) and data[pos] < 0x80:  # one byte: most keys and short lengths
+        return data[pos], pos + 1
     value = 0
     shift = 0
     while True:
@@ -147,8 +151,39 @@ def encode_infer_response_parts(
     The outputs' parts are views of their arrays: sent as they are, they are
     never joined into one message.
     """
+    described = []
+    for name, value in outputs.items():
+        if (
+            type(value) is not np.ndarray
+            or value.dtype not in NUMPY_TO_TRITON
+            or not value.flags.c_contiguous
+        ):
+            break
+        described.append((name, NUMPY_TO_TRITON[value.dtype], value.shape, value.nbytes))
+    else:  # host arrays of numbers: the response's small fields as before, made once per description
+        head, keys = _response_head(model, version, request_id, tuple(described))
+        parts: list[bytes | memoryview] = [head]
+        for key, value in zip(keys, outputs.values()):
+            parts.extend((key, memoryview(value.reshape(-1).view(np.uint8))))
+        return parts
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
-    parts: list[bytes | memoryview] = []
+    parts = []
     for blob in add_outputs(response, outputs):
         parts.extend((_RAW_OUTPUT_KEY, encode_varint(len(blob)), blob))
     return [response.SerializeToString(), *parts]
+
+
+@functools.lru_cache(maxsize=1024)
+def _response_head(
+    model: str, version: str, request_id: str, described: tuple[tuple[str, str, tuple[int, ...], int], ...]
+) -> tuple[bytes, tuple[bytes, ...]]:
+    """A response's fields but its raw contents, and each raw content's key and length, by description."""
+    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
+    keys = []
+    for name, datatype, shape, nbytes in described:
+        tensor = response.outputs.add()
+        tensor.name = name
+        tensor.datatype = datatype
+        tensor.shape.extend(int(d) for d in shape)
+        keys.append(_RAW_OUTPUT_KEY + encode_varint(nbytes))
+    return response.SerializeToString(), tuple(keys)
