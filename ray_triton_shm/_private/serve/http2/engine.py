@@ -21,9 +21,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ray_triton_shm._private.serve.http2.grpc_h2 import run_call
 from ray_triton_shm._private.serve.http2.grpc_message import HEAD_BYTES, Mismatch, Placement, Placer
 from ray_triton_shm._private.serve.http2.h2_receive import Refuse
-from ray_triton_shm._private.serve.http2.h2_stream import inflated, metadata_of
+from ray_triton_shm._private.serve.http2.h2_stream import header_of, inflated, metadata_of
 from ray_triton_shm._private.serve.http2.h2_wire import (
     CallError,
     H2Limits,
@@ -64,10 +65,7 @@ class _Stream:
         self.dispatched = False
 
     def header(self, name: str) -> str | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return header_of(self.headers, name)
 
 
 class EngineCall:
@@ -358,8 +356,7 @@ class EngineConnection:
         if isinstance(begun, tuple):
             state, address, data, timeout_s = begun
             self._posted[stream.id] = [state, call, 1]
-            host, _, port = address.rpartition(":")
-            return host.strip("[]"), int(port), data, -1.0 if timeout_s is None else float(timeout_s)
+            return _to_post(address, data, timeout_s)
         self._done(stream, call, begun)
         return None
 
@@ -371,9 +368,7 @@ class EngineConnection:
         result = self._fast.fast_finish(state, code, body, retries > 0)
         if isinstance(result, tuple) and isinstance(result[0], str):  # post once more
             posted[2] = retries - 1
-            address, data, timeout_s = result
-            host, _, port = address.rpartition(":")
-            return host.strip("[]"), int(port), data, -1.0 if timeout_s is None else float(timeout_s)
+            return _to_post(*result)
         del self._posted[stream_id]
         if isinstance(result, tuple):
             parts, release, stall_s = result
@@ -388,8 +383,6 @@ class EngineConnection:
         """A fast call ended: its error answered (``result``), its bookkeeping dropped."""
         if isinstance(result, CallError):
             call.abort(result.code, result.message)
-        elif result is None and not call.answered and not stream.reset and stream.id not in self._posted:
-            pass  # a worker answers (the model changed under the call), or nobody is left to
         self._streams.pop(stream.id, None)
         with self._lock:
             self._running.discard(stream.id)
@@ -407,16 +400,8 @@ class EngineConnection:
     def _run(self, stream: _Stream) -> None:
         call = EngineCall(self, stream)
         try:
-            if stream.reset:
-                return
-            self._handler(call)
-        except StreamGone:
-            pass
-        except CallError as e:
-            call.abort(e.code, e.message)
-        except Exception as e:
-            logger.warning("front door gRPC: %s failed", call.method, exc_info=e)
-            call.abort("INTERNAL", f"{type(e).__name__}: {e}")
+            if not stream.reset:
+                run_call(self._handler, call)
         finally:
             if not call.answered and not stream.reset:
                 call.abort("INTERNAL", "the server did not answer the call")
@@ -426,3 +411,9 @@ class EngineConnection:
             self._streams.pop(stream.id, None)
             with self._lock:
                 self._running.discard(stream.id)
+
+
+def _to_post(address: str, data: bytes, timeout_s: float | None) -> tuple[str, int, bytes, float]:
+    """A request to Triton as the engine posts it: host, port, bytes, timeout (-1: none)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port), data, -1.0 if timeout_s is None else float(timeout_s)

@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ray_triton_shm._private.serve.http2.grpc_message import Placer
 from ray_triton_shm._private.serve.http2.h2_control import set_kernel_timeout
@@ -320,18 +321,8 @@ class H2Connection(FrameReceiver):
     def _run(self, stream: Stream) -> None:
         call = Call(self, stream)
         try:
-            if stream.reset:
-                return  # reset by the client before it began: not run at all
-            if stream.error is not None:
-                raise stream.error
-            self._handler(call)
-        except StreamGone:
-            pass
-        except CallError as e:
-            call.abort(e.code, e.message)
-        except Exception as e:
-            logger.warning("front door gRPC: %s failed", call.method, exc_info=e)
-            call.abort("INTERNAL", f"{type(e).__name__}: {e}")
+            if not stream.reset:  # reset by the client before it began: not run at all
+                run_call(self._handler, call, stream.error)
         finally:
             if not stream.answered:
                 call.abort("INTERNAL", "the server did not answer the call")
@@ -374,3 +365,20 @@ class H2Connection(FrameReceiver):
         """Whether a call is still running."""
         with self._flow:
             return any(s.dispatched and not s.done for s in self._streams.values())
+
+
+def run_call(handler: Callable[[Any], None], call: Any, error: CallError | None = None) -> None:
+    """Run ``handler(call)`` (or answer ``error`` instead), a failure answered as gRPC does: a
+    :class:`CallError` with its status, any other exception ``INTERNAL`` (logged), a client
+    already gone not at all."""
+    try:
+        if error is not None:
+            raise error
+        handler(call)
+    except StreamGone:
+        pass
+    except CallError as e:
+        call.abort(e.code, e.message)
+    except Exception as e:
+        logger.warning("front door gRPC: %s failed", call.method, exc_info=e)
+        call.abort("INTERNAL", f"{type(e).__name__}: {e}")

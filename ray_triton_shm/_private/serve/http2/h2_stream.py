@@ -181,10 +181,15 @@ class Stream:
         return inflated(data, self.header("grpc-encoding"), self.max_message)
 
     def header(self, name: str) -> str | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return header_of(self.headers, name)
+
+
+def header_of(headers: Sequence[tuple[str, str]], name: str) -> str | None:
+    """The value of header ``name`` (the first, if several), or ``None``."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
 
 
 def inflated(data: bytes | bytearray, encoding: str | None, max_message: int) -> bytes:
