@@ -97,6 +97,7 @@ def test_every_grpc_limit_is_a_setting_and_reaches_the_listener(monkeypatch: pyt
         "grpc_max_streams": 3,
         "grpc_send_timeout_s": 9.0,
         "grpc_max_unsent_bytes": 1 << 21,
+        "grpc_max_spare_bytes": 1 << 23,
     }
     monkeypatch.setenv("RAY_TRITON_SHM_FRONTDOOR_GRPC_MAX_STREAMS", "3")
     explicit = {k: v for k, v in values.items() if k != "grpc_max_streams"}
@@ -110,6 +111,12 @@ def test_every_grpc_limit_is_a_setting_and_reaches_the_listener(monkeypatch: pyt
     monkeypatch.delenv("RAY_TRITON_SHM_FRONTDOOR_GRPC_MAX_STREAMS")
     assert FrontDoorConfig(grpc_port=0).h2_limits(1) == H2Limits(max_message=1)  # the defaults agree
     for name in (*values, "max_open_connections"):
+        if name == "grpc_max_spare_bytes":  # 0 keeps no spare buffers
+            assert FrontDoorConfig(grpc_port=0, **{name: 0}).h2_limits(1).max_spare_bytes == 0
+            for bad in (-1, True, 1.5):
+                with pytest.raises(ConfigError, match=name):
+                    FrontDoorConfig(grpc_port=0, **{name: bad})
+            continue
         with pytest.raises(ConfigError, match=name):
             FrontDoorConfig(grpc_port=0, **{name: 0})
 

@@ -37,7 +37,7 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     H2Limits,
     frame_header,
 )
-from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget
+from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget, SpareBuffers
 from ray_triton_shm.errors import ConfigError
 from tests.helpers import h2_frames_until_closed, h2_request_block, h2_whole_frames, wait_for
 
@@ -102,6 +102,55 @@ def test_a_message_buffer_grows_with_the_bytes_that_arrive_not_with_the_announce
     assert received == buffer.filled == 2_000_000 and not buffer.full()
     small = MessageBuffer(10, b"abc")
     assert small.take(Source(), 100) == 7 and small.full() and bytes(small.data) == b"abcxxxxxxx"
+
+
+def test_a_finished_message_buffer_is_reused_unless_a_view_of_it_lives() -> None:
+    """A buffer given back is kept (within the spare limit) and taken by a later message of its size,
+    which reads its own bytes into it; one still viewed is never kept."""
+
+    class Source:
+        def __init__(self, fill: int) -> None:
+            self.fill = fill
+
+        def into(self, view: memoryview) -> None:
+            view[:] = bytes([self.fill]) * len(view)
+
+    length = 4 * FIRST_BUFFER + 7
+    spares = SpareBuffers(16 * length)
+    budget = ByteBudget(1 << 30, "test", spares=spares)
+    connection = ByteBudget(1 << 30, "connection", budget)
+    assert connection.spares is spares  # a connection's budget keeps its listener's spares
+
+    def message(fill: int) -> MessageBuffer:
+        buffer = MessageBuffer(length, b"h", connection)
+        while not buffer.full():
+            buffer.take(Source(fill), 16384)
+        assert bytes(buffer.data) == b"h" + bytes([fill]) * (length - 1)
+        assert connection.used == budget.used == buffer.charged == len(buffer.data) == length
+        return buffer
+
+    first = message(1)
+    kept = id(first.data)  # no reference of its own: one would keep the buffer from being kept
+    first.free()
+    assert connection.used == budget.used == 0
+    assert spares.held >= length  # the whole buffer and the smaller ones it grew through
+    second = message(2)
+    assert id(second.data) == kept  # its old bytes all written over (checked in message())
+    view = memoryview(second.data)
+    second.free()
+    assert spares.held < length  # a view is alive: not kept
+    third = message(3)
+    assert id(third.data) != kept and bytes(view[1:4]) == b"\x02\x02\x02"  # the viewed bytes untouched
+    del view
+    third.free()
+    # Nothing is kept past the limit, nor a buffer below the smallest size worth keeping.
+    small = SpareBuffers(length)
+    small.give(bytearray(length))
+    small.give(bytearray(length))
+    small.give(bytearray(100))
+    assert small.held == length
+    assert small.take(length + 1, 2 * length) is None and small.take(length, length) is not None
+    assert small.held == 0 and small.take(1, 1 << 30) is None
 
 
 def test_limits_are_validated() -> None:

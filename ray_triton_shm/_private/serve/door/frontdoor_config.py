@@ -104,6 +104,9 @@ class FrontDoorConfig:
             memory at once (past it: ``RESOURCE_EXHAUSTED``).
         grpc_max_buffered_bytes: Request bytes all gRPC connections of a replica may hold in
             memory at once (past it: ``RESOURCE_EXHAUSTED``).
+        grpc_max_spare_bytes: Bytes of message buffers the gRPC listener keeps, once their
+            messages are done, for the next ones read into memory (32 MiB; 0: none kept): a
+            kept buffer's pages are mapped already, where a new one's cost a page fault each.
         grpc_glitch_burst: Frames that carry no call (PING, SETTINGS, RST_STREAM, empty DATA,
             ...) a gRPC connection may send at once; past the burst and
             ``grpc_glitch_rate`` a second, GOAWAY ``ENHANCE_YOUR_CALM`` (nghttp2's limits).
@@ -186,6 +189,7 @@ class FrontDoorConfig:
         "FRONTDOOR_GRPC_MAX_CONNECTION_BYTES", h2_wire.MAX_CONNECTION_BYTES
     )
     grpc_max_buffered_bytes: int = env_field("FRONTDOOR_GRPC_MAX_BUFFERED_BYTES", h2_wire.MAX_BUFFERED_BYTES)
+    grpc_max_spare_bytes: int = env_field("FRONTDOOR_GRPC_MAX_SPARE_BYTES", h2_wire.MAX_SPARE_BYTES)
     grpc_glitch_burst: int = env_field("FRONTDOOR_GRPC_GLITCH_BURST", h2_wire.GLITCH_BURST)
     grpc_glitch_rate: float = env_field("FRONTDOOR_GRPC_GLITCH_RATE", h2_wire.GLITCH_RATE)
     grpc_max_unsent_bytes: int = env_field("FRONTDOOR_GRPC_MAX_UNSENT_BYTES", h2_wire.MAX_UNSENT_BYTES)
@@ -233,6 +237,9 @@ class FrontDoorConfig:
                 or value <= 0
             ):
                 raise ConfigError(f"frontdoor.{name} must be a number > 0, got {value!r}")
+        spare = self.grpc_max_spare_bytes
+        if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
+            raise ConfigError(f"frontdoor.grpc_max_spare_bytes must be an integer >= 0, got {spare!r}")
         threshold = self.malloc_mmap_threshold_bytes
         if (
             isinstance(threshold, bool)
@@ -260,6 +267,7 @@ class FrontDoorConfig:
             slot_busy_stall_s=float(self.slot_busy_stall_s),
             max_connection_bytes=self.grpc_max_connection_bytes,
             max_buffered_bytes=self.grpc_max_buffered_bytes,
+            max_spare_bytes=self.grpc_max_spare_bytes,
             max_streams=self.grpc_max_streams,
             send_timeout_s=float(self.grpc_send_timeout_s),
             max_unsent_bytes=self.grpc_max_unsent_bytes,

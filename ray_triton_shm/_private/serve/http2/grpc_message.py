@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ray_triton_shm._private.serve.net.bounded import ByteBudget
+from ray_triton_shm._private.serve.net.bounded import ByteBudget, OverBudget
 
 HEAD_BYTES = 4096
 """Bytes of a message read before its placer is asked (a ``ModelInfer`` head is a few hundred)."""
@@ -69,15 +69,36 @@ class MessageBuffer:
 
     def _grow(self, want: int) -> None:
         size = min(self.length, max(want, 2 * len(self.data)))
-        if size > len(self.data):
+        if size <= len(self.data):
+            return
+        spares = self._budget.spares if self._budget is not None else None
+        spare = spares.take(size, min(self.length, 2 * size)) if spares is not None else None
+        if spare is None:
             self._charge(size - len(self.data))
             self.data += bytes(size - len(self.data))
+            return
+        try:
+            self._charge(len(spare) - len(self.data))
+        except OverBudget:
+            spares.give(spare)  # type: ignore[union-attr]
+            raise
+        spare[: self.filled] = memoryview(self.data)[: self.filled]
+        old, self.data = self.data, spare
+        del spare
+        spares.give(old)  # type: ignore[union-attr]
 
     def free(self) -> None:
-        """Drop the bytes and give their memory back to the budget (idempotent)."""
-        self.data = bytearray()
-        if self._budget is not None and self.charged:
-            self._budget.give(self.charged)
+        """Drop the bytes and give their memory back to the budget (idempotent).
+
+        The buffer is kept for another message (see :class:`SpareBuffers`) unless a view of it
+        is still alive.
+        """
+        data, self.data = self.data, bytearray()
+        if self._budget is not None:
+            if self.charged:
+                self._budget.give(self.charged)
+            if self._budget.spares is not None:
+                self._budget.spares.give(data)
         self.charged = 0
 
     def full(self) -> bool:

@@ -24,7 +24,7 @@ from ray_triton_shm._private.serve.http2.grpc_message import Placer
 from ray_triton_shm._private.serve.http2.h2_receive import Refuse
 from ray_triton_shm._private.serve.http2.h2_stream import Call
 from ray_triton_shm._private.serve.http2.h2_wire import H2Limits
-from ray_triton_shm._private.serve.net.bounded import ByteBudget
+from ray_triton_shm._private.serve.net.bounded import ByteBudget, SpareBuffers
 from ray_triton_shm._private.serve.net.listener import MAX_OPEN, TcpListener
 from ray_triton_shm.errors import ConfigError
 
@@ -84,7 +84,11 @@ class H2Listener(TcpListener):
                 "or use grpc_engine python"
             )
         self.engine = engine
-        self.budget = ByteBudget(limits.max_buffered_bytes, "the listener's max_buffered_bytes")
+        self.budget = ByteBudget(
+            limits.max_buffered_bytes,
+            "the listener's max_buffered_bytes",
+            spares=SpareBuffers(limits.max_spare_bytes),
+        )
         self.unsent = ByteBudget(limits.max_unsent_bytes, "the listener's max_unsent_bytes")
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc")
         self._held_pool = ThreadPoolExecutor(threads, thread_name_prefix="frontdoor-grpc-held")

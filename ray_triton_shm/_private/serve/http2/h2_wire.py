@@ -54,6 +54,8 @@ MAX_CONNECTION_BYTES = 256 * 1024 * 1024
 """Request bytes one connection's messages may hold in memory at once (beyond: ``RESOURCE_EXHAUSTED``)."""
 MAX_BUFFERED_BYTES = 1024 * 1024 * 1024
 """Request bytes all of a listener's connections may hold in memory at once (beyond: as above)."""
+MAX_SPARE_BYTES = 32 * 1024 * 1024
+"""Bytes of message buffers a listener keeps, once their messages are done, for the next ones."""
 GLITCH_BURST = 1000
 GLITCH_RATE = 33.0
 """The budget of frames that cost the server work but carry no call (PING, SETTINGS, PRIORITY,
@@ -97,6 +99,8 @@ class H2Limits:
             for a slot of its pool (also how often a slow read looks whether one does).
         max_connection_bytes: Request bytes one connection's messages may hold in memory at once.
         max_buffered_bytes: Request bytes all of a listener's connections may hold in memory at once.
+        max_spare_bytes: Bytes of message buffers a listener keeps for the next messages once
+            their own are done (their pages stay mapped; ``0``: none kept).
         max_streams: Streams a connection may have open at once (announced in the settings;
             a stream past it is refused with ``REFUSED_STREAM``).
         send_timeout_s: How long an answer may wait for the client to take it (to open its
@@ -116,6 +120,7 @@ class H2Limits:
     slot_busy_stall_s: float = SLOT_BUSY_STALL_S
     max_connection_bytes: int = MAX_CONNECTION_BYTES
     max_buffered_bytes: int = MAX_BUFFERED_BYTES
+    max_spare_bytes: int = MAX_SPARE_BYTES
     max_streams: int = MAX_STREAMS
     send_timeout_s: float = SEND_TIMEOUT_S
     max_unsent_bytes: int = MAX_UNSENT_BYTES
@@ -149,6 +154,9 @@ class H2Limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        spare = self.max_spare_bytes
+        if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
+            raise ConfigError(f"max_spare_bytes must be an integer >= 0, got {spare!r}")
 
 
 class Budget:
