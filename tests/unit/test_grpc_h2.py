@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import struct
 import threading
@@ -37,7 +38,8 @@ from ray_triton_shm._private.serve.http2.h2_wire import (
     frame_header,
     percent_encode,
 )
-from tests.helpers import h2_frames_until_closed, h2_request_block
+from ray_triton_shm._private.serve.net.bounded import SpareBuffers
+from tests.helpers import h2_frames_until_closed, h2_request_block, wait_for
 
 pytestmark = pytest.mark.usefixtures("grpc_engine")  # each test on each engine
 
@@ -99,6 +101,49 @@ def test_concurrent_calls_on_one_connection_each_get_their_own_answer(server) ->
             t.join()
     assert answers == {i: (str(i).encode() * 50_000)[::-1] for i in range(16)}
     assert len(listener.open_connections()) <= 1
+
+
+def test_a_message_read_into_memory_reuses_a_finished_ones_buffer_unless_a_view_of_it_lives(server) -> None:
+    """The buffer a finished message was read into is taken by the next message of its size (its
+    pages are mapped already), each message reading its own bytes into it; a buffer the handler
+    still views is not reused."""
+
+    class Recorded(SpareBuffers):
+        """The sizes of the kept buffers taken."""
+
+        def __init__(self, limit: int) -> None:
+            super().__init__(limit)
+            self.taken: list[int] = []
+
+        def take(self, low: int, high: int) -> bytearray | None:
+            found = super().take(low, high)
+            if found is not None:
+                self.taken.append(len(found))
+            return found
+
+    kept: list[memoryview] = []
+
+    def handler(call: Call) -> None:
+        data = call.request()
+        if not kept and data[0] == 2:
+            kept.append(memoryview(data))  # outlives the call
+        call.respond([hashlib.sha256(data).digest()])
+
+    listener = server(handler)
+    spares = listener.budget.spares = Recorded(listener.budget.spares.limit)  # before any connection
+    channel, digest = _method(listener)
+    size = 300_000
+    messages = [bytes([i]) * size for i in (1, 2, 3)]
+    with channel:
+        assert digest(messages[0]) == hashlib.sha256(messages[0]).digest()
+        assert size not in spares.taken
+        assert wait_for(lambda: spares.held >= size)  # given back once the call ended
+        assert digest(messages[1]) == hashlib.sha256(messages[1]).digest()
+        assert spares.taken.count(size) == 1  # the first message's buffer, its bytes all written over
+        time.sleep(0.2)
+        assert digest(messages[2]) == hashlib.sha256(messages[2]).digest()
+        assert spares.taken.count(size) == 1  # the second one's is still viewed: not kept
+    assert kept[0] == messages[1]  # and never written again
 
 
 def test_a_handler_error_is_the_calls_status_with_its_message_encoded(server) -> None:

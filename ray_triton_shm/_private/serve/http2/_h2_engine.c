@@ -26,6 +26,10 @@
  *   handler.charge(n) / uncharge(n), charge_unsent(n) / uncharge_unsent(n)
  *       request bytes held in buffers, and answer bytes copied out for a client that took
  *       none of them, taken from (and given back to) the listener's budgets.
+ *   handler.buffer(size, limit) -> bytearray / handler.spare(bytearray)
+ *       a buffer of ``size`` to ``limit`` bytes for a message read into memory (one kept
+ *       from an earlier message, or new), and one given back that nothing else refers to;
+ *       a complete message's buffer is dispatch()'s ``message`` itself.
  *   handler.slot_wanted(stream_id)
  *       whether another call waits for a slot of the pool a message is being placed into.
  *   handler.answered(stream_id, code, body)

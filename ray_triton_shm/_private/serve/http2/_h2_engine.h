@@ -85,7 +85,8 @@ struct stream {
     int nparts, index;
     size_t offset, placed;     /* within parts[index]; bytes into place since place() */
     double place_started, place_progress; /* when place() gave the parts; when bytes last went in */
-    unsigned char *data;       /* mode 0: the message */
+    PyObject *buffer;          /* mode 0: the bytearray the message is read into (the handler's) */
+    unsigned char *data;       /* its bytes */
     size_t data_cap, charged;  /* charged: bytes of data's memory taken from the handler's budget */
     /* the answer being sent */
     struct answer *answer;
@@ -159,6 +160,7 @@ int h2e_on_header(nghttp2_session *session, const nghttp2_frame *frame, const ui
 int h2e_headers_done(Connection *c, struct stream *s);
 int h2e_dispatch(Connection *c, struct stream *s);
 void h2e_uncharge(Connection *c, struct stream *s);
+void h2e_give_buffer(Connection *c, struct stream *s);
 int h2e_on_data_chunk(nghttp2_session *session, uint8_t flags, int32_t stream_id, const uint8_t *data,
                       size_t len, void *user);
 int h2e_on_begin_frame(nghttp2_session *session, const nghttp2_frame_hd *hd, void *user);

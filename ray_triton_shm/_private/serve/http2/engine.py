@@ -296,6 +296,17 @@ class EngineConnection:
     def uncharge(self, n: int) -> None:
         self._budget.give(n)
 
+    def buffer(self, size: int, limit: int) -> bytearray:
+        """A buffer of ``size`` to ``limit`` bytes for a message read into memory (a kept one, or new)."""
+        spares = self._budget.spares
+        kept = spares.take(size, limit) if spares is not None else None
+        return kept if kept is not None else bytearray(size)
+
+    def spare(self, buffer: bytearray) -> None:
+        """A message buffer nothing else refers to, kept for another message if there is room."""
+        if self._budget.spares is not None:
+            self._budget.spares.keep(buffer)
+
     def charge_unsent(self, n: int) -> bool:
         """Hold ``n`` answer bytes a client did not take; ``True``: no room (the connection ends)."""
         try:
@@ -408,6 +419,9 @@ class EngineConnection:
             placement, stream.placement = stream.placement, None
             if placement is not None:
                 placement.release()
+            message, stream.message = stream.message, None
+            if isinstance(message, bytearray) and self._budget.spares is not None:
+                self._budget.spares.give(message)  # kept unless a view of it outlived the call
             self._streams.pop(stream.id, None)
             with self._lock:
                 self._running.discard(stream.id)

@@ -44,11 +44,11 @@ void h2e_stream_free(Connection *c, struct stream *s) {
     s->answer = NULL;
     h2e_enter(c);
     for (int i = 0; i < s->nparts; i++) PyBuffer_Release(&s->parts[i].buf);
+    h2e_give_buffer(c, s);
     h2e_leave(c);
     free(s->parts);
     free(s->hdr);
     free(s->head);
-    free(s->data);
     free(s);
 }
 

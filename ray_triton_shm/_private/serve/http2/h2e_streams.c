@@ -120,11 +120,16 @@ int h2e_dispatch(Connection *c, struct stream *s) {
          * while a view of it lives, and the call may give it back before the stream ends) */
         for (int i = 0; i < s->nparts; i++) PyBuffer_Release(&s->parts[i].buf);
         s->nparts = 0;
+    } else if (s->buffer && (size_t)PyByteArray_GET_SIZE(s->buffer) == s->got) {
+        message = s->buffer; /* the handler's now: no copy */
+        s->buffer = NULL;
+        s->data = NULL;
+        s->data_cap = 0;
     } else {
         const char *at = (const char *)(s->data ? s->data : s->head);
         message = PyBytes_FromStringAndSize(at ? at : "", (Py_ssize_t)s->got);
     }
-    if (s->data) drop_buffer(c, s); /* the handler has its own copy */
+    drop_buffer(c, s); /* the handler holds the message now (uncounted, as a running call's) */
     PyObject *r = message ? PyObject_CallMethod(c->handler, "dispatch", "(iOi)", s->id, message, (int)s->prefix[0]) : NULL;
     Py_XDECREF(message);
     int bad = !r;
@@ -181,11 +186,60 @@ void h2e_uncharge(Connection *c, struct stream *s) {
     s->charged = 0;
 }
 
-static void drop_buffer(Connection *c, struct stream *s) {
-    free(s->data);
+/* The stream's buffer goes back to the handler, to be kept for another message if nothing else
+ * refers to it (the GIL held). */
+void h2e_give_buffer(Connection *c, struct stream *s) {
+    PyObject *b = s->buffer;
+    s->buffer = NULL;
     s->data = NULL;
     s->data_cap = 0;
+    if (!b) return;
+    if (Py_REFCNT(b) == 1) {
+        PyObject *r = PyObject_CallMethod(c->handler, "spare", "(O)", b);
+        if (!r) PyErr_WriteUnraisable(c->handler);
+        Py_XDECREF(r);
+    }
+    Py_DECREF(b);
+}
+
+static void drop_buffer(Connection *c, struct stream *s) {
+    if (s->buffer) {
+        h2e_enter(c);
+        h2e_give_buffer(c, s);
+        h2e_leave(c);
+    }
     h2e_uncharge(c, s);
+}
+
+/* A buffer of ``cap`` to ``limit`` bytes from the handler (a kept one, or new), the message so far
+ * copied in, the old one given back; what it adds taken from the budget first. 1: refused. */
+static int grow(Connection *c, struct stream *s, size_t cap, size_t limit) {
+    h2e_enter(c);
+    PyObject *b = PyObject_CallMethod(c->handler, "buffer", "(nn)", (Py_ssize_t)cap, (Py_ssize_t)limit);
+    int out = 0;
+    if (!b) {
+        h2e_keep_error(c);
+        out = -1;
+    } else if (!PyByteArray_Check(b) || (size_t)PyByteArray_GET_SIZE(b) < cap ||
+               (size_t)PyByteArray_GET_SIZE(b) > limit) {
+        PyErr_SetString(PyExc_TypeError, "buffer() must return a bytearray of the size asked for");
+        h2e_keep_error(c);
+        out = -1;
+    } else {
+        size_t size = (size_t)PyByteArray_GET_SIZE(b);
+        out = charge(c, s, size - s->data_cap);
+        if (!out) {
+            if (s->got) memcpy(PyByteArray_AS_STRING(b), s->data, s->got);
+            h2e_give_buffer(c, s);
+            s->buffer = b;
+            s->data = (unsigned char *)PyByteArray_AS_STRING(b);
+            s->data_cap = size;
+            b = NULL;
+        }
+    }
+    Py_XDECREF(b);
+    h2e_leave(c);
+    return out;
 }
 
 /* Buffered message bytes: the buffer grows with what arrives, never by what is announced, each
@@ -195,15 +249,12 @@ static int buffer_bytes(Connection *c, struct stream *s, const uint8_t *p, size_
         size_t cap = s->data_cap ? s->data_cap : 16384;
         while (cap < s->got + n) cap *= 2;
         if (cap > s->length) cap = s->length;
-        int refused = charge(c, s, cap - s->data_cap);
+        size_t limit = 2 * cap < s->length ? 2 * cap : s->length;
+        int refused = grow(c, s, cap, limit);
         if (refused) {
             drop_buffer(c, s);
             return refused;
         }
-        unsigned char *d = realloc(s->data, cap);
-        if (!d) return -1;
-        s->data = d;
-        s->data_cap = cap;
     }
     memcpy(s->data + s->got, p, n);
     s->got += n;

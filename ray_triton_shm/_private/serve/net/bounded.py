@@ -157,7 +157,12 @@ class SpareBuffers:
         """
         # Three references: the caller's, this argument, getrefcount's own. A view (a
         # memoryview, a numpy array over one) holds one more.
-        if sys.getrefcount(buffer) > 3 or len(buffer) < self.smallest:
+        if sys.getrefcount(buffer) <= 3:
+            self.keep(buffer)
+
+    def keep(self, buffer: bytearray) -> None:
+        """:meth:`give` for a caller that knows nothing else refers to ``buffer``."""
+        if len(buffer) < self.smallest:
             return
         with self._lock:
             if self._held + len(buffer) > self.limit:
