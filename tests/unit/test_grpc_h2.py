@@ -109,11 +109,16 @@ def test_a_message_read_into_memory_reuses_a_finished_ones_buffer_unless_a_view_
     still views is not reused."""
 
     class Recorded(SpareBuffers):
-        """The sizes of the kept buffers taken."""
+        """The sizes of the buffers kept, and of the kept ones taken."""
 
         def __init__(self, limit: int) -> None:
             super().__init__(limit)
+            self.kept: list[int] = []
             self.taken: list[int] = []
+
+        def keep(self, buffer: bytearray) -> None:
+            self.kept.append(len(buffer))
+            super().keep(buffer)
 
         def take(self, low: int, high: int) -> bytearray | None:
             found = super().take(low, high)
@@ -137,10 +142,11 @@ def test_a_message_read_into_memory_reuses_a_finished_ones_buffer_unless_a_view_
     with channel:
         assert digest(messages[0]) == hashlib.sha256(messages[0]).digest()
         assert size not in spares.taken
-        assert wait_for(lambda: spares.held >= size)  # given back once the call ended
+        assert wait_for(lambda: size in spares.kept)  # given back once the call ended
         assert digest(messages[1]) == hashlib.sha256(messages[1]).digest()
         assert spares.taken.count(size) == 1  # the first message's buffer, its bytes all written over
         time.sleep(0.2)
+        assert spares.kept.count(size) == 1  # the second one's is still viewed: not kept
         assert digest(messages[2]) == hashlib.sha256(messages[2]).digest()
         assert spares.taken.count(size) == 1  # the second one's is still viewed: not kept
     assert kept[0] == messages[1]  # and never written again
