@@ -212,3 +212,18 @@ def h2_frames_until_closed(sock: socket.socket, timeout: float = 5.0) -> list[tu
             break
         data += got
     return h2_whole_frames(data)
+
+
+def grpc_engine_serving(address: str) -> str:
+    """Which gRPC engine serves ``address`` (``host:port``), told by its GOAWAY's debug text for a
+    DATA frame on stream 0 (a connection error, in each engine's own words)."""
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(H2_PREFACE + h2_frame(0, 4, 0, 0) + h2_frame(1, 0, 0, 0) + b"x")
+        frames = h2_frames_until_closed(sock)
+    debug = b"".join(payload[8:] for kind, _, payload in frames if kind == 7)
+    if b"DATA on stream 0" in debug:
+        return "python"
+    if b"DATA: stream_id == 0" in debug:
+        return "nghttp2"
+    raise AssertionError(f"no GOAWAY either engine sends: {frames!r}")

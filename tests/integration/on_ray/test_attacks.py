@@ -29,6 +29,7 @@ from ray_triton_shm._private.bench.attacks import BY_NAME
 from ray_triton_shm._private.bench.attacks.judge import Bounds, Verdict, judge
 from ray_triton_shm._private.bench.attacks.legit import LegitCallers
 from ray_triton_shm._private.bench.attacks.table import Servers, servers_of
+from tests.helpers import grpc_engine_serving
 
 from .conftest import CONFIG_FILE, free_port, frontdoor_on_free_ports, local_ray
 
@@ -195,6 +196,15 @@ def test_frame_floods_stop_no_caller(attacked, name: str) -> None:
 def test_protocol_faults_are_refused(attacked, name: str) -> None:
     verdict = _attack(attacked, name, dataclasses.replace(BOUNDS, hold_s=0.5, quiet_s=0.5))
     assert verdict.notes["refused"], verdict.notes
+
+
+def test_the_shipped_app_serves_grpc_with_nghttp2_where_it_was_built(attacked) -> None:
+    """``grpc_engine: auto``: the attacks here met nghttp2 where it was built (each engine's
+    GOAWAY says which it is)."""
+    from ray_triton_shm._private.serve.http2.engine import available
+
+    servers, _, _ = attacked
+    assert grpc_engine_serving(servers.frontdoor.grpc_url) == ("nghttp2" if available() else "python")
 
 
 def test_after_the_attacks_nothing_is_left(attacked) -> None:

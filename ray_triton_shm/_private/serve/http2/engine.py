@@ -43,12 +43,20 @@ except ImportError:  # built only where nghttp2's headers were installed
 logger = logging.getLogger(__name__)
 
 REFUSED, BUFFER, PLACE = -1, 0, 1
-ENGINES = ("python", "nghttp2")  # what may serve a gRPC connection (see ``FrontDoorConfig.grpc_engine``)
+# what may serve a gRPC connection (see ``FrontDoorConfig.grpc_engine``); "auto": nghttp2 where built
+ENGINES = ("auto", "python", "nghttp2")
 
 
 def available() -> bool:
     """Whether the nghttp2 engine was built."""
     return _h2_engine is not None
+
+
+def resolved(engine: str) -> str:
+    """The engine that serves for ``engine``: ``"auto"`` is nghttp2 where it was built, else python."""
+    if engine == "auto":
+        return "nghttp2" if available() else "python"
+    return engine
 
 
 class _Stream:

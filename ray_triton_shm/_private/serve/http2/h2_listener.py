@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ray_triton_shm._private.serve.http2.engine import ENGINES, EngineConnection
+from ray_triton_shm._private.serve.http2.engine import ENGINES, EngineConnection, resolved
 from ray_triton_shm._private.serve.http2.engine import available as engine_available
 from ray_triton_shm._private.serve.http2.grpc_h2 import H2Connection
 from ray_triton_shm._private.serve.http2.grpc_message import Placer
@@ -28,7 +28,7 @@ from ray_triton_shm._private.serve.net.bounded import ByteBudget, SpareBuffers
 from ray_triton_shm._private.serve.net.listener import MAX_OPEN, TcpListener
 from ray_triton_shm.errors import ConfigError
 
-DEFAULT_ENGINE = "python"  # what serves a connection when the listener is not told (see ENGINES)
+DEFAULT_ENGINE = "auto"  # what serves a connection when the listener is not told (see ENGINES)
 
 
 class H2Listener(TcpListener):
@@ -42,8 +42,9 @@ class H2Listener(TcpListener):
         place: See :class:`~ray_triton_shm._private.serve.http2.grpc_h2.H2Connection`.
         fast: Runs placed calls without a worker thread where the engine can (see
             :class:`~ray_triton_shm._private.serve.http2.engine.EngineConnection`).
-        engine: What serves each connection: ``"python"`` (:class:`H2Connection`) or
-            ``"nghttp2"`` (:class:`~ray_triton_shm._private.serve.http2.engine.EngineConnection`);
+        engine: What serves each connection: ``"python"`` (:class:`H2Connection`),
+            ``"nghttp2"`` (:class:`~ray_triton_shm._private.serve.http2.engine.EngineConnection`)
+            or ``"auto"`` (nghttp2 where it was built, else python; :attr:`engine` says which);
             ``None``: :data:`DEFAULT_ENGINE`.
         threads: Calls run at once; as many again for calls whose message is already in a
             slot (they run apart, never waiting behind calls that wait for a slot).
@@ -77,6 +78,7 @@ class H2Listener(TcpListener):
         engine = engine or DEFAULT_ENGINE
         if engine not in ENGINES:
             raise ConfigError(f"gRPC engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        engine = resolved(engine)
         if engine == "nghttp2" and not engine_available():
             raise ConfigError(
                 "the nghttp2 gRPC engine was not built with this package (libnghttp2's headers were "
