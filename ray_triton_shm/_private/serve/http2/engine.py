@@ -304,16 +304,14 @@ class EngineConnection:
     def uncharge(self, n: int) -> None:
         self._budget.give(n)
 
-    def buffer(self, size: int, limit: int) -> bytearray:
-        """A buffer of ``size`` to ``limit`` bytes for a message read into memory (a kept one, or new)."""
-        spares = self._budget.spares
-        kept = spares.take(size, limit) if spares is not None else None
-        return kept if kept is not None else bytearray(size)
+    def buffer(self, size: int, limit: int) -> bytearray | None:
+        """A kept buffer of ``size`` to ``limit`` bytes for a message read into memory; ``None``: none
+        is kept (the engine makes one, once its bytes are taken from the budget)."""
+        return self._budget.spares.take(size, limit)
 
     def spare(self, buffer: bytearray) -> None:
         """A message buffer nothing else refers to, kept for another message if there is room."""
-        if self._budget.spares is not None:
-            self._budget.spares.keep(buffer)
+        self._budget.spares.keep(buffer)
 
     def charge_unsent(self, n: int) -> bool:
         """Hold ``n`` answer bytes a client did not take; ``True``: no room (the connection ends)."""
@@ -428,7 +426,7 @@ class EngineConnection:
             if placement is not None:
                 placement.release()
             message, stream.message = stream.message, None
-            if isinstance(message, bytearray) and self._budget.spares is not None:
+            if isinstance(message, bytearray):
                 self._budget.spares.give(message)  # kept unless a view of it outlived the call
             self._streams.pop(stream.id, None)
             with self._lock:

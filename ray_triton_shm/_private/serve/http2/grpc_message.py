@@ -73,7 +73,7 @@ class MessageBuffer:
             return
         spares = self._budget.spares if self._budget is not None else None
         spare = spares.take(size, min(self.length, 2 * size)) if spares is not None else None
-        if spare is None:
+        if spare is None:  # charged before it is allocated: grown in place
             self._charge(size - len(self.data))
             self.data += bytes(size - len(self.data))
             return
@@ -97,8 +97,7 @@ class MessageBuffer:
         if self._budget is not None:
             if self.charged:
                 self._budget.give(self.charged)
-            if self._budget.spares is not None:
-                self._budget.spares.give(data)
+            self._budget.spares.give(data)
         self.charged = 0
 
     def full(self) -> bool:

@@ -211,8 +211,8 @@ static void drop_buffer(Connection *c, struct stream *s) {
     h2e_uncharge(c, s);
 }
 
-/* A buffer of ``cap`` to ``limit`` bytes from the handler (a kept one, or new), the message so far
- * copied in, the old one given back; what it adds taken from the budget first. 1: refused. */
+/* A buffer of ``cap`` to ``limit`` bytes: a kept one from the handler, else a new one made once its
+ * bytes are taken from the budget; the message so far copied in, the old one given back. 1: refused. */
 static int grow(Connection *c, struct stream *s, size_t cap, size_t limit) {
     h2e_enter(c);
     PyObject *b = PyObject_CallMethod(c->handler, "buffer", "(nn)", (Py_ssize_t)cap, (Py_ssize_t)limit);
@@ -220,14 +220,22 @@ static int grow(Connection *c, struct stream *s, size_t cap, size_t limit) {
     if (!b) {
         h2e_keep_error(c);
         out = -1;
-    } else if (!PyByteArray_Check(b) || (size_t)PyByteArray_GET_SIZE(b) < cap ||
-               (size_t)PyByteArray_GET_SIZE(b) > limit) {
-        PyErr_SetString(PyExc_TypeError, "buffer() must return a bytearray of the size asked for");
+    } else if (b != Py_None && (!PyByteArray_Check(b) || (size_t)PyByteArray_GET_SIZE(b) < cap ||
+                                (size_t)PyByteArray_GET_SIZE(b) > limit)) {
+        PyErr_SetString(PyExc_TypeError, "buffer() must return None or a bytearray of the size asked for");
         h2e_keep_error(c);
         out = -1;
     } else {
-        size_t size = (size_t)PyByteArray_GET_SIZE(b);
+        size_t size = b == Py_None ? cap : (size_t)PyByteArray_GET_SIZE(b);
         out = charge(c, s, size - s->data_cap);
+        if (!out && b == Py_None) { /* none kept: made now that its bytes are charged */
+            Py_DECREF(b);
+            b = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)size);
+            if (!b) {
+                h2e_keep_error(c);
+                out = -1;
+            }
+        }
         if (!out) {
             if (s->got) memcpy(PyByteArray_AS_STRING(b), s->data, s->got);
             h2e_give_buffer(c, s);

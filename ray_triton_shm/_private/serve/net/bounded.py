@@ -62,7 +62,8 @@ class ByteBudget:
         limit: Bytes held at most.
         what: Names the limit in :class:`OverBudget`.
         parent: A budget every take is also taken from (a listener's, for a connection's).
-        spares: Buffers kept for reuse by what takes from this budget (default: the parent's).
+        spares: Buffers kept for reuse by what takes from this budget (default: the parent's;
+            without a parent, none are kept).
     """
 
     def __init__(
@@ -71,7 +72,9 @@ class ByteBudget:
         self.limit = limit
         self.what = what
         self._parent = parent
-        self.spares = spares if spares is not None or parent is None else parent.spares
+        if spares is None:
+            spares = parent.spares if parent is not None else SpareBuffers(0)
+        self.spares = spares
         self._used = 0
         self._lock = threading.Lock()
 
