@@ -27,6 +27,7 @@ from ray_triton_shm._private.triton.grpc_channel import (
     split_host_port,
     unregister_region,
 )
+from ray_triton_shm.errors import PoolClosedError
 from tests.helpers import free_port
 
 SERVICE = "inference.GRPCInferenceService"
@@ -144,7 +145,7 @@ def test_closed_client_refuses_calls_and_never_replaces_its_channel(live_server:
     assert client.is_server_live()
     client.close()
     client.close()  # idempotent
-    with pytest.raises(ValueError, match="closed channel"):
+    with pytest.raises(PoolClosedError, match="is closed"):  # typed: the node's callers answer 503
         client.is_server_live()
     assert client.replaced == 0
 

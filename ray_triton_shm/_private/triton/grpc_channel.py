@@ -33,6 +33,8 @@ from typing import Any
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from ray_triton_shm.errors import PoolClosedError
+
 logger = logging.getLogger(__name__)
 
 # What a call gets when the channel fails it while picking a connection (pick_first in
@@ -127,7 +129,7 @@ class TritonGrpc:
 
         Raises:
             InferenceServerException: As the method raises it (of the second try, if made).
-            ValueError: The client is closed.
+            PoolClosedError: The client is closed (before the call, or under it by another thread).
         """
         client = self._client
         try:
@@ -136,8 +138,12 @@ class TritonGrpc:
             if not never_sent(e) or not self._replace(client):
                 raise
         except ValueError as e:
+            if _CLOSED_CHANNEL not in str(e):
+                raise
+            if self._closed:  # its owner closed it (a reconnect replaced it, or a shutdown)
+                raise PoolClosedError(f"the gRPC client of {self.url} is closed") from e
             # Another thread replaced (and closed) the channel between our read of it and the call.
-            if _CLOSED_CHANNEL not in str(e) or self._closed or client is self._client:
+            if client is self._client:
                 raise
         return getattr(self._client, method)(*args, **kwargs)
 
@@ -157,7 +163,7 @@ class TritonGrpc:
         return True
 
     def close(self) -> None:
-        """Close the channel; calls after this raise ``ValueError``. Idempotent."""
+        """Close the channel; calls after this raise :class:`PoolClosedError`. Idempotent."""
         with self._lock:
             self._closed = True
             client = self._client
